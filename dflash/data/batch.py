@@ -1,0 +1,81 @@
+"""Collated micro-batches: the one hand-over format from the data side to the models.
+
+Packed layout (no padding): all samples of the micro-batch concatenated into flat rows with the
+varlen calling convention of `dflash.ops` (`cu_seqlens` int32 `(S+1,)`, Python-int `max_seqlen`).
+Padded layout: `(S, L)` rows padded on the right to the longest sample, with an attention mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (T,) int64, samples concatenated
+    loss_mask: torch.Tensor  # (T,) bool, True on assistant (supervised) tokens
+    position_ids: torch.Tensor  # (T,) int64, restarting at 0 for every sample
+    cu_seqlens: torch.Tensor  # (S+1,) int32, sample i is rows [cu[i], cu[i+1])
+    cu_seqlens_cpu: torch.Tensor  # the same on the CPU, so launchers never sync with the device
+    max_seqlen: int  # longest sample, a Python int
+    sample_ids: torch.Tensor  # (S,) int64, index of each sample in the token store
+
+    layout = "packed"
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (= computed tokens: nothing is padded)."""
+        return int(self.cu_seqlens_cpu[-1])
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.num_tokens
+
+    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and f.name != "cu_seqlens_cpu":
+                value = value.to(device, non_blocking=non_blocking)
+            moved[f.name] = value
+        return PackedBatch(**moved)
+
+    def pin_memory(self) -> "PackedBatch":
+        return PackedBatch(
+            **{
+                f.name: (v.pin_memory() if isinstance(v, torch.Tensor) and f.name != "cu_seqlens_cpu" else v)
+                for f in fields(self)
+                for v in [getattr(self, f.name)]
+            }
+        )
+
+
+@dataclass
+class PaddedBatch:
+    input_ids: torch.Tensor  # (S, L) int64, right-padded with pad_id
+    attention_mask: torch.Tensor  # (S, L) bool, True on real tokens
+    loss_mask: torch.Tensor  # (S, L) bool, True on assistant tokens (False on padding)
+    position_ids: torch.Tensor  # (S, L) int64, 0..len-1 then 0 on padding
+    lengths: torch.Tensor  # (S,) int64 on the CPU
+    sample_ids: torch.Tensor  # (S,) int64
+
+    layout = "padded"
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def computed_tokens(self) -> int:
+        """count x longest: what a padded forward computes."""
+        return int(self.input_ids.shape[0] * self.input_ids.shape[1])
+
+    def to(self, device, non_blocking: bool = False) -> "PaddedBatch":
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and f.name != "lengths":
+                value = value.to(device, non_blocking=non_blocking)
+            moved[f.name] = value
+        return PaddedBatch(**moved)

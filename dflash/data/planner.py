@@ -1,0 +1,249 @@
+"""The batch planner: which samples form each micro-batch, on which rank, in which epoch.
+
+Orders (what the stream of samples looks like):
+  sorted    the seed's original: sorted by length; compositions are fixed across epochs and
+            only the order of the batches is reshuffled every epoch.
+  shuffle   a fresh random permutation of all samples every epoch.
+  bucketed  samples shuffled inside length buckets; compositions redrawn every epoch and the
+            batches of all buckets interleaved at random.
+Layouts (what fits in one micro-batch of `token_budget` tokens):
+  padded    count x longest <= budget (greedy, in stream order).
+  packed    sum of lengths <= budget: best fit among a small window of open bins fed in stream
+            order, so the random order survives (see docs/ARCHITECTURE.md for how the window
+            changes which samples meet).
+
+Every sample is used exactly once per epoch, every rank gets the same number of
+micro-batches, and the plan is a pure function of (lengths, settings, seed, epoch, world_size).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dflash.data import packing
+from dflash.data.buckets import optimal_buckets
+from dflash.errors import UserError
+
+ORDERS = ("sorted", "shuffle", "bucketed")
+LAYOUTS = ("padded", "packed")
+DEFAULT_WINDOW = 8  # open bins of the packer; 8 already fills > 99.9% on the seed lengths
+DEFAULT_BUCKETS = 6
+
+
+def _rng(seed: int, epoch: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+
+
+def check_lengths(lengths, token_budget: int) -> np.ndarray:
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise UserError(f"lengths must be a 1-D integer array, got {lengths.dtype} of shape {lengths.shape}")
+    if lengths.size == 0:
+        raise UserError("no samples to plan")
+    lengths = lengths.astype(np.int64)
+    if token_budget < 1:
+        raise UserError(f"token budget must be positive, got {token_budget}")
+    bad = np.flatnonzero(lengths < 1)
+    if bad.size:
+        raise UserError(f"sample {int(bad[0])} has length {int(lengths[bad[0]])}; every sample needs >= 1 token")
+    over = np.flatnonzero(lengths > token_budget)
+    if over.size:
+        i = int(over[0])
+        raise UserError(
+            f"sample {i} has {int(lengths[i])} tokens, more than the token budget {token_budget} "
+            f"({over.size} sample(s) do); raise the token budget, or cap lengths when preparing "
+            "the data (prepare_data.py --max-length N --overlong truncate|drop)"
+        )
+    return lengths
+
+
+def bucket_edges(lengths: np.ndarray, boundaries, token_budget: int) -> np.ndarray:
+    """Full boundaries `[0, b1, ..., longest]` from user boundaries (inner or full) or the optimum."""
+    if boundaries is None:
+        return optimal_buckets(lengths, DEFAULT_BUCKETS, token_budget)
+    inner = np.asarray(boundaries, dtype=np.int64)
+    longest = int(lengths.max())
+    inner = np.unique(inner[(inner > 0) & (inner < longest)])
+    return np.concatenate([[0], inner, [longest]]).astype(np.int64)
+
+
+def _group(lengths: np.ndarray, stream: np.ndarray, token_budget: int, layout: str, window: int):
+    """Cut a stream of sample indices into micro-batches."""
+    if stream.size == 0:
+        return []
+    if layout == "padded":
+        offsets = packing.pad_greedy(lengths[stream], token_budget)
+        return np.split(stream, offsets[1:-1])
+    items, offsets = packing.pack_best_fit(lengths[stream], token_budget, window)
+    return np.split(stream[items], offsets[1:-1])
+
+
+def _cost(lengths: np.ndarray, batch: np.ndarray, layout: str) -> int:
+    return int(len(batch) * lengths[batch].max() if layout == "padded" else lengths[batch].sum())
+
+
+def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str, world_size: int) -> list:
+    """Make the batch count divisible by world_size without dropping or repeating a sample.
+
+    ZeRO-3 needs every rank to run the same number of forward passes. The batches with the
+    most samples are split in two (never over budget); when there are too few samples to
+    split, the cheapest batches are merged instead, if they fit together.
+    """
+    batches = list(batches)
+    splits = -len(batches) % world_size
+    if int(lengths.size) - len(batches) >= splits:  # each split needs a batch of >= 2 samples
+        for _ in range(splits):
+            j = max(range(len(batches)), key=lambda i: len(batches[i]))
+            half = len(batches[j]) // 2
+            batches[j : j + 1] = [batches[j][:half], batches[j][half:]]
+        return batches
+    for _ in range(len(batches) % world_size):
+        merged = None
+        if len(batches) > world_size:
+            costs = [_cost(lengths, b, layout) for b in batches]
+            first, second = sorted(sorted(range(len(batches)), key=costs.__getitem__)[:2])
+            merged = np.concatenate([batches[first], batches[second]])
+        if merged is None or _cost(lengths, merged, layout) > token_budget:
+            raise UserError(
+                f"cannot give {world_size} ranks the same number of micro-batches without dropping or "
+                f"repeating samples: {int(lengths.size)} samples in {len(batches)} micro-batches, and no "
+                f"two of them fit together in the token budget {token_budget}; use fewer ranks, a larger "
+                "budget or more data"
+            )
+        batches[first] = merged
+        del batches[second]
+    return batches
+
+
+def plan_epoch(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
+               epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW) -> list:
+    """All micro-batches of one epoch in global order (before dealing them to ranks)."""
+    if order not in ORDERS:
+        raise UserError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
+    if layout not in LAYOUTS:
+        raise UserError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    if world_size < 1:
+        raise UserError(f"world size must be >= 1, got {world_size}")
+    lengths = check_lengths(lengths, token_budget)
+    rng = _rng(seed, epoch)
+    if order == "sorted":
+        stream = np.argsort(lengths, kind="stable")
+        batches = _group(lengths, stream, token_budget, layout, window)
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    elif order == "shuffle":
+        batches = _group(lengths, rng.permutation(lengths.size), token_budget, layout, window)
+    else:
+        edges = bucket_edges(lengths, boundaries, token_budget)
+        bucket = np.searchsorted(edges[1:-1], lengths, side="left")
+        batches = []
+        for b in range(len(edges) - 1):
+            members = np.flatnonzero(bucket == b)
+            batches += _group(lengths, members[rng.permutation(members.size)], token_budget, layout, window)
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return _balance(batches, lengths, token_budget, layout, world_size)
+
+
+def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
+                 epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW) -> list:
+    """Plan one epoch: for each rank, the list of its micro-batches (int64 arrays of sample indices).
+
+    Args:
+        lengths: `(N,)` integer token counts of the samples.
+        token_budget: tokens per micro-batch (padded: count x longest; packed: sum of lengths).
+        order: "sorted", "shuffle" or "bucketed".
+        layout: "padded" or "packed".
+        boundaries: bucket boundaries for "bucketed" (inner `[b1, ...]` or full `[0, ..., max]`);
+            None computes the optimal 6 buckets of `optimal_buckets`.
+        seed, epoch: the plan is a pure function of these and the other arguments.
+        world_size: number of ranks; rank r gets global micro-batches r, r + W, r + 2W, ...
+        window: open bins of the packed layout's best-fit packer.
+
+    Returns:
+        `plan[rank][i]` is the i-th micro-batch of `rank`; all ranks have the same count.
+
+    Example:
+        >>> plan = plan_batches(np.array([5, 3, 8, 2]), 10, "shuffle", "packed", seed=1)
+        >>> sorted(np.concatenate(plan[0]).tolist())
+        [0, 1, 2, 3]
+    """
+    batches = plan_epoch(lengths, token_budget, order, layout, boundaries=boundaries, seed=seed,
+                         epoch=epoch, world_size=world_size, window=window)
+    return [batches[r::world_size] for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    token_budget: int
+    order: str = "shuffle"
+    layout: str = "packed"
+    boundaries: tuple | None = None
+    seed: int = 0
+    world_size: int = 1
+    window: int = DEFAULT_WINDOW
+
+
+class BatchPlanner:
+    """Plans epoch after epoch and remembers where the run is: `(epoch, position)`, the number
+    of micro-batches every rank has consumed in the current epoch. Checkpoints save
+    `state_dict()`; a resume restores it and continues with exactly the next micro-batch.
+    """
+
+    def __init__(self, lengths, config: PlannerConfig):
+        self.lengths = check_lengths(lengths, config.token_budget)
+        self.config = config
+        if config.order == "bucketed":
+            edges = bucket_edges(self.lengths, config.boundaries, config.token_budget)
+            self.config = config = PlannerConfig(**{**asdict(config), "boundaries": tuple(int(e) for e in edges)})
+        self.epoch, self.position = 0, 0
+        self._cached = None  # (epoch, plan)
+
+    def plan(self, epoch: int) -> list:
+        if self._cached is None or self._cached[0] != epoch:
+            c = self.config
+            self._cached = (epoch, plan_batches(self.lengths, c.token_budget, c.order, c.layout,
+                                                boundaries=c.boundaries, seed=c.seed, epoch=epoch,
+                                                world_size=c.world_size, window=c.window))
+        return self._cached[1]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self.plan(epoch)[0])
+
+    def batch(self, rank: int, epoch: int, position: int) -> np.ndarray:
+        return self.plan(epoch)[rank][position]
+
+    def advance(self, micro_batches: int = 1) -> None:
+        """Mark micro-batches as consumed, rolling over into the next epoch."""
+        self.position += micro_batches
+        while self.position >= self.steps_in_epoch(self.epoch):
+            self.position -= self.steps_in_epoch(self.epoch)
+            self.epoch += 1
+
+    def fingerprint(self) -> dict:
+        return {
+            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.config).items()},
+            "num_samples": int(self.lengths.size),
+            "total_tokens": int(self.lengths.sum()),
+            "lengths_crc32": zlib.crc32(self.lengths.tobytes()),
+        }
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: dict, *, force: bool = False) -> list[str]:
+        """Restore (epoch, position). A checkpoint planned with other settings or data is refused
+        unless `force`; returns the list of differences (empty when identical)."""
+        saved, now = state["fingerprint"], self.fingerprint()
+        diffs = [f"{k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}"
+                 for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if diffs and not force:
+            raise UserError(
+                "the checkpoint was planned with different data or planner settings:\n  "
+                + "\n  ".join(diffs)
+                + "\nresume with the same settings, or force it (--force-resume) to replan from the saved position"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if self.position >= self.steps_in_epoch(self.epoch):  # possible only when forced
+            self.epoch, self.position = self.epoch + 1, 0
+        return diffs

@@ -1,0 +1,44 @@
+"""Frozen target feature extractor and the DFlash drafter.
+
+    target = TargetModel(hf_causal_lm)                     # frozen, eval, no grad
+    config = DrafterConfig.from_target(hf_causal_lm.config, mask_token_id=mask_id)
+    drafter = DFlashDrafter(config, target.shared_weights())
+    out = drafter(batch, target.features(batch), epoch=epoch, seed=seed)
+    drafter.save_pretrained(path)                          # official DFlash checkpoint format
+"""
+from dflash.models.anchors import BlockPlan, BlockTensors, block_tensors, sample_anchors, to_packed
+from dflash.models.config import (
+    CONFIG_KEYS,
+    DrafterConfig,
+    check_target_layer_ids,
+    default_gamma,
+    default_target_layer_ids,
+)
+from dflash.models.drafter import DFlashDrafter, DrafterOutput
+from dflash.models.flops import measure_flops, target_forward_flops
+from dflash.models.loss import acceptance_stats, chunked_weighted_ce, slot_weights
+from dflash.models.target import MASK_TOKEN, SharedWeights, TargetModel, ensure_mask_token
+
+__all__ = [
+    "BlockPlan",
+    "BlockTensors",
+    "CONFIG_KEYS",
+    "DFlashDrafter",
+    "DrafterConfig",
+    "DrafterOutput",
+    "MASK_TOKEN",
+    "SharedWeights",
+    "TargetModel",
+    "acceptance_stats",
+    "block_tensors",
+    "check_target_layer_ids",
+    "chunked_weighted_ce",
+    "default_gamma",
+    "default_target_layer_ids",
+    "ensure_mask_token",
+    "measure_flops",
+    "sample_anchors",
+    "slot_weights",
+    "target_forward_flops",
+    "to_packed",
+]

@@ -1,0 +1,360 @@
+"""The DFlash drafter: Qwen3-style layers conditioned on target features by KV injection.
+
+Per token of the micro-batch, the K tapped target states are fused once:
+ctx = hidden_norm(fc(concat(taps))). Each block (anchor token, then B-1 mask tokens, embedded
+with the target's frozen embedding) runs through N layers; in every layer the block's queries
+attend to keys/values that are k_proj/v_proj of the context rows before the anchor (RoPE at
+their in-sample positions j) and of the block's own B rows (RoPE at anchor + k), without a
+mask inside the block. Then the final norm and the target's frozen lm_head.
+
+Training runs all blocks of a packed micro-batch at once through
+`dflash.ops.dflash_block_attention`. The module owns only trainable parameters (fc, norms,
+layers); its state_dict is exactly the official checkpoint's tensor set.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.data.batch import PackedBatch, PaddedBatch
+from dflash.models.anchors import BlockPlan, block_tensors, sample_anchors, to_packed
+from dflash.models.config import DrafterConfig, default_gamma
+from dflash.models.loss import DEFAULT_CHUNK_ROWS, acceptance_stats, chunked_weighted_ce, slot_weights
+from dflash.models.target import SharedWeights
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, D), cos/sin (N, D)."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class _Rope:
+    """RoPE tables of the drafter config (default or scaled types, via transformers' init).
+
+    Not a module: inv_freq stays float32 whatever dtype the drafter is cast to (a bf16
+    inv_freq would shift every angle at long positions).
+    """
+
+    def __init__(self, config: DrafterConfig) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        hf = config.to_qwen3_config()
+        rope_type = hf.rope_parameters.get("rope_type", "default")
+        init = Qwen3RotaryEmbedding.compute_default_rope_parameters if rope_type == "default" else (
+            ROPE_INIT_FUNCTIONS[rope_type]
+        )
+        inv_freq, self.scaling = init(hf)
+        self._inv_freq = {torch.device("cpu"): inv_freq.float()}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        device = positions.device
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
+        freqs = positions.float()[:, None] * self._inv_freq[device][None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DrafterConfig, backend: str = "auto") -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
+        self.backend = backend
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+        self.q_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, plan: BlockPlan) -> torch.Tensor:
+        """x (NB*B, H) normed block states, ctx (T, H) fused context -> (NB*B, H).
+
+        seqlens: (cu_seqlens on the device, its CPU copy) of the context rows.
+        """
+        from dflash.ops import dflash_block_attention
+
+        D = self.head_dim
+        q = _apply_rope(self.q_norm(self.q_proj(x).view(-1, self.num_heads, D)), *rope_blk)
+        k_blk = _apply_rope(self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, D)), *rope_blk)
+        v_blk = self.v_proj(x).view(-1, self.num_kv_heads, D)
+        k_ctx = _apply_rope(self.k_norm(self.k_proj(ctx).view(-1, self.num_kv_heads, D)), *rope_ctx)
+        v_ctx = self.v_proj(ctx).view(-1, self.num_kv_heads, D)
+        cu_seqlens, cu_seqlens_cpu = seqlens
+        out = dflash_block_attention(
+            q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, plan.block_seq, plan.block_anchor, plan.block_size,
+            backend=self.backend, cu_seqlens_cpu=cu_seqlens_cpu,
+        )
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig, backend: str = "auto") -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+
+        super().__init__()
+        self.self_attn = DFlashAttention(config, backend)
+        self.mlp = Qwen3MLP(config.to_qwen3_config())
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, plan) -> torch.Tensor:
+        # The context enters un-normed here: it was normed once by hidden_norm, as in the official model.
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, seqlens, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DrafterOutput:
+    """Sums over one micro-batch; the trainer divides by totals over the whole optimizer step.
+
+    loss = total loss_sum / total weight_sum; tau = total tau_sum / total num_blocks;
+    accuracy of slot k = slot_correct[k-1] / slot_count[k-1].
+    """
+
+    loss_sum: torch.Tensor  # scalar float32, differentiable: sum of w_k * CE over scored slots
+    weight_sum: torch.Tensor  # scalar float32: sum of w_k over scored slots
+    tau_sum: torch.Tensor  # scalar float32: sum over blocks of the offline acceptance length
+    slot_correct: torch.Tensor  # (B-1,) int64: argmax == label, per slot k = 1..B-1
+    slot_count: torch.Tensor  # (B-1,) int64: scored labels per slot
+    num_blocks: int
+    num_skipped: int  # samples skipped for too few supervised tokens
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """Weighted mean over this micro-batch alone (for logging a single batch)."""
+        return self.loss_sum / self.weight_sum.clamp_min(1e-12)
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter with the official checkpoint layout.
+
+    Args:
+        config: sizes (see `DrafterConfig.from_target`).
+        shared: the target's frozen embedding and lm_head (`TargetModel.shared_weights()`);
+            held by reference, never registered, never saved. Needed for forward only.
+        num_anchors: anchors per sample (at most; fewer when a sample has fewer candidates).
+        gamma: loss decay, w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8.
+        ce_chunk_rows: rows per lm_head chunk of the loss.
+        attention_backend: `dflash.ops` backend ("auto": Triton on CUDA, torch elsewhere).
+
+    Training call:
+        feats = target.features(batch)
+        out = drafter(batch, feats, epoch=epoch, seed=seed)
+        engine.backward(out.loss_sum / step_weight_total)
+    """
+
+    def __init__(
+        self,
+        config: DrafterConfig,
+        shared: SharedWeights | None = None,
+        *,
+        num_anchors: int = 512,
+        gamma: float | None = None,
+        ce_chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        attention_backend: str = "auto",
+    ) -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * H, H, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(config, attention_backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.num_anchors = num_anchors
+        self.gamma = default_gamma(config.block_size) if gamma is None else float(gamma)
+        self.ce_chunk_rows = ce_chunk_rows
+        self._rope = _Rope(config)
+        self._shared = None
+        if shared is not None:
+            self.attach(shared)
+        self._init_weights()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def attach(self, shared: SharedWeights) -> None:
+        """Lend the target's frozen embedding and lm_head (checked against the config)."""
+        V, H = self.config.vocab_size, self.config.hidden_size
+        for name, w in (("embed", shared.embed), ("lm_head", shared.lm_head)):
+            if tuple(w.shape) != (V, H):
+                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter config expects {(V, H)}")
+        self._shared = shared
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.config.initializer_range)
+
+    def _require_shared(self) -> SharedWeights:
+        if self._shared is None:
+            raise RuntimeError("the drafter needs the target's embedding and lm_head: call attach(target.shared_weights())")
+        return self._shared
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Fused context (T, H) from the concatenated target taps (T, K*H)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def block_hidden(
+        self,
+        features: torch.Tensor,
+        block_input_ids: torch.Tensor,
+        block_position_ids: torch.Tensor,
+        ctx_position_ids: torch.Tensor,
+        seqlens: tuple[torch.Tensor, torch.Tensor],
+        plan: BlockPlan,
+    ) -> torch.Tensor:
+        """Final-normed drafter states of all blocks, (NB*B, H); plan on the device.
+
+        seqlens: (cu_seqlens, cu_seqlens_cpu) of the packed context rows.
+        """
+        shared = self._require_shared()
+        dtype = self.fc.weight.dtype
+        ctx = self.context(features)
+        x = F.embedding(block_input_ids, shared.embed).to(dtype)
+        rope_blk = self._rope(block_position_ids, dtype)
+        rope_ctx = self._rope(ctx_position_ids, dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_blk, rope_ctx, seqlens, plan)
+        return self.norm(x)
+
+    def plan(self, batch: PackedBatch | PaddedBatch, *, epoch: int, seed: int) -> BlockPlan:
+        """The anchors of a micro-batch (CPU); build it in the data loader to keep forward sync-free."""
+        packed = to_packed(batch)
+        return sample_anchors(
+            packed.loss_mask,
+            packed.cu_seqlens_cpu,
+            packed.sample_ids,
+            block_size=self.block_size,
+            num_anchors=self.num_anchors,
+            seed=seed,
+            epoch=epoch,
+        )
+
+    def forward(
+        self,
+        batch: PackedBatch | PaddedBatch,
+        features: torch.Tensor,
+        *,
+        epoch: int = 0,
+        seed: int = 0,
+        plan: BlockPlan | None = None,
+    ) -> DrafterOutput:
+        """Training forward of one micro-batch.
+
+        Args:
+            batch: packed or padded micro-batch (a padded one is packed here; the features
+                of `TargetModel.features` are already in packed order for both).
+            features: (T, K*H) target taps of the batch's real tokens, packed order.
+            epoch, seed: key of the anchor draw (ignored when `plan` is given).
+            plan: precomputed anchors (`drafter.plan(batch, epoch=..., seed=...)`).
+
+        A micro-batch without any block runs one zero-weight block so that every rank runs
+        the same modules (ZeRO-3) and the loss still has a graph.
+        """
+        packed = to_packed(batch)
+        if features.shape[0] != packed.input_ids.shape[0]:
+            raise ValueError(f"features cover {features.shape[0]} tokens, the batch has {packed.input_ids.shape[0]}")
+        if plan is None:
+            plan = self.plan(packed, epoch=epoch, seed=seed)
+        num_blocks = plan.num_blocks
+        if num_blocks == 0:
+            plan = BlockPlan(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                             plan.block_size, plan.num_skipped)
+        device = packed.input_ids.device
+        plan = plan.to(device)
+        blocks = block_tensors(plan, packed, self.config.mask_token_id)
+        valid = blocks.label_valid if num_blocks else torch.zeros_like(blocks.label_valid)
+        hidden = self.block_hidden(
+            features,
+            blocks.input_ids,
+            blocks.position_ids,
+            packed.position_ids,
+            (packed.cu_seqlens, packed.cu_seqlens_cpu),
+            plan,
+        )
+        B, H = self.block_size, self.config.hidden_size
+        scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
+        row_w = slot_weights(B, self.gamma, device=device)[None, :] * valid
+        lm_head = self._require_shared().lm_head
+        loss_sum, preds = chunked_weighted_ce(
+            scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), row_w.reshape(-1), self.ce_chunk_rows
+        )
+        correct = preds.view_as(blocks.labels) == blocks.labels
+        # [:num_blocks] leaves out the zero-weight stand-in block of an empty micro-batch.
+        tau_sum, slot_correct, slot_count = acceptance_stats(correct[:num_blocks], valid[:num_blocks])
+        return DrafterOutput(
+            loss_sum=loss_sum,
+            weight_sum=row_w.sum(),
+            tau_sum=tau_sum,
+            slot_correct=slot_correct,
+            slot_count=slot_count,
+            num_blocks=num_blocks,
+            num_skipped=plan.num_skipped,
+        )
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write `config.json` and `model.safetensors` in the official DFlash format."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        config = self.config.to_json_dict()
+        config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
+        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | os.PathLike, shared: SharedWeights | None = None, **kwargs
+    ) -> "DFlashDrafter":
+        """Load a checkpoint in the official format (ours or written by others).
+
+        Weights keep the stored dtype. A uniform `model.` prefix on the tensor names is
+        accepted; any missing or unknown tensor is an error (serving engines would silently
+        skip it). kwargs go to the constructor (num_anchors, gamma, ce_chunk_rows, attention_backend).
+        """
+        from safetensors.torch import load_file
+
+        with open(os.path.join(directory, CONFIG_NAME)) as f:
+            config = DrafterConfig.from_json_dict(json.load(f))
+        tensors = load_file(os.path.join(directory, WEIGHTS_NAME))
+        if tensors and all(k.startswith("model.") for k in tensors):
+            tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+        model = cls(config, shared, **kwargs)
+        expected = set(model.state_dict())
+        missing, unknown = expected - set(tensors), set(tensors) - expected
+        if missing or unknown:
+            raise ValueError(
+                f"checkpoint {directory} does not match the DFlash drafter: missing {sorted(missing)}, "
+                f"unknown {sorted(unknown)}"
+            )
+        dtypes = {v.dtype for v in tensors.values()}
+        if len(dtypes) == 1:
+            model.to(dtypes.pop())
+        model.load_state_dict(tensors, strict=True)
+        return model

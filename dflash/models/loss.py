@@ -1,0 +1,110 @@
+"""Weighted cross-entropy through the frozen lm_head in chunks, and the acceptance metrics.
+
+Full logits of all block tokens (anchors*B x vocab per sample: 8192 x 151936 floats is 5 GB)
+never exist: the forward walks the rows in chunks, keeps only the loss sum, the argmax and
+the gradient with respect to the hidden states (the lm_head is frozen, so no weight gradient
+is needed), and the backward only scales that saved gradient. Peak memory is
+chunk x vocab plus rows x hidden, whatever the number of rows.
+
+Everything returns sums, never means: the trainer divides by the weight total of the whole
+optimizer step (all micro-batches, all ranks).
+"""
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_ROWS = 1024
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for slots k = 1..B-1, as a (B-1,) float32 tensor."""
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
+    return torch.exp(-(k - 1) / gamma)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows):
+        need_grad = ctx.needs_input_grad[0]
+        n = hidden.shape[0]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = torch.empty(n, dtype=torch.long, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        rows = torch.arange(min(chunk_rows, n), device=hidden.device)
+        for lo in range(0, n, chunk_rows):
+            hi = min(lo + chunk_rows, n)
+            labels_c, w = labels[lo:hi], row_weights[lo:hi].float()
+            logits = (hidden[lo:hi] @ weight.t()).float()  # (c, V): the only vocab-wide buffer
+            preds[lo:hi] = logits.argmax(dim=-1)
+            tgt = logits.gather(1, labels_c[:, None]).squeeze(1)
+            # Softmax in place on the logits, so a chunk never holds a second (c, V) buffer.
+            top = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(top).exp_()
+            total = probs.sum(dim=-1, keepdim=True)
+            lse = (total.log() + top).squeeze(1)
+            loss_sum += ((lse - tgt) * w).sum()
+            if need_grad:
+                # d(w * CE)/dlogits = w * (softmax - onehot)
+                probs.div_(total)
+                probs[rows[: hi - lo], labels_c] -= 1.0
+                probs.mul_(w[:, None])
+                grad_hidden[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+            del logits, probs  # free this chunk before the next one is allocated
+        ctx.mark_non_differentiable(preds)
+        if need_grad:
+            ctx.save_for_backward(grad_hidden)
+        return loss_sum, preds
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_preds):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+
+
+def chunked_weighted_ce(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    row_weights: torch.Tensor,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over rows of row_weights * CE(hidden @ lm_head_weight.T, labels), in row chunks.
+
+    Args:
+        hidden: (N, H), differentiable.
+        lm_head_weight: (V, H), frozen (no gradient is produced for it).
+        labels: (N,) int64 in [0, V) (rows of weight 0 may hold any valid id).
+        row_weights: (N,) float, 0 for rows that do not count.
+        chunk_rows: rows per chunk; the peak extra memory is about chunk_rows x V floats.
+
+    Returns:
+        loss_sum: scalar float32 (differentiable w.r.t. hidden).
+        preds: (N,) int64 argmax of the logits (no gradient), for accuracy and tau.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if lm_head_weight.requires_grad:
+        raise ValueError("the lm_head is frozen in DFlash training; pass a weight with requires_grad=False")
+    return _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, row_weights, chunk_rows)
+
+
+def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Offline acceptance length and per-slot accuracy of a set of blocks.
+
+    Args:
+        correct: (NB, B-1) bool, drafter argmax == label at slots k = 1..B-1.
+        valid: (NB, B-1) bool, the label exists (inside the sample) and is supervised.
+
+    tau of a block = number of leading slots that are valid and correct, plus 1 (the bonus
+    token): an invalid slot stops acceptance like a wrong one.
+
+    Returns:
+        tau_sum: scalar float32, sum of tau over the blocks.
+        slot_correct: (B-1,) int64, correct and valid blocks per slot.
+        slot_count: (B-1,) int64, valid blocks per slot.
+    """
+    hit = correct & valid
+    accepted = torch.cumprod(hit.long(), dim=1).sum(dim=1)
+    tau_sum = (accepted + 1).sum().float()
+    return tau_sum, hit.long().sum(0), valid.long().sum(0)
+

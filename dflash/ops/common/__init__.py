@@ -1,0 +1,1 @@
+"""Helpers shared by the attention ops: backend choice, input checks, tile lists."""

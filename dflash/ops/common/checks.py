@@ -1,0 +1,33 @@
+"""Input validation for the public attention functions (readable errors before any launch)."""
+from __future__ import annotations
+
+import torch
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:
+    """q (*, Hq, D), k/v (*, Hkv, D): same dtype/device/head_dim, Hq a multiple of Hkv."""
+    for name, t in zip(names, (q, k, v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be (tokens, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name} must be a float tensor (float32, bfloat16, float16; float64 for the reference), got {t.dtype}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} is {t.dtype} on {t.device} but {names[0]} is {q.dtype} on {q.device}")
+        if t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name} has head_dim {t.shape[-1]}, {names[0]} has {q.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"{names[1]} {tuple(k.shape)} and {names[2]} {tuple(v.shape)} differ")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+def check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None) -> None:
+    """An int32 1-D index tensor on the inputs' device (with `length` entries when given)."""
+    if t.dtype != torch.int32 or t.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
+    if length is not None and t.numel() != length:
+        raise ValueError(f"{name} must have {length} entries, got {t.numel()}")

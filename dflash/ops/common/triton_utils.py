@@ -1,0 +1,60 @@
+"""Launch settings shared by the Triton kernels."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .backend import is_interpreting
+
+LOG2E = 1.4426950408889634
+
+
+def _fix_interpreter_bf16_dot() -> None:
+    """Triton's numpy interpreter keeps bfloat16 as raw uint16 bits and its tl.dot multiplies
+    those integers (seen in triton 3.9): widen bf16 operands to fp32 (exact) first."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+    if getattr(create_dot, "_dflash_bf16", False):
+        return
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    patched._dflash_bf16 = True
+    interpreter.InterpreterBuilder.create_dot = patched
+
+
+if is_interpreting():
+    _fix_interpreter_bf16_dot()
+
+
+def autotune_configs(options: dict) -> list:
+    """Every combination of `options` ({name: values}, plus num_warps / num_stages) as configs.
+
+    The numpy interpreter would time each config at numpy speed, so it gets the first only.
+    """
+    names = [n for n in options if n not in ("num_warps", "num_stages")]
+    combos = [{}]
+    for name in names:
+        combos = [{**c, name: value} for c in combos for value in options[name]]
+    configs = [triton.Config(c, num_warps=w, num_stages=s)
+               for c in combos for w in options["num_warps"] for s in options["num_stages"]]
+    return configs[:1] if is_interpreting() else configs
+
+
+def check_triton_inputs(q) -> None:
+    """What the kernels support beyond the public checks: dtype and head_dim."""
+    if q.dtype == torch.float64:
+        raise TypeError('the Triton kernels take float32, bfloat16 or float16; use backend="torch" for float64')
+    d = q.shape[-1]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"the Triton kernels need a power-of-two head_dim in [16, 256], got {d}")
+

@@ -1,0 +1,80 @@
+"""Public entry point of DFlash block attention (validation, defaults, backend dispatch)."""
+from __future__ import annotations
+
+import torch
+
+from ..common.backend import resolve_backend
+from ..common.checks import check_index, check_qkv
+from .naive import dflash_block_attention_naive
+
+
+def dflash_block_attention(
+    q: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    cu_seqlens_ctx: torch.Tensor,
+    block_seq: torch.Tensor,
+    block_anchor: torch.Tensor,
+    block_size: int,
+    *,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The DFlash drafter's attention: each block sees its sample's context before its anchor
+    and all of its own slots (differentiable in q, k_ctx, v_ctx, k_blk, v_blk).
+
+    Args:
+        q: (NB*B, Hq, D) float32/bfloat16/float16; rows [j*B, (j+1)*B) are block j.
+        k_ctx, v_ctx: (T, Hkv, D) packed context rows (the target features' keys/values),
+            samples laid out by cu_seqlens_ctx; Hq a multiple of Hkv (GQA as in
+            `varlen_attention`).
+        k_blk, v_blk: (NB*B, Hkv, D), the blocks' own keys/values, rows as in q.
+        cu_seqlens_ctx: int32 (S+1,), sample i is context rows [cu[i], cu[i+1]).
+        block_seq: int32 (NB,), the sample of each block.
+        block_anchor: int32 (NB,), each block's anchor position inside its sample,
+            0 <= anchor <= that sample's length. Blocks may overlap and come in any order.
+        block_size: B.
+        softmax_scale: defaults to D ** -0.5.
+        backend: "triton", "torch" (the per-sample reference) or "auto" (Triton on CUDA,
+            the reference elsewhere).
+        cu_seqlens_cpu: optional CPU copy of cu_seqlens_ctx (exact grid without a device read).
+
+    Returns:
+        (NB*B, Hq, D) in q's dtype.
+
+    Every row of block j (sample s, anchor a) sees context rows [cu[s], cu[s] + a) and the B
+    rows of block j, in both directions. Sample of length 6, B = 2, anchors 3 and 0
+    (keys: 6 context positions, then the 2+2 block rows)::
+
+                    ctx 0..5      blk0  blk1
+        blk0 slot0  x x x . . .   x x   . .
+        blk0 slot1  x x x . . .   x x   . .
+        blk1 slot0  . . . . . .   . .   x x
+        blk1 slot1  . . . . . .   . .   x x
+
+    Example:
+        >>> out = dflash_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, batch.cu_seqlens,
+        ...                              block_seq, block_anchor, 16)
+    """
+    check_qkv(q, k_ctx, v_ctx, names=("q", "k_ctx", "v_ctx"))
+    check_qkv(q, k_blk, v_blk, names=("q", "k_blk", "v_blk"))
+    if k_blk.shape[1] != k_ctx.shape[1]:
+        raise ValueError(f"k_blk has {k_blk.shape[1]} heads but k_ctx has {k_ctx.shape[1]}")
+    num_blocks = block_seq.numel()
+    if block_size < 1 or q.shape[0] != num_blocks * block_size or k_blk.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k_blk/v_blk must have num_blocks * block_size = {num_blocks} * "
+                         f"{block_size} rows, got {q.shape[0]} and {k_blk.shape[0]}")
+    check_index("cu_seqlens_ctx", cu_seqlens_ctx, q.device)
+    check_index("block_seq", block_seq, q.device)
+    check_index("block_anchor", block_anchor, q.device, num_blocks)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if resolve_backend(backend, q.device) == "torch":
+        return dflash_block_attention_naive(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
+                                            block_anchor, block_size, softmax_scale=scale)
+    from .triton_kernels import dflash_block_attention_triton
+
+    return dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
+                                         block_anchor, block_size, scale, cu_seqlens_cpu)

@@ -1,0 +1,312 @@
+"""Triton kernels for DFlash block attention: forward, dK/dV of the context, and dQ together
+with dK/dV of the blocks' own keys.
+
+Layout: q (NB*B, HQ, D) with block j on rows [j*B, (j+1)*B); k_blk/v_blk (NB*B, HKV, D);
+k_ctx/v_ctx (T, HKV, D) packed by cu_seqlens; lse/delta (NB*B, HQ) fp32, lse in base 2.
+
+A query tile is a *group*: up to BPG = BLOCK_M // B blocks of one sample with neighbouring
+anchors (common.tiles.block_groups), gathered by block id. Its keys are
+  * the sample's context [0, amax): tiles ending at or before amin are visible to every row
+    and skip masking; the rest are masked per row at the row's anchor;
+  * the group's own block rows (a BLOCK_M x BLOCK_M tile, block-diagonal mask).
+Nothing length-dependent is a kernel argument (no recompiles across batches).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.backend import is_interpreting
+from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, sequence_tiles
+from ..common.triton_utils import LOG2E, autotune_configs, check_triton_inputs
+
+GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger)
+CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list)
+_CTX_STEP = [16] if is_interpreting() else [64, 128]  # context step of forward and dQ (autotuned)
+
+
+@triton.jit
+def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row indices (int64), validity and anchors of the BLOCK_M query rows of group i_g."""
+    r = tl.arange(0, BLOCK_M)
+    slot = r // B
+    blk = tl.load(grp_blocks + i_g * BPG + slot, mask=slot < BPG, other=-1)
+    ok = blk >= 0
+    rows = blk.to(tl.int64) * B + r % B
+    anchor = tl.load(block_anchor + blk, mask=ok, other=0)
+    return rows, ok, anchor, slot
+
+
+@triton.autotune(configs=autotune_configs({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [2, 3]}),
+                 key=["HQ", "HKV", "D", "B"])
+@triton.jit
+def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
+                grp_order, qk_scale,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    i_g = tl.load(grp_order + pid // HQ)
+    i_h = pid % HQ
+    seq = tl.load(grp_seq + i_g)
+    if seq < 0:  # sentinel group
+        return
+    i_kh = i_h // (HQ // HKV)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    amin = tl.load(grp_amin + i_g)
+    amax = tl.load(grp_amax + i_g)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+    kc_base = KC + bos * (HKV * D) + i_kh * D
+    vc_base = VC + bos * (HKV * D) + i_kh * D
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    full_end = (amin // BLOCK_N) * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
+        v = tl.load(vc_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
+        s = tl.dot(q, kT) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for n0 in range(full_end, amax, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < amax
+        kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, kT) * qk_scale
+        s = tl.where(cols[None, :] < anchor[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose anchor is still ahead
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # The group's own blocks: each row sees exactly the B rows of its block.
+    kb_off = rows[None, :] * (HKV * D) + i_kh * D + offs_d[:, None]
+    kbT = tl.load(KB + kb_off, mask=ok[None, :], other=0.0)  # (D, BLOCK_M)
+    vb = tl.load(VB + rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    s = tl.dot(q, kbT) * qk_scale
+    s = tl.where((slot[:, None] == slot[None, :]) & ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows of a partial group
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+    m_i = m_new
+
+    l_i = tl.where(ok, l_i, 1.0)  # padding rows (never stored) would divide 0 by 0
+    tl.store(O + q_off, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(LSE + rows * HQ + i_h, m_i + tl.math.log2(l_i), mask=ok)
+
+
+@triton.autotune(configs=autotune_configs({"num_warps": [4, 8], "num_stages": [2, 3]}),
+                 key=["HQ", "HKV", "D", "B"])
+@triton.jit
+def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_anchor, grp_blocks, tiles,
+                         ranges, qk_scale, sm_scale,
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                         BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program: BLOCK_N context keys of one kv head. Groups [lo, full) see part of them,
+    # [full, end) all of them (ranges from common.tiles.context_group_ranges); keys nobody
+    # sees get zero gradients. GQA heads are summed here (no atomics).
+    pid = tl.program_id(0)
+    i_tile, i_kh = pid // HKV, pid % HKV
+    seq = tl.load(tiles + 2 * i_tile)
+    if seq < 0:
+        return
+    G: tl.constexpr = HQ // HKV
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    L = tl.load(cu_seqlens + seq + 1) - bos.to(tl.int32)
+    cols = tl.load(tiles + 2 * i_tile + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g_lo = tl.load(ranges + 3 * i_tile)
+    g_full = tl.load(ranges + 3 * i_tile + 1)
+    g_end = tl.load(ranges + 3 * i_tile + 2)
+    offs_d = tl.arange(0, D)
+    col_ok = cols < L
+    kv_off = (bos + cols)[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
+    k = tl.load(KC + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(VC + kv_off, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    # Padding rows of a group load as zeros (q, dO, lse, delta) and add exactly nothing.
+    for g in range(G):
+        i_h = i_kh * G + g
+        for i_g in range(g_lo, g_full):
+            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+            q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
+            lse = tl.load(LSE + rows * HQ + i_h, mask=ok, other=0.0)
+            delta = tl.load(DELTA + rows * HQ + i_h, mask=ok, other=0.0)
+            pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+            pT = tl.where(cols[:, None] < anchor[None, :], pT, 0.0)
+            dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(dsT.to(q.dtype), q)
+        for i_g in range(g_full, g_end):
+            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+            q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
+            lse = tl.load(LSE + rows * HQ + i_h, mask=ok, other=0.0)
+            delta = tl.load(DELTA + rows * HQ + i_h, mask=ok, other=0.0)
+            pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+            dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(dsT.to(q.dtype), q)
+    tl.store(DKC + kv_off, (dk * sm_scale).to(DKC.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DVC + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.autotune(configs=autotune_configs({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [2, 3]}),
+                 key=["HQ", "HKV", "D", "B"])
+@triton.jit
+def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_seqlens, block_anchor, grp_blocks,
+                          grp_seq, grp_amin, grp_amax, grp_order, qk_scale, sm_scale,
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                          BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program: a group and one kv head, looping over its query heads. dQ comes from the
+    # context and the own blocks; the own blocks' keys are seen by this group only, so their
+    # dK/dV (summed over the query heads) are finished here too.
+    pid = tl.program_id(0)
+    i_g = tl.load(grp_order + pid // HKV)
+    i_kh = pid % HKV
+    seq = tl.load(grp_seq + i_g)
+    if seq < 0:
+        return
+    G: tl.constexpr = HQ // HKV
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    amin = tl.load(grp_amin + i_g)
+    amax = tl.load(grp_amax + i_g)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    kc_base = KC + bos * (HKV * D) + i_kh * D
+    vc_base = VC + bos * (HKV * D) + i_kh * D
+    kb_off = rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
+    kb = tl.load(KB + kb_off, mask=ok[:, None], other=0.0)  # (BLOCK_M, D)
+    vb = tl.load(VB + kb_off, mask=ok[:, None], other=0.0)
+    own = (slot[:, None] == slot[None, :]) & ok[None, :]
+    dkb = tl.zeros([BLOCK_M, D], tl.float32)
+    dvb = tl.zeros([BLOCK_M, D], tl.float32)
+    full_end = (amin // BLOCK_N) * BLOCK_N
+    for g in range(G):
+        i_h = i_kh * G + g
+        q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+        q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+        do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
+        lse = tl.load(LSE + rows * HQ + i_h, mask=ok, other=0.0)
+        delta = tl.load(DELTA + rows * HQ + i_h, mask=ok, other=0.0)
+        dq = tl.zeros([BLOCK_M, D], tl.float32)
+        for n0 in range(0, full_end, BLOCK_N):
+            kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
+            vT = tl.load(vc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
+            p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+            ds = p * (tl.dot(do, vT) - delta[:, None])
+            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+        for n0 in range(full_end, amax, BLOCK_N):
+            cols = n0 + offs_n
+            col_ok = cols < amax
+            kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            vT = tl.load(vc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+            p = tl.where(cols[None, :] < anchor[:, None], p, 0.0)
+            ds = p * (tl.dot(do, vT) - delta[:, None])
+            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+        p = tl.math.exp2(tl.dot(q, tl.trans(kb)) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_M)
+        p = tl.where(own, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
+        dq += tl.dot(ds.to(kb.dtype), kb)
+        dvb += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dkb += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+    tl.store(DKB + kb_off, (dkb * sm_scale).to(DKB.dtype.element_ty), mask=ok[:, None])
+    tl.store(DVB + kb_off, dvb.to(DVB.dtype.element_ty), mask=ok[:, None])
+
+
+class _Plan:
+    """Everything the kernels need to know about one batch's blocks (built with torch ops)."""
+
+    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu):
+        num_seqs = cu_seqlens.numel() - 1
+        self.block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
+        self.per_group = self.block_m // block_size
+        (self.blocks, self.seq, self.amin, self.amax,
+         self.order) = block_groups(block_seq, block_anchor, num_seqs, self.per_group)
+        # Context tiles cover every context row, so keys that no block sees get zero gradients.
+        max_len = total if cu_seqlens_cpu is None or num_seqs == 0 else int(torch.diff(cu_seqlens_cpu).max())
+        tiles = sequence_tiles(cu_seqlens, CTX_BLOCK_N, total, max_len, False, cu_seqlens_cpu)
+        ranges = context_group_ranges(tiles, CTX_BLOCK_N, self.seq, self.amin, self.amax, num_seqs)
+        order = torch.argsort(ranges[:, 2] - ranges[:, 0], descending=True, stable=True)  # most groups first
+        self.ctx_tiles, self.ctx_ranges = tiles[order].contiguous(), ranges[order].contiguous()
+
+
+def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu) -> _Plan:
+    return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor), ("dflash_block", block_size, total),
+                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu))
+
+
+def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale):
+    _, HQ, D = q.shape
+    HKV = k_ctx.shape[1]
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    _fwd_kernel[(plan.order.numel() * HQ,)](
+        q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
+        plan.amax, plan.order, scale * LOG2E,
+        HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)
+    return o, lse
+
+
+def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan, block_size,
+                     scale):
+    _, HQ, D = q.shape
+    HKV = k_ctx.shape[1]
+    delta = (do.float() * o.float()).sum(-1)  # (NB*B, HQ): rowsum(dO * O)
+    dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
+    dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
+    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)
+    _bwd_dkdv_ctx_kernel[(plan.ctx_tiles.shape[0] * HKV,)](
+        q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, cu_seqlens, block_anchor, plan.blocks, plan.ctx_tiles,
+        plan.ctx_ranges, scale * LOG2E, scale, BLOCK_N=CTX_BLOCK_N, **consts)
+    _bwd_dq_dkvblk_kernel[(plan.order.numel() * HKV,)](
+        q, k_ctx, v_ctx, k_blk, v_blk, do, lse, delta, dq, dk_blk, dv_blk, cu_seqlens, block_anchor, plan.blocks,
+        plan.seq, plan.amin, plan.amax, plan.order, scale * LOG2E, scale, **consts)
+    return dq, dk_ctx, dv_ctx, dk_blk, dv_blk
+
+
+class DFlashBlockAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale):
+        o, lse = dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale)
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor)
+        ctx.args = (plan, block_size, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor = ctx.saved_tensors
+        grads = dflash_block_bwd(do.contiguous(), q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens,
+                                 block_anchor, *ctx.args)
+        return (*grads, None, None, None, None, None)
+
+
+def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_seq, block_anchor, block_size,
+                                  scale, cu_seqlens_cpu=None):
+    check_triton_inputs(q)
+    cu_seqlens, block_seq, block_anchor = cu_seqlens.contiguous(), block_seq.contiguous(), block_anchor.contiguous()
+    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], cu_seqlens_cpu)
+    return DFlashBlockAttentionFunction.apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(),
+                                              k_blk.contiguous(), v_blk.contiguous(), cu_seqlens, block_anchor,
+                                              plan, block_size, scale)

@@ -1,0 +1,3 @@
+from .interface import varlen_attention
+
+__all__ = ["varlen_attention"]

@@ -1,0 +1,61 @@
+"""Public entry point of packed varlen attention (validation, defaults, backend dispatch)."""
+from __future__ import annotations
+
+import torch
+
+from ..common.backend import resolve_backend
+from ..common.checks import check_index, check_qkv
+from .naive import varlen_attention_naive
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention inside each packed sample, never across samples (differentiable).
+
+    Args:
+        q: (T, Hq, D) float32/bfloat16/float16, all samples' rows concatenated.
+        k, v: (T, Hkv, D), same dtype and device; Hq a multiple of Hkv. Query head h reads
+            key/value head h // (Hq // Hkv) (GQA, K/V are never repeated).
+        cu_seqlens: int32 (S+1,), sample i is rows [cu[i], cu[i+1]); cu[0] = 0, cu[S] = T.
+        max_seqlen: length of the longest sample (a Python int; only bounds the tile list).
+        causal: row i of a sample sees keys 0..i of that sample (else all of them).
+        softmax_scale: defaults to D ** -0.5.
+        backend: "triton", "torch" (the per-sample reference) or "auto" (Triton on CUDA,
+            the reference elsewhere).
+        cu_seqlens_cpu: optional CPU copy of cu_seqlens; with it the Triton launcher sizes
+            its grid exactly without reading cu_seqlens back from the device.
+
+    Returns:
+        (T, Hq, D) in q's dtype.
+
+    Causal mask of two packed samples of lengths 3 and 2 (x = visible)::
+
+        x . . . .
+        x x . . .
+        x x x . .
+        . . . x .
+        . . . x x
+
+    Example:
+        >>> out = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
+    """
+    check_qkv(q, k, v)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows but k/v have {k.shape[0]}")
+    check_index("cu_seqlens", cu_seqlens, q.device)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if resolve_backend(backend, q.device) == "torch":
+        return varlen_attention_naive(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale)
+    from .triton_kernels import varlen_attention_triton
+
+    return varlen_attention_triton(q, k, v, cu_seqlens, int(max_seqlen), causal, scale, cu_seqlens_cpu)

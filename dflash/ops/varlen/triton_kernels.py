@@ -1,0 +1,267 @@
+"""Triton kernels for packed varlen attention: forward, and the FA2 two-kernel backward.
+
+Layout: q/o (T, HQ, D), k/v (T, HKV, D), contiguous; lse and delta (T, HQ) fp32; lse is in
+base 2 (scores are pre-multiplied by scale * log2(e) so the kernels use exp2).
+Grids are flat: program = tile_list_entry * heads + head, tile lists from common.tiles.
+No sequence length is a kernel argument (they are read from cu_seqlens), so nothing
+recompiles when lengths, sample counts or max_seqlen change; the autotune key is the head
+dim, head counts and causal flag (and the dtypes, which Triton adds).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.backend import is_interpreting
+from ..common.tiles import TILE_CACHE, sequence_tiles
+from ..common.triton_utils import LOG2E, autotune_configs, check_triton_inputs
+
+# Tile sizes that shape the tile lists are fixed per kernel (the list is built before the
+# launch); only the inner loop's step is autotuned. The interpreter uses small tiles so that
+# tests with short samples still cross tile boundaries.
+FWD_BLOCK_M = 32 if is_interpreting() else 128
+DKV_BLOCK_N = 32 if is_interpreting() else 128
+DQ_BLOCK_M = 32 if is_interpreting() else 128
+_INNER = [16] if is_interpreting() else [32, 64]
+_FWD_INNER = [16] if is_interpreting() else [64, 128]
+
+
+@triton.autotune(configs=autotune_configs({"BLOCK_N": _FWD_INNER, "num_warps": [4, 8], "num_stages": [2, 3]}),
+                 key=["HQ", "HKV", "D", "CAUSAL"])
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens, tiles, qk_scale,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    i_tile, i_h = pid // HQ, pid % HQ
+    seq = tl.load(tiles + 2 * i_tile)
+    if seq < 0:  # sentinel past the real tiles
+        return
+    i_kh = i_h // (HQ // HKV)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    L = tl.load(cu_seqlens + seq + 1) - bos.to(tl.int32)
+    m0 = tl.load(tiles + 2 * i_tile + 1) * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)  # positions inside the sample
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = rows < L
+    q = tl.load(Q + (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = K + bos * (HKV * D) + i_kh * D
+    v_base = V + bos * (HKV * D) + i_kh * D
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        full_end = (m0 // BLOCK_N) * BLOCK_N  # key tiles ending before the first row
+        hi = tl.minimum(m0 + BLOCK_M, L)
+    else:
+        full_end = (L // BLOCK_N) * BLOCK_N
+        hi = L
+    # Fully visible key tiles: no bounds, no mask.
+    for n0 in range(0, full_end, BLOCK_N):
+        kT = tl.load(k_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])  # (D, BLOCK_N)
+        v = tl.load(v_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
+        s = tl.dot(q, kT) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # The diagonal (causal) or the ragged end (non-causal).
+    for n0 in range(full_end, hi, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < L
+        kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, kT) * qk_scale
+        visible = col_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see nothing
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(O + (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + (bos + rows) * HQ + i_h, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.autotune(configs=autotune_configs({"BLOCK_M": _INNER, "num_warps": [4, 8], "num_stages": [2, 3]}),
+                 key=["HQ", "HKV", "D", "CAUSAL"])
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scale, sm_scale,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program: BLOCK_N keys of one kv head; loops over the HQ // HKV query heads that read
+    # them (GQA summed here, no atomics) and over the query tiles that see them.
+    pid = tl.program_id(0)
+    i_tile, i_kh = pid // HKV, pid % HKV
+    seq = tl.load(tiles + 2 * i_tile)
+    if seq < 0:
+        return
+    G: tl.constexpr = HQ // HKV
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    L = tl.load(cu_seqlens + seq + 1) - bos.to(tl.int32)
+    n0 = tl.load(tiles + 2 * i_tile + 1) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_m = tl.arange(0, BLOCK_M)
+    col_ok = cols < L
+    kv_off = (bos + cols)[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D)
+    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    # Query rows past L load as zeros (q, dO, lse, delta) and so add exactly nothing: only the
+    # causal diagonal needs a mask.
+    if CAUSAL:
+        lo = n0
+        diag_end = tl.minimum(n0 + BLOCK_N, L)
+    else:
+        lo = 0
+        diag_end = 0
+    for g in range(G):
+        i_h = i_kh * G + g
+        for m0 in range(lo, diag_end, BLOCK_M):
+            rows = m0 + offs_m
+            row_ok = rows < L
+            q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+            pT = tl.where(cols[:, None] <= rows[None, :], pT, 0.0)
+            dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(dsT.to(q.dtype), q)
+        for m0 in range(tl.maximum(diag_end, lo), L, BLOCK_M):
+            rows = m0 + offs_m
+            row_ok = rows < L
+            q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+            dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(dsT.to(q.dtype), q)
+    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.autotune(configs=autotune_configs({"BLOCK_N": _INNER, "num_warps": [4, 8], "num_stages": [2, 3]}),
+                 key=["HQ", "HKV", "D", "CAUSAL"])
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_scale,
+                   HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    i_tile, i_h = pid // HQ, pid % HQ
+    seq = tl.load(tiles + 2 * i_tile)
+    if seq < 0:
+        return
+    i_kh = i_h // (HQ // HKV)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    L = tl.load(cu_seqlens + seq + 1) - bos.to(tl.int32)
+    m0 = tl.load(tiles + 2 * i_tile + 1) * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = rows < L
+    q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+    k_base = K + bos * (HKV * D) + i_kh * D
+    v_base = V + bos * (HKV * D) + i_kh * D
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    # Keys past L load as zeros and add nothing to dQ (k = 0), so only the causal diagonal is
+    # masked; the non-causal ragged end is just a bounded load.
+    if CAUSAL:
+        full_end = (m0 // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(m0 + BLOCK_M, L)
+    else:
+        full_end = tl.cdiv(L, BLOCK_N) * BLOCK_N
+        hi = full_end
+    for n0 in range(0, full_end, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < L
+        kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        vT = tl.load(v_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+        ds = p * (tl.dot(do, vT) - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    for n0 in range(full_end, hi, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < L
+        kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        vT = tl.load(v_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+        p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        ds = p * (tl.dot(do, vT) - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _tiles(cu_seqlens, block, total, max_seqlen, causal, cu_seqlens_cpu):
+    return TILE_CACHE.get((cu_seqlens,), ("varlen", block, total, max_seqlen, causal),
+                          lambda: sequence_tiles(cu_seqlens, block, total, max_seqlen, causal, cu_seqlens_cpu))
+
+
+def varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu):
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    tiles = _tiles(cu_seqlens, FWD_BLOCK_M, T, max_seqlen, causal, cu_seqlens_cpu)
+    o = torch.empty_like(q)
+    lse = torch.empty((T, HQ), dtype=torch.float32, device=q.device)
+    _fwd_kernel[(tiles.shape[0] * HQ,)](q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E,
+                                        HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=FWD_BLOCK_M)
+    return o, lse
+
+
+def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu):
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    delta = (do.float() * o.float()).sum(-1)  # (T, HQ): rowsum(dO * O), the softmax-jacobian term
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kv_tiles = _tiles(cu_seqlens, DKV_BLOCK_N, T, max_seqlen, False, cu_seqlens_cpu)
+    _bwd_dkdv_kernel[(kv_tiles.shape[0] * HKV,)](q, k, v, do, lse, delta, dk, dv, cu_seqlens, kv_tiles,
+                                                 scale * LOG2E, scale, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal,
+                                                 BLOCK_N=DKV_BLOCK_N)
+    q_tiles = _tiles(cu_seqlens, DQ_BLOCK_M, T, max_seqlen, causal, cu_seqlens_cpu)
+    _bwd_dq_kernel[(q_tiles.shape[0] * HQ,)](q, k, v, do, lse, delta, dq, cu_seqlens, q_tiles, scale * LOG2E,
+                                             scale, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=DQ_BLOCK_M)
+    return dq, dk, dv
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu):
+        o, lse = varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.args = (max_seqlen, causal, scale, cu_seqlens_cpu)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = varlen_bwd(do.contiguous(), q, k, v, o, lse, cu_seqlens, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu=None):
+    check_triton_inputs(q)
+    return VarlenAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
+                                         max_seqlen, causal, scale, cu_seqlens_cpu)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create a virtual environment (.venv, or $DFLASH_VENV) and install dflash into it, with the C++
+# extension compiled against the torch of that environment.
+#   bash launch/install.sh          # library + training dependencies
+#   bash launch/install.sh test     # ... plus pytest and hypothesis
+# torch: an environment that already has torch keeps it; otherwise $TORCH_SPEC is installed
+# (default torch==2.13.0, the CPU build). GPU users: install your CUDA torch into the venv first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${DFLASH_VENV:-.venv}
+extras=train
+[ "${1:-}" = test ] && extras=train,test
+
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install -q --upgrade pip setuptools wheel ninja
+"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+# No build isolation: the extension (and DeepSpeed's setup) must see the torch installed above;
+# an isolated build environment would fetch a different torch.
+"$py" -m pip install -q --no-build-isolation -e ".[$extras]"
+"$py" -c "import dflash._C" 2>/dev/null && echo "dflash installed in $venv (C++ packer built)" \
+  || echo "dflash installed in $venv WITHOUT the C++ packer (no compiler?): the pure-Python path will be used"

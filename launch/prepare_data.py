@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Tokenize a JSONL file of conversations into a dflash token store.
+
+Each line is {"messages": [{"role": ..., "content": ...}, ...]} or the ShareGPT form
+{"conversations": [{"from": ..., "value": ...}, ...]}. The tokenizer's chat template renders
+each conversation; the loss mask covers the assistant turns only.
+
+Example:
+  python launch/prepare_data.py --input data.jsonl --tokenizer path/to/model --output data/store
+"""
+import argparse
+
+from dflash.data.prepare import OVERLONG, prepare_jsonl
+from dflash.errors import exit_on_user_error
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="JSONL file of conversations")
+    p.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer (or model) folder with a chat template")
+    p.add_argument("--output", required=True, help="folder to create for the token store")
+    p.add_argument("--max-length", type=int, default=None, help="longest sample in tokens (default: no limit)")
+    p.add_argument("--overlong", choices=OVERLONG, default="truncate",
+                   help="what to do with samples longer than --max-length (counted in the summary either way)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip bad lines and report them by reason instead of stopping at the first one")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    summary = prepare_jsonl(args.input, args.tokenizer, args.output, max_length=args.max_length,
+                            overlong=args.overlong, skip_bad=args.skip_bad, overwrite=args.overwrite,
+                            progress=not args.no_progress)
+    print(summary.text())
+
+
+if __name__ == "__main__":
+    main()

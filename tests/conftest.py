@@ -1,0 +1,39 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_LENGTHS = ROOT.parent / "shared" / "data" / "seed_lengths.npy"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_chat_tokenizer(words=None):
+    """A small word-level fast tokenizer with a ChatML template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = words or [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is", "user", "assistant", "system"]
+    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + ["\n"] + sorted(set(words)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split("\n", behavior="isolated"), pre_tokenizers.WhitespaceSplit()]
+    )
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_chat_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,81 @@
+"""Chunked weighted cross-entropy and acceptance statistics against direct computations."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.models import acceptance_stats, chunked_weighted_ce
+from dflash.models.flops import measure_peak_tensor_bytes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny ops on shared cores: intra-op threads cost far more than the work (100x measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def inputs(n, vocab, hidden, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.3).to(dtype)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    w = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)  # some rows weigh 0
+    return h, weight, labels, w
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_ce_matches_full_logits(chunk):
+    h, weight, labels, w = inputs(37, 300, 16)
+    loss, preds = chunked_weighted_ce(h, weight, labels, w, chunk)
+    (grad,) = torch.autograd.grad(3.0 * loss, h)
+    logits = h @ weight.t()
+    ref = (F.cross_entropy(logits, labels, reduction="none") * w).sum()
+    (ref_grad,) = torch.autograd.grad(3.0 * ref, h)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(preds, logits.argmax(-1))
+
+
+def test_chunked_ce_bf16_close_to_fp32_reference():
+    h, weight, labels, w = inputs(50, 500, 32, dtype=torch.bfloat16)
+    loss, _ = chunked_weighted_ce(h, weight, labels, w, 16)
+    ref = (F.cross_entropy((h.float() @ weight.float().t()), labels, reduction="none") * w).sum()
+    torch.testing.assert_close(loss, ref.detach(), rtol=2e-2, atol=1e-2)
+
+
+def test_frozen_lm_head_is_required():
+    h, weight, labels, w = inputs(4, 10, 8)
+    with pytest.raises(ValueError, match="frozen"):
+        chunked_weighted_ce(h, weight.requires_grad_(), labels, w)
+
+
+def test_chunked_ce_peak_memory_does_not_grow_with_rows():
+    vocab, hidden, chunk = 4096, 16, 64
+
+    def peak(n):
+        h, weight, labels, w = inputs(n, vocab, hidden)
+
+        def step():
+            loss, _ = chunked_weighted_ce(h, weight, labels, w, chunk)
+            loss.backward()
+
+        return measure_peak_tensor_bytes(step)[0]
+
+    small, large = peak(128), peak(1024)
+    chunk_logits = chunk * vocab * 4
+    assert large < 1.2 * chunk_logits + 1024 * hidden * 4 * 4  # one chunk of logits + O(rows x hidden)
+    assert large - small < (1024 - 128) * hidden * 4 * 4  # growth is rows x hidden, not rows x vocab
+    assert large < 1024 * vocab * 4 / 10  # far below full logits
+
+
+def test_acceptance_stats():
+    correct = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    tau_sum, slot_correct, slot_count = acceptance_stats(correct, valid)
+    assert float(tau_sum) == (2 + 1) + (2 + 1) + (0 + 1) + (4 + 1)  # an invalid slot stops acceptance
+    assert slot_correct.tolist() == [3, 4, 2, 3]
+    assert slot_count.tolist() == [4, 4, 3, 3]

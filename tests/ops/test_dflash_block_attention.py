@@ -1,0 +1,126 @@
+"""dflash_block_attention: the Triton kernels against the per-sample reference, and the
+reference against an independent dense-mask computation over the whole pack."""
+import pytest
+import torch
+
+from dflash.ops import dflash_block_attention
+
+from .conftest import DEVICE
+
+
+def _batch(lengths, blocks_per_seq, block_size, hq, hkv, d, dtype, seed=0, anchors=None):
+    """Packed context of `lengths`, blocks with random anchors in [0, length] in shuffled order
+    (or the given (sample, anchor) pairs), random q/k/v and output gradient."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    if anchors is None:
+        anchors = [(s, int(torch.randint(0, n + 1, (1,), generator=g))) for s, n in enumerate(lengths)
+                   for _ in range(blocks_per_seq)]
+        anchors = [anchors[i] for i in torch.randperm(len(anchors), generator=g).tolist()]
+    seq = torch.tensor([s for s, _ in anchors], dtype=torch.int32)
+    anchor = torch.tensor([a for _, a in anchors], dtype=torch.int32)
+    rows, t = len(anchors) * block_size, sum(lengths)
+    tensors = [torch.randn(n, h, d, generator=g) for n, h in
+               ((rows, hq), (t, hkv), (t, hkv), (rows, hkv), (rows, hkv), (rows, hq))]
+    tensors = [x.to(DEVICE, dtype) for x in tensors]
+    return tensors[:5], tensors[5], cu.to(DEVICE), seq.to(DEVICE), anchor.to(DEVICE)
+
+
+def _run(inputs, do, cu, seq, anchor, block_size, backend, dtype=None):
+    leaves = [x.to(dtype or x.dtype).requires_grad_() for x in inputs]
+    out = dflash_block_attention(*leaves, cu, seq, anchor, block_size, backend=backend)
+    return out, torch.autograd.grad(out, leaves, do.to(out.dtype))
+
+
+def _dense(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq, anchor, block_size):
+    """Attention over all context rows and all block rows of the pack with an explicit mask."""
+    rows, hq, d = q.shape
+    t = k_ctx.shape[0]
+    ctx_seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), (cu[1:] - cu[:-1]).long())
+    ctx_pos = torch.arange(t, device=q.device) - cu.long()[ctx_seq]
+    q_block = torch.arange(rows, device=q.device) // block_size
+    q_seq, q_anchor = seq.long()[q_block], anchor.long()[q_block]
+    ctx_mask = (ctx_seq[None, :] == q_seq[:, None]) & (ctx_pos[None, :] < q_anchor[:, None])
+    blk_mask = q_block[:, None] == q_block[None, :]
+    mask = torch.cat([ctx_mask, blk_mask], 1)
+    g = hq // k_ctx.shape[1]
+    k = torch.cat([k_ctx, k_blk]).repeat_interleave(g, 1)
+    v = torch.cat([v_ctx, v_blk]).repeat_interleave(g, 1)
+    p = torch.softmax((torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5).masked_fill(~mask, float("-inf")), -1)
+    return torch.einsum("hij,jhd->ihd", p, v)
+
+
+@pytest.mark.parametrize("lengths,per_seq,block_size", [
+    pytest.param([9, 1, 14], 3, 4, id="mixed"),
+    pytest.param([0, 6], 2, 3, id="empty-sample"),
+])
+def test_reference_matches_dense_mask(lengths, per_seq, block_size):
+    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, 4, 2, 16, torch.float64)
+    if lengths[0] == 0:
+        seq[:] = 1  # no blocks in the empty sample
+    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    ref = _dense(*leaves, cu, seq, anchor, block_size)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves, do)):
+        torch.testing.assert_close(got, want)
+
+
+EDGES = [(0, 0), (0, 1), (1, 0), (1, 40), (1, 37), (1, 16), (2, 1), (1, 3), (1, 5), (1, 35)]
+CASES = [
+    pytest.param([40, 1, 23], 5, 4, 4, 2, 64, torch.float32, None, id="fp32-d64-gqa2"),
+    pytest.param([40, 1, 23], 5, 4, 4, 2, 64, torch.bfloat16, None, id="bf16-d64-gqa2"),
+    pytest.param([29, 3], 4, 4, 2, 1, 128, torch.float16, None, id="fp16-d128-mqa"),
+    pytest.param([50, 6], 3, 6, 2, 2, 32, torch.float32, None, id="fp32-d32-block6"),
+    pytest.param([1, 40, 2], 0, 4, 2, 1, 32, torch.float32, EDGES, id="anchor0-empty-ctx-full-ctx"),
+]
+
+
+@pytest.mark.parametrize("lengths,per_seq,block_size,hq,hkv,d,dtype,anchors", CASES)
+def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, check_close):
+    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
+    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton")
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float32)
+    low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
+    check_close("out", out, ref, low)
+    for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads):
+        check_close(name, got, want, lo)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_triton_matches_reference_random_batches(seed, check_close):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+    per_seq = int(torch.randint(1, 7, (1,), generator=g))
+    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, 4, 4, 2, 32, torch.float32, seed)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    # One seed passes the CPU copy of cu_seqlens (exact tile count), the other does not.
+    cu_cpu = cu.cpu() if seed % 2 else None
+    out = dflash_block_attention(*leaves, cu, seq, anchor, 4, backend="triton", cu_seqlens_cpu=cu_cpu)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, 4, "torch")
+    for name, got, want in zip(("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), (out, *grads), (ref, *ref_grads)):
+        check_close(name, got, want)
+
+
+def test_new_batches_do_not_recompile(count_specializations):
+    from dflash.ops.dflash_block import triton_kernels as tk
+
+    compiled = count_specializations([tk._fwd_kernel, tk._bwd_dkdv_ctx_kernel, tk._bwd_dq_dkvblk_kernel])
+    first = None
+    for i, (lengths, per_seq) in enumerate((([30, 9], 3), ([5, 1, 60, 17], 2), ([64], 7), ([8] * 5, 1))):
+        inputs, do, cu, seq, anchor = _batch(lengths, per_seq, 4, 2, 1, 16, torch.float32, seed=i)
+        _run(inputs, do, cu, seq, anchor, 4, "triton")
+        first = compiled() if first is None else first
+        assert compiled() == first, f"recompiled for lengths {lengths}, {per_seq} blocks per sample"
+    assert first <= 3
+
+
+def test_errors_name_the_problem():
+    inputs, _, cu, seq, anchor = _batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_blocks"):
+        dflash_block_attention(*inputs, cu, seq, anchor, 3)
+    with pytest.raises(TypeError, match="int32"):
+        dflash_block_attention(*inputs, cu, seq.long(), anchor, 4)
+    with pytest.raises(ValueError, match="past its length"):
+        dflash_block_attention(*inputs, cu, seq, anchor + 7, 4, backend="torch")

@@ -1,0 +1,125 @@
+"""varlen_attention: the Triton kernels against the per-sample reference, and the reference
+against an independent dense-mask computation over the whole pack."""
+import pytest
+import torch
+
+from dflash.ops import varlen_attention
+
+from .conftest import DEVICE
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+def _inputs(lengths, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k, v, do = (torch.randn(t, h, d, generator=g).to(DEVICE, dtype) for h in (hq, hkv, hkv, hq))
+    return q, k, v, do
+
+
+def _run(q, k, v, do, cu, max_len, causal, backend, dtype=None):
+    """Output and (dq, dk, dv), computed on copies cast to `dtype` (default: the inputs')."""
+    leaves = [x.to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
+    out = varlen_attention(*leaves, cu, max_len, causal=causal, backend=backend)
+    return out, torch.autograd.grad(out, leaves, do.to(out.dtype))
+
+
+def _dense(q, k, v, cu, causal):
+    """Softmax attention over the whole pack with an explicit tokens x tokens mask (float64)."""
+    t, hq, d = q.shape
+    seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), (cu[1:] - cu[:-1]).long())
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        mask &= torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    g = hq // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+    return torch.einsum("hij,jhd->ihd", p, v)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("lengths", [[5, 1, 12, 0, 7], [1], [9, 9]], ids=["mixed", "one-token", "equal"])
+def test_reference_matches_dense_mask(lengths, causal):
+    q, k, v, do = _inputs(lengths, 4, 2, 16, torch.float64)
+    cu = _cu(lengths)
+    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = _dense(*leaves, cu, causal)
+    ref_grads = torch.autograd.grad(ref, leaves, do)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+CASES = [
+    pytest.param([37, 1, 64, 5, 0, 20], 4, 2, 64, torch.float32, True, id="fp32-d64-gqa2-causal"),
+    pytest.param([37, 1, 64, 5, 0, 20], 4, 2, 64, torch.float32, False, id="fp32-d64-gqa2-full"),
+    pytest.param([50, 3, 31], 2, 2, 128, torch.bfloat16, True, id="bf16-d128-mha-causal"),
+    pytest.param([33, 1, 70], 4, 1, 64, torch.float16, True, id="fp16-d64-mqa-causal"),
+    pytest.param([70, 2], 2, 1, 32, torch.bfloat16, False, id="bf16-d32-full"),
+    pytest.param([1, 1, 1], 2, 1, 64, torch.float32, True, id="all-one-token"),
+]
+
+
+@pytest.mark.parametrize("lengths,hq,hkv,d,dtype,causal", CASES)
+def test_triton_matches_reference(lengths, hq, hkv, d, dtype, causal, check_close):
+    q, k, v, do = _inputs(lengths, hq, hkv, d, dtype)
+    cu = _cu(lengths)
+    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton")
+    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch", torch.float32)
+    low, low_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
+    check_close("out", out, ref, low)
+    for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        check_close(name, got, want, lo)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_triton_matches_reference_random_batches(seed, check_close):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 48, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+    lengths[0] = max(lengths[0], 1)
+    causal = bool(seed % 2)
+    q, k, v, do = _inputs(lengths, 4, 2, 32, torch.float32, seed)
+    cu = _cu(lengths)
+    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton")
+    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        check_close(name, got, want)
+
+
+def test_cpu_copy_of_cu_seqlens_gives_the_same_result(check_close):
+    lengths = [20, 3, 41]
+    q, k, v, _ = _inputs(lengths, 2, 1, 32, torch.float32)
+    cu = _cu(lengths)
+    exact = varlen_attention(q, k, v, cu, 41, backend="triton", cu_seqlens_cpu=cu.cpu())
+    bounded = varlen_attention(q, k, v, cu, 41, backend="triton")
+    check_close("out", exact, bounded)
+
+
+def test_new_lengths_do_not_recompile(count_specializations):
+    from dflash.ops.varlen import triton_kernels as tk
+
+    compiled = count_specializations([tk._fwd_kernel, tk._bwd_dkdv_kernel, tk._bwd_dq_kernel])
+    first = None
+    for lengths in ([20, 7], [3, 1, 40, 16, 9], [64], [5] * 9):
+        q, k, v, do = _inputs(lengths, 2, 1, 16, torch.float32)
+        _run(q, k, v, do, _cu(lengths), max(lengths), True, "triton")
+        first = compiled() if first is None else first
+        assert compiled() == first, f"recompiled for lengths {lengths}"
+    assert first <= 3
+
+
+def test_auto_backend_and_errors():
+    q, k, v, _ = _inputs([4, 3], 4, 2, 16, torch.float32)
+    cu = _cu([4, 3])
+    if DEVICE == "cpu":  # auto is the reference off CUDA: exactly the same numbers
+        assert torch.equal(varlen_attention(q, k, v, cu, 4), varlen_attention(q, k, v, cu, 4, backend="torch"))
+    with pytest.raises(ValueError, match="multiple"):
+        varlen_attention(q[:, :3], k, v, cu, 4)
+    with pytest.raises(TypeError, match="int32"):
+        varlen_attention(q, k, v, cu.long(), 4)
+    with pytest.raises(ValueError, match="backend"):
+        varlen_attention(q, k, v, cu, 4, backend="cuda")
