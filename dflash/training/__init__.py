@@ -1,0 +1,1 @@
+"""Training: config, step planning and loading, checkpoints, metrics, and the DeepSpeed loop."""

@@ -1,0 +1,107 @@
+"""Batch plan -> optimizer steps -> collated micro-batches, prefetched by loader workers.
+
+An optimizer step covers a fixed number of real tokens per rank (`step_tokens`): micro-steps
+are added until the ranks' average real tokens reach it, so padded layouts take more
+micro-batches per step than packed ones and every mode sees the same tokens per update. Step
+boundaries come from the plan alone, so every rank computes the same ones without talking
+(ZeRO-3 needs the same number of forward passes everywhere).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash.data.batch import PackedBatch, PaddedBatch
+from dflash.data.collate import collate
+from dflash.models.anchors import BlockPlan, block_tensors, sample_anchors, to_packed
+from dflash.models.loss import slot_weights
+
+
+def step_ranges(plan: list, lengths: np.ndarray, step_tokens: int) -> list[tuple[int, int]]:
+    """Cut the micro-steps of one epoch's plan (`plan[rank][i]`) into optimizer steps.
+
+    Returns `[(first, end), ...]` micro-step ranges; the last step of an epoch may be short.
+    """
+    world_size, n = len(plan), len(plan[0])
+    tokens = np.zeros(n)
+    for rank_batches in plan:
+        sizes = [len(b) for b in rank_batches]
+        per_sample = lengths[np.concatenate(rank_batches)]
+        tokens += np.add.reduceat(per_sample, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+    tokens /= world_size
+    ranges, start, acc = [], 0, 0.0
+    for i in range(n):
+        acc += tokens[i]
+        if acc >= step_tokens:
+            ranges.append((start, i + 1))
+            start, acc = i + 1, 0.0
+    if start < n:
+        ranges.append((start, n))
+    return ranges
+
+
+@dataclass
+class MicroBatch:
+    batch: PackedBatch | PaddedBatch
+    plan: BlockPlan  # the anchors, drawn here so the forward never syncs to draw them
+    weight_sum: float  # sum of loss weights of its scored slots (for the step's normaliser)
+    real_tokens: int
+    computed_tokens: int
+
+    def pin_memory(self) -> "MicroBatch":
+        pinned = self.batch.pin_memory() if hasattr(self.batch, "pin_memory") else self.batch
+        return MicroBatch(pinned, self.plan, self.weight_sum, self.real_tokens, self.computed_tokens)
+
+
+class MicroBatchMaker:
+    """Collates one micro-batch and draws its anchors (runs inside loader workers)."""
+
+    def __init__(self, store_path: str, layout: str, *, pad_id: int, mask_token_id: int, block_size: int,
+                 num_anchors: int, gamma: float, seed: int):
+        self.store_path, self.layout, self.pad_id = store_path, layout, pad_id
+        self.mask_token_id, self.block_size, self.num_anchors = mask_token_id, block_size, num_anchors
+        self.weights = slot_weights(block_size, gamma)
+        self.seed = seed
+        self._store = None  # opened lazily: each worker maps the files itself
+
+    @property
+    def store(self):
+        if self._store is None:
+            from dflash.data.token_store import TokenStore
+
+            self._store = TokenStore(self.store_path)
+        return self._store
+
+    def __getstate__(self):
+        return {**self.__dict__, "_store": None}
+
+    def __call__(self, indices: np.ndarray, epoch: int) -> MicroBatch:
+        batch = collate(self.store, indices, self.layout, self.pad_id)
+        packed = to_packed(batch)
+        plan = sample_anchors(packed.loss_mask, packed.cu_seqlens_cpu, packed.sample_ids, block_size=self.block_size,
+                              num_anchors=self.num_anchors, seed=self.seed, epoch=epoch)
+        valid = block_tensors(plan, packed, self.mask_token_id).label_valid
+        weight_sum = float((valid * self.weights).sum())
+        return MicroBatch(batch, plan, weight_sum, batch.num_tokens, batch.computed_tokens)
+
+
+class _EpochItems(torch.utils.data.Dataset):
+    def __init__(self, maker: MicroBatchMaker, batches: list, epoch: int, start: int):
+        self.maker, self.batches, self.epoch, self.start = maker, batches, epoch, start
+
+    def __len__(self):
+        return len(self.batches) - self.start
+
+    def __getitem__(self, i):
+        return self.maker(self.batches[self.start + i], self.epoch)
+
+
+def micro_batches(maker: MicroBatchMaker, batches: list, epoch: int, start: int, *, num_workers: int, pin_memory: bool):
+    """Iterate this rank's micro-batches of one epoch from micro-step `start`, collated ahead."""
+    loader = torch.utils.data.DataLoader(
+        _EpochItems(maker, batches, epoch, start), batch_size=None, shuffle=False, num_workers=num_workers,
+        pin_memory=pin_memory, prefetch_factor=4 if num_workers else None, persistent_workers=False,
+    )
+    return iter(loader)

@@ -1,0 +1,338 @@
+"""The training loop: packed (or padded) micro-batch -> target features -> drafter -> loss ->
+DeepSpeed backward/step, with metrics, evaluation, checkpoints and export.
+
+`Trainer(config).train()` reads top to bottom: setup builds the components, the loop walks the
+steps of each epoch, everything else is a component (planner, loader, checkpointer, metrics).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash.data.planner import BatchPlanner, PlannerConfig, plan_batches
+from dflash.errors import UserError
+from dflash.training.checkpoint import Checkpointer
+from dflash.training.config import TrainConfig, parse_int_list
+from dflash.training.ds_config import load_ds_config, offloads_optimizer, zero_stage
+from dflash.training.metrics import MetricsWriter
+from dflash.training.steps import MicroBatchMaker, micro_batches, step_ranges
+
+
+def _split(num_samples: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic held-out split: (train indices, eval indices), both sorted."""
+    perm = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED])).permutation(num_samples)
+    n_eval = int(round(num_samples * eval_fraction)) if eval_fraction > 0 else 0
+    return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return 1 - progress
+        return 1.0
+
+    return f
+
+
+def accumulate_gradients(engine, target, micro: list, device, block_size: int):
+    """Forward and backward of one step's micro-batches on this rank.
+
+    Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
+    micro-batches on all ranks), so the accumulated gradient is that of one big batch.
+    Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), and the
+    number of skipped samples; nothing here waits for the device.
+    """
+    world_size = dist.get_world_size()
+    total = torch.tensor(sum(m.weight_sum for m in micro), dtype=torch.float64, device=device)
+    dist.all_reduce(total)  # the step's only collective of ours; the result stays on the device
+    # DeepSpeed averages gradients over ranks; scaling by the world size makes that a sum.
+    scale = (world_size / total.clamp_min(1e-12)).float()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    slot = torch.zeros(2, block_size - 1, dtype=torch.float64, device=device)
+    skipped = 0
+    for mb in micro:
+        batch = mb.batch.to(device, non_blocking=True)
+        out = engine(batch, target.features(batch), plan=mb.plan)
+        engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
+        sums += torch.stack([out.loss_sum.detach().double(), out.weight_sum.double(), out.tau_sum.double(),
+                             torch.tensor(float(out.num_blocks), dtype=torch.float64, device=device)])
+        slot += torch.stack([out.slot_correct, out.slot_count]).double()
+        skipped += out.num_skipped
+    return sums, slot, skipped
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dflash.demo import DATA as DEMO_DATA
+        from dflash.demo import TARGET as DEMO_TARGET
+        from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token
+
+        self.cfg = cfg
+        deepspeed.init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(get_accelerator().current_device_name())
+        on_gpu = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if cfg.dtype == "bf16" or (cfg.dtype == "auto" and on_gpu) else torch.float32
+        self.output_dir = Path(cfg.output_dir)
+        torch.manual_seed(cfg.seed)
+
+        # target: frozen, features only
+        target_path = Path(cfg.target or DEMO_TARGET)
+        if not (target_path / "config.json").is_file():
+            raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=self.dtype).to(self.device)
+        try:
+            self.target = TargetModel(hf, parse_int_list(cfg.target_layer_ids, "--target-layer-ids"),
+                                      num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
+            mask_id = ensure_mask_token(tokenizer, self.target.num_embedding_rows)
+        except ValueError as e:
+            raise UserError(f"--target {target_path}: {e}") from None
+
+        # data: token store -> held-out split -> planner
+        store_path = self._token_store(Path(cfg.data or DEMO_DATA), tokenizer)
+        from dflash.data.token_store import TokenStore
+
+        store = TokenStore(store_path)
+        self._check_vocab(store, store_path)
+        self.train_idx, self.eval_idx = _split(len(store), cfg.eval_fraction, cfg.seed)
+        self.lengths = store.lengths[self.train_idx]
+        self.step_tokens = cfg.step_tokens or 4 * cfg.token_budget
+        self.planner = BatchPlanner(self.lengths, PlannerConfig(
+            token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout,
+            boundaries=tuple(parse_int_list(cfg.boundaries, "--boundaries") or ()) or None, seed=cfg.seed,
+            world_size=self.world_size, window=cfg.packing_window))
+        if cfg.order == "bucketed" and not cfg.boundaries and cfg.buckets != 6:
+            from dflash.data.buckets import optimal_buckets
+
+            edges = optimal_buckets(self.lengths, cfg.buckets, cfg.token_budget)
+            self.planner = BatchPlanner(self.lengths, dataclasses.replace(self.planner.config, boundaries=tuple(edges)))
+        self.steps = [step_ranges(self.planner.plan(e), self.lengths, self.step_tokens) for e in range(cfg.epochs)]
+        self.total_steps = sum(len(s) for s in self.steps)
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+
+        # drafter + DeepSpeed
+        dcfg = DrafterConfig.from_target(hf.config, mask_token_id=mask_id, block_size=cfg.block_size,
+                                         num_draft_layers=cfg.draft_layers,
+                                         target_layer_ids=self.target.target_layer_ids,
+                                         vocab_size=self.target.num_embedding_rows)
+        drafter = DFlashDrafter(dcfg, self.target.shared_weights(), num_anchors=cfg.num_anchors,
+                                gamma=cfg.gamma or None, attention_backend=cfg.attention_backend)
+        self.maker = MicroBatchMaker(str(store_path), cfg.layout, pad_id=tokenizer.pad_token_id or 0,
+                                     mask_token_id=mask_id, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                                     gamma=drafter.gamma, seed=cfg.seed)
+        ds_config = load_ds_config(cfg.deepspeed_config, world_size=self.world_size, grad_clip=cfg.grad_clip,
+                                   bf16=self.dtype == torch.bfloat16)
+        self.zero_stage = zero_stage(ds_config)
+        if offloads_optimizer(ds_config):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                         adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                          fused=on_gpu or None)
+        warmup = int(cfg.warmup_ratio * self.total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, self.total_steps))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.drafter = drafter
+
+        self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
+        self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0)
+        self.step = 0
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+            self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, ZeRO-{self.zero_stage}; "
+                      f"{len(self.train_idx):,} train / {len(self.eval_idx):,} eval samples; {cfg.order}-{cfg.layout}, "
+                      f"budget {cfg.token_budget:,}, {self.step_tokens:,} tokens/rank/step, {self.total_steps} steps")
+        if cfg.resume:
+            self._resume()
+
+    # ---- setup helpers -------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def _token_store(self, data: Path, tokenizer) -> Path:
+        """A token store folder as is, or a JSONL file prepared (by rank 0) into the run folder."""
+        if data.is_dir():
+            return data
+        if not data.is_file():
+            raise UserError(f"--data {data}: no such file or folder")
+        store = self.output_dir / "data"
+        max_length = self.cfg.max_length or self.cfg.token_budget
+        meta = store / "dflash_store.json"
+        fresh = meta.is_file() and (lambda m: m["summary"]["input"] == str(data) and m["max_length"] == max_length)(
+            json.loads(meta.read_text()))
+        if self.rank == 0 and not fresh:
+            from dflash.data.prepare import prepare_jsonl
+
+            self._say(f"preparing {data} -> {store}")
+            summary = prepare_jsonl(data, tokenizer, store, max_length=max_length, overlong="truncate",
+                                    overwrite=True, progress=self.cfg.progress)
+            self._say(summary.text())
+        dist.barrier()
+        return store
+
+    def _check_vocab(self, store, path) -> None:
+        rows = self.target.num_embedding_rows
+        if store.vocab_size is not None and store.vocab_size > rows:
+            raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
+                            f"target's embedding has {rows} rows; prepare the data with the target's tokenizer")
+
+    def _resume(self) -> None:
+        state = self.checkpointer.load_latest(self.engine)
+        if state is None:
+            self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning")
+            return
+        diffs = self.planner.load_state_dict(state["planner"], force=self.cfg.force_resume)
+        for d in diffs:
+            self._say(f"--force-resume: {d}")
+        self.step = int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+        self._say(f"resumed from {state['checkpoint']} at step {self.step} (epoch {self.planner.epoch}, "
+                  f"micro-step {self.planner.position})")
+
+    # ---- the loop ------------------------------------------------------------------------
+    def train(self) -> dict:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=self.rank != 0 or not cfg.progress, dynamic_ncols=True)
+        last_eval = None
+        while self.step < self.total_steps and self.planner.epoch < cfg.epochs:
+            epoch = self.planner.epoch
+            ranges = [r for r in self.steps[epoch] if r[0] >= self.planner.position]
+            if not ranges or ranges[0][0] != self.planner.position:
+                raise UserError(f"checkpoint position {self.planner.position} is not a step boundary of epoch {epoch}")
+            batches = [self.train_idx[b] for b in self.planner.plan(epoch)[self.rank]]
+            loader = micro_batches(self.maker, batches, epoch, self.planner.position, num_workers=cfg.num_workers,
+                                   pin_memory=self.device.type == "cuda")
+            for first, end in ranges:
+                if self.step >= self.total_steps:
+                    break
+                record = self.train_step([next(loader) for _ in range(end - first)], epoch, first)
+                self.planner.advance(end - first)
+                self.step += 1
+                bar.update(1)
+                epoch_done = self.planner.epoch != epoch  # advance() rolled over
+                last = self.step >= self.total_steps
+                if record is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or (not cfg.eval_every and epoch_done) or last:
+                    last_eval = self.evaluate()
+                stop = self.step == cfg.stop_at_step
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or \
+                        (not cfg.checkpoint_every and epoch_done) or last or stop:
+                    self.save_checkpoint()
+                if stop:
+                    self._say(f"--stop-at-step {self.step}: stopped; continue with --resume")
+                    return {"step": self.step, "eval": last_eval, "stopped": True}
+            del loader
+        bar.close()
+        if cfg.export:
+            self.export(self.output_dir / "drafter")
+        self.metrics.close()
+        return {"step": self.step, "eval": last_eval}
+
+    def train_step(self, micro: list, epoch: int, first: int) -> dict | None:
+        """One optimizer step over this rank's micro-batches; the loss is normalised by the
+        loss weight of the WHOLE step (all micro-batches, all ranks), so the gradient is that of
+        one big batch."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        sums, slot, skipped = accumulate_gradients(self.engine, self.target, micro, self.device, cfg.block_size)
+        self.engine.step()
+        if cfg.sample_log:
+            self._log_samples(micro, epoch, first)
+        if self.step % cfg.log_every and self.step + 1 < self.total_steps:
+            return None
+        # sync point: metrics of the step, summed over ranks
+        real = sum(m.real_tokens for m in micro)
+        computed = sum(m.computed_tokens for m in micro)
+        counts = torch.tensor([real, computed, skipped, len(micro)], dtype=torch.float64, device=self.device)
+        for t in (sums, slot, counts):
+            dist.all_reduce(t)
+        seconds = time.perf_counter() - t0
+        loss, weight, tau, blocks = sums.tolist()
+        grad_norm = self.engine.get_global_grad_norm()
+        record = {
+            "epoch": epoch, "loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0,
+            "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "step_seconds": seconds, "real_tokens": int(counts[0]), "computed_tokens": int(counts[1]),
+            "tokens_per_s": float(counts[0]) / seconds, "computed_tokens_per_s": float(counts[1]) / seconds,
+            "efficiency": float(counts[0] / counts[1]), "micro_batches": int(counts[3]) // self.world_size,
+            "skipped_samples": int(counts[2]),
+            "slot_accuracy": (slot[0] / slot[1].clamp_min(1)).tolist(),
+        }
+        self.metrics.write("train", self.step + 1, record)
+        return record
+
+    def _log_samples(self, micro, epoch: int, first: int) -> None:
+        path = self.output_dir / f"samples.rank{self.rank}.jsonl"
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": self.step + 1, "epoch": epoch, "micro_step": first,
+                                "samples": [m.batch.sample_ids.tolist() for m in micro]}) + "\n")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """Loss, offline acceptance length tau and per-slot accuracy on the held-out split."""
+        if self.eval_idx.size == 0:
+            return None
+        store_lengths = self.maker.store.lengths[self.eval_idx]
+        plan = plan_batches(store_lengths, self.cfg.token_budget, "sorted", "packed", seed=self.cfg.seed,
+                            world_size=self.world_size)[self.rank]
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        slot = torch.zeros(2, self.cfg.block_size - 1, dtype=torch.float64, device=self.device)
+        for batch_idx in plan:
+            mb = self.maker(self.eval_idx[batch_idx], epoch=0)
+            batch = mb.batch.to(self.device)
+            out = self.engine(batch, self.target.features(batch), plan=mb.plan)
+            sums += torch.stack([out.loss_sum, out.weight_sum, out.tau_sum,
+                                 torch.tensor(float(out.num_blocks), device=self.device)]).double()
+            slot += torch.stack([out.slot_correct, out.slot_count]).double()
+        dist.all_reduce(sums)
+        dist.all_reduce(slot)
+        loss, weight, tau, blocks = sums.tolist()
+        record = {"loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0,
+                  "blocks": int(blocks), "slot_accuracy": (slot[0] / slot[1].clamp_min(1)).tolist()}
+        self.metrics.write("eval", self.step, record)
+        self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} over {int(blocks)} blocks")
+        return record
+
+    def save_checkpoint(self) -> None:
+        state = {"planner": self.planner.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state(),
+                 "config": dataclasses.asdict(self.cfg), "world_size": self.world_size}
+        self.checkpointer.save(self.engine, self.step, state)
+
+    def export(self, directory: Path) -> None:
+        """The drafter in the official DFlash format (parameters gathered under ZeRO-3)."""
+        import deepspeed
+
+        params = list(self.drafter.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3):
+            if self.rank == 0:
+                self.drafter.save_pretrained(directory)
+        dist.barrier()
+        self._say(f"exported the drafter to {directory}")

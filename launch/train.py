@@ -1,0 +1,39 @@
+#!/usr/bin/env python
+"""Train a DFlash drafter against a frozen Hugging Face target with DeepSpeed ZeRO.
+
+  deepspeed [--num_gpus N] launch/train.py [--config FILE.yaml] [options]
+
+With neither --target nor --data it trains the built-in demo: a tiny drafter against the
+bundled demo target on the dataset that target regenerated, on a laptop CPU in minutes.
+Defaults otherwise follow the DFlash paper: AdamW lr 6e-4, clip 1.0, cosine with 4% warm-up,
+6 epochs, 512 anchors, block 16, gamma 7, 5 draft layers. On a machine without a GPU,
+DeepSpeed runs CPU ranks (gloo).
+
+Examples:
+  deepspeed launch/train.py                                   # the CPU demo
+  deepspeed --num_gpus 8 launch/train.py --target Qwen/Qwen3-8B-local --data data/store \\
+      --token-budget 49152 --order shuffle --layout packed --deepspeed_config ds_configs/zero2.json
+"""
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+
+from dflash.errors import exit_on_user_error  # noqa: E402
+from dflash.training.config import load_config  # noqa: E402
+
+
+@exit_on_user_error
+def main(argv=None):
+    config = load_config(argv, description=__doc__)
+    from dflash.training.trainer import Trainer
+
+    result = Trainer(config).train()
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

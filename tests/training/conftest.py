@@ -1,0 +1,65 @@
+"""A tiny random Qwen3 target with a chat tokenizer and a small conversation file, built offline."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from ..conftest import ROOT, make_chat_tokenizer
+
+WORDS = [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is"]
+
+
+def make_tiny_target(path, seed=0):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = make_chat_tokenizer(WORDS)
+    rows = (len(tok) // 64 + 1) * 64  # padded table with spare rows, as Qwen3 has
+    config = Qwen3Config(vocab_size=rows, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def make_conversations(path, n=60, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
+            reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 160)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run_inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny_target(root / "target"), make_conversations(root / "data.jsonl")
+
+
+def run_deepspeed(args, num_ranks=2, timeout=600, script=None):
+    """Run `deepspeed --num_gpus N` on CPU ranks; returns the completed process."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", str(num_ranks),
+           "--master_port", str(29500 + random.randint(0, 2000)), str(script or ROOT / "launch" / "train.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def tiny_train_args(target, data, out, *extra):
+    return ["--target", str(target), "--data", str(data), "--output-dir", str(out), "--token-budget", "1024",
+            "--step-tokens", "1500", "--num-anchors", "8", "--draft-layers", "1", "--num-target-features", "2",
+            "--epochs", "2", "--lr", "1e-3", "--eval-fraction", "0.1", "--no-progress", "--num-workers", "0",
+            "--dtype", "fp32", *map(str, extra)]
+
+
+def read_metrics(out, kind="train"):
+    with open(out / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]

@@ -1,0 +1,108 @@
+"""Training end to end with real DeepSpeed CPU ranks (gloo), plus its small components."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dflash.errors import UserError
+from dflash.training.ds_config import load_ds_config
+from dflash.training.steps import step_ranges
+from dflash.training.trainer import lr_lambda
+
+from ..conftest import ROOT
+from .conftest import read_metrics, run_deepspeed, tiny_train_args
+
+
+def test_step_ranges_cover_every_micro_step_with_the_token_target():
+    lengths = np.array([100, 300, 50, 500, 200, 400, 100, 100])
+    plan = [[np.array([0]), np.array([1, 2]), np.array([3]), np.array([4])],
+            [np.array([5]), np.array([6]), np.array([7]), np.array([2])]]
+    # average tokens per micro-step over the two ranks: 250, 225, 300, 125
+    assert step_ranges(plan, lengths, 450) == [(0, 2), (2, 4)]
+    assert step_ranges(plan, lengths, 10_000) == [(0, 4)]
+    assert step_ranges(plan, lengths, 1) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_schedule_warms_up_linearly_then_follows_a_cosine():
+    f = lr_lambda("cosine", warmup=4, total=20)
+    assert [f(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0 and math.isclose(f(12), 0.5) and f(20) == 0.0
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload"])
+def test_shipped_deepspeed_configs_are_filled(name):
+    config = load_ds_config(ROOT / "ds_configs" / f"{name}.json", world_size=4, grad_clip=1.0, bf16=True)
+    assert config["train_micro_batch_size_per_gpu"] == 1 and config["gradient_accumulation_steps"] == 1
+    assert config["train_batch_size"] == 4 and config["managed_gradient_accumulation"] is False
+    assert config["gradient_clipping"] == 1.0 and config["bf16"]["enabled"] is True
+    assert "auto" not in json.dumps(config)
+
+
+def test_deepspeed_config_that_fights_the_trainer_is_refused(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(UserError, match="'train_micro_batch_size_per_gpu' is 8"):
+        load_ds_config(path, world_size=1, grad_clip=1.0, bf16=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tiny_run_inputs, tmp_path_factory):
+    from dflash.data import prepare_jsonl
+
+    target, data = tiny_run_inputs
+    out = tmp_path_factory.mktemp("store") / "store"
+    prepare_jsonl(data, str(target), out, progress=False)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_with_uneven_micro_batches_give_the_gradient_of_one_batch(tiny_run_inputs, tiny_store, stage):
+    target, _ = tiny_run_inputs
+    proc = run_deepspeed([str(target), str(tiny_store), str(stage)],
+                         script=ROOT / "tests" / "training" / "grad_equality_script.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    err = float(proc.stdout.split("GRAD_MAX_ERR=")[1].split()[0])
+    assert err < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,layout,order", [
+    ("zero2", "packed", "shuffle"), ("zero2", "padded", "sorted"), ("zero3", "packed", "bucketed"),
+    ("zero3", "padded", "shuffle"),
+])
+def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
+                                         "--deepspeed_config", f"ds_configs/{config}.json"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = read_metrics(out)
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["real_tokens"] > 0 for r in train)
+    assert all((r["efficiency"] == 1.0) == (layout == "packed") for r in train)
+    assert read_metrics(out, "eval"), "evaluated at the end"
+    exported = json.loads((out / "drafter" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
+    assert (out / "drafter" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_interrupted_and_resumed_run_has_the_same_loss_curve(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    common = ("--max-steps", 6, "--deepspeed_config", "ds_configs/zero2.json", "--no-export")
+    whole = tmp_path / "whole"
+    proc = run_deepspeed(tiny_train_args(target, data, whole, *common))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = tmp_path / "parts"
+    first = run_deepspeed(tiny_train_args(target, data, parts, *common, "--stop-at-step", 3))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(parts)] == [1, 2, 3]
+    second = run_deepspeed(tiny_train_args(target, data, parts, *common, "--resume"))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    a, b = read_metrics(whole), read_metrics(parts)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["lr"] for r in a] == [r["lr"] for r in b]
