@@ -91,7 +91,8 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
 @pytest.mark.slow
 def test_interrupted_and_resumed_run_has_the_same_loss_curve(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
-    common = ("--max-steps", 6, "--deepspeed_config", "ds_configs/zero2.json", "--no-export")
+    # small steps so that the stop falls in the middle of an epoch
+    common = ("--max-steps", 6, "--step-tokens", 600, "--deepspeed_config", "ds_configs/zero2.json", "--no-export")
     whole = tmp_path / "whole"
     proc = run_deepspeed(tiny_train_args(target, data, whole, *common))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -103,6 +104,7 @@ def test_interrupted_and_resumed_run_has_the_same_loss_curve(tiny_run_inputs, tm
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout
     a, b = read_metrics(whole), read_metrics(parts)
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert b[2]["epoch"] == b[3]["epoch"], "the interruption fell inside an epoch"
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["lr"] for r in a] == [r["lr"] for r in b]
