@@ -184,7 +184,8 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
                     summary.dropped_no_loss += 1
                     continue
                 summary.assistant_tokens += int(mask.sum())
-                yield {"input_ids": ids, "loss_mask": mask, "length": int(ids.size), "source_line": lineno}
+                yield {"input_ids": ids, "loss_mask": mask, "length": int(ids.size), "supervised": int(mask.sum()),
+                       "source_line": lineno}
             bar.update(bar.total - bar.n)
         summary.lines_read = bar.total
 
@@ -192,6 +193,7 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("uint8")),
         "length": datasets.Value("int32"),
+        "supervised": datasets.Value("int32"),
         "source_line": datasets.Value("int64"),
     })
     output_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """The token store: tokenized samples on disk, read by random access from memory-mapped files.
 
 A store is a Hugging Face `datasets` folder (`Dataset.save_to_disk`: Arrow files) with columns
-`input_ids` (int32 lists), `loss_mask` (uint8 lists, 1 on assistant tokens), `length` and
-`source_line`, plus `dflash_store.json` (how it was made and its summary). Arrow was chosen
+`input_ids` (int32 lists), `loss_mask` (uint8 lists, 1 on assistant tokens), `length`,
+`supervised` (assistant tokens) and `source_line`, plus `dflash_store.json` (how it was made and its summary). Arrow was chosen
 over a format of our own or DeepSpeed's indexed dataset because it holds both token streams
 and the metadata in one standard, inspectable folder that `datasets` can also read, writes in
 bounded memory, and its list columns are a flat value buffer plus offsets: reading sample i is
@@ -19,7 +19,7 @@ import numpy as np
 from dflash.errors import UserError
 
 STORE_META = "dflash_store.json"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: the supervised column
 
 
 class _Column:
@@ -66,6 +66,7 @@ class TokenStore:
         self._ids = _Column(table.column("input_ids"))
         self._mask = _Column(table.column("loss_mask"))
         self.lengths = table.column("length").to_numpy().astype(np.int64)
+        self.supervised = table.column("supervised").to_numpy().astype(np.int64)
 
     def __len__(self) -> int:
         return int(self.lengths.size)

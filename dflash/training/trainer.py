@@ -112,6 +112,11 @@ class Trainer:
 
         store = TokenStore(store_path)
         self._check_vocab(store, store_path)
+        usable = int((store.supervised >= 2 * cfg.block_size).sum())
+        if usable == 0:
+            raise UserError(f"--block-size {cfg.block_size}: a sample needs at least {2 * cfg.block_size} supervised "
+                            f"tokens to be trained on, and none of the {len(store):,} samples of {store_path} has "
+                            f"(most: {int(store.supervised.max())}); use a smaller block size")
         self.train_idx, self.eval_idx = _split(len(store), cfg.eval_fraction, cfg.seed)
         self.lengths = store.lengths[self.train_idx]
         self.step_tokens = cfg.step_tokens or 4 * cfg.token_budget
@@ -163,7 +168,8 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
             self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, ZeRO-{self.zero_stage}; "
-                      f"{len(self.train_idx):,} train / {len(self.eval_idx):,} eval samples; {cfg.order}-{cfg.layout}, "
+                      f"{len(self.train_idx):,} train / {len(self.eval_idx):,} eval samples "
+                      f"({len(store) - usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
                       f"budget {cfg.token_budget:,}, {self.step_tokens:,} tokens/rank/step, {self.total_steps} steps")
         if cfg.resume:
             self._resume()
@@ -182,8 +188,11 @@ class Trainer:
         store = self.output_dir / "data"
         max_length = self.cfg.max_length or self.cfg.token_budget
         meta = store / "dflash_store.json"
-        fresh = meta.is_file() and (lambda m: m["summary"]["input"] == str(data) and m["max_length"] == max_length)(
-            json.loads(meta.read_text()))
+        from dflash.data.token_store import STORE_VERSION
+
+        made = json.loads(meta.read_text()) if meta.is_file() else {}
+        fresh = (made.get("version") == STORE_VERSION and made["summary"]["input"] == str(data)
+                 and made["max_length"] == max_length)
         if self.rank == 0 and not fresh:
             from dflash.data.prepare import prepare_jsonl
 

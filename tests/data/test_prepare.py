@@ -56,7 +56,7 @@ def test_store_holds_template_tokens_and_assistant_only_mask(tmp_path, tokenizer
         want_ids, want_mask = expected_sample(tokenizer, m)
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(mask, want_mask)
-        assert store.lengths[i] == len(want_ids)
+        assert store.lengths[i] == len(want_ids) and store.supervised[i] == want_mask.sum()
     assert summary.tokens == store.total_tokens and summary.assistant_tokens == sum(int(store[i][1].sum()) for i in range(3))
 
 

@@ -108,3 +108,13 @@ def test_interrupted_and_resumed_run_has_the_same_loss_curve(tiny_run_inputs, tm
     assert b[2]["epoch"] == b[3]["epoch"], "the interruption fell inside an epoch"
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["lr"] for r in a] == [r["lr"] for r in b]
+
+
+@pytest.mark.slow
+def test_block_size_larger_than_any_sample_is_a_clear_error(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    proc = run_deepspeed(tiny_train_args(target, data, tmp_path / "run", "--block-size", 200, "--gamma", 7),
+                         num_ranks=1)
+    assert proc.returncode != 0
+    assert "--block-size 200: a sample needs at least 400 supervised tokens" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
