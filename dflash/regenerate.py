@@ -1,0 +1,433 @@
+"""Regenerate a conversation dataset with the target: every assistant turn becomes the target's own
+response to the turns before it, so the drafter learns the distribution it will be asked to
+predict at inference.
+
+Conversations are read with `dflash.data.conversations` (prompt-only files are fine: a
+conversation that ends with a user turn gets one response). A conversation with several assistant
+turns is regenerated turn by turn, each turn seeing the target's earlier answers as history.
+
+Output: JSONL in the `messages` form, one line per input conversation, in input order, with a
+`meta` object saying how it was made. Writing is resumable: every batch is appended as whole lines
+and synced; a rerun truncates a torn last line, skips the input lines already present (keyed by
+`meta.source_line`) and, because batches are always the same consecutive groups of valid input
+lines, regenerates an unfinished batch exactly as an uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+from dflash.data.conversations import SkipCounter, read_conversations
+from dflash.errors import UserError
+
+BACKENDS = ("auto", "hf", "vllm", "sglang")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+THINK_CLOSE = "</think>"
+# meta fields that change what is generated: a resumed run must agree with the lines it keeps
+SETTINGS = ("target", "temperature", "seed", "max_new_tokens", "keep_thinking")
+
+
+@dataclass
+class RegenerateConfig:
+    target: str  # Hugging Face model directory (config, weights, tokenizer with a chat template)
+    input: str  # JSONL conversations (`messages` or ShareGPT `conversations`)
+    output: str  # JSONL written in the `messages` form; appended to when it exists (resume)
+    max_new_tokens: int = 2048  # per assistant turn
+    temperature: float = 0.0  # 0 = greedy
+    seed: int | None = None  # sampling seed; defaults to 0 when temperature > 0
+    batch_size: int = 16  # conversations per generation batch
+    keep_thinking: bool = False  # keep `<think>...</think>` in stored responses
+    skip_bad: bool = False  # skip bad input lines (counted) instead of stopping
+    backend: str = "auto"  # auto | hf | vllm | sglang
+    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
+    target_name: str | None = None  # what `meta.target` records; defaults to the path as given
+    limit: int | None = None  # regenerate only the first `limit` valid conversations
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature == 0 and self.seed is not None:
+            raise UserError("--seed only applies to sampling; give --temperature > 0 or drop --seed")
+        if self.backend not in BACKENDS:
+            raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.limit is not None and self.limit < 1:
+            raise UserError(f"--limit must be at least 1, got {self.limit}")
+        if not (Path(self.target) / "config.json").is_file():
+            raise UserError(f"--target {self.target}: not a model directory (no config.json)")
+        if not Path(self.input).is_file():
+            raise UserError(f"--input {self.input}: no such file")
+        if Path(self.output).resolve() == Path(self.input).resolve():
+            raise UserError("--output must differ from --input")
+        if not Path(self.output).resolve().parent.is_dir():
+            raise UserError(f"--output {self.output}: the folder {Path(self.output).parent} does not exist")
+
+    @property
+    def sampling_seed(self) -> int | None:
+        return (0 if self.seed is None else self.seed) if self.temperature > 0 else None
+
+    def settings(self) -> dict:
+        return {
+            "target": self.target_name or self.target, "temperature": self.temperature,
+            "seed": self.sampling_seed, "max_new_tokens": self.max_new_tokens,
+            "keep_thinking": self.keep_thinking,
+        }
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens, without the stop token
+    hit_limit: bool  # stopped by max_new_tokens, not by an end-of-turn token
+
+
+def strip_thinking(text: str) -> str:
+    """Drop a `<think>...</think>` part, as Qwen3 chat templates do for earlier turns."""
+    if THINK_CLOSE not in text:
+        return text
+    return text.split(THINK_CLOSE)[-1].lstrip()
+
+
+def _derived_seed(seed: int, *parts: int) -> int:
+    """A distinct, reproducible seed per (batch or request, turn), so a resumed run draws the same
+    random numbers for a batch as an uninterrupted one and batches are not correlated."""
+    h = seed
+    for p in parts:
+        h = (h * 1_000_003 + p + 1) % (2**31 - 1)
+    return h
+
+
+def stop_ids(tokenizer, model_eos) -> list[int]:
+    """End-of-turn tokens: the tokenizer's eos plus the generation config's (e.g. Qwen3 lists both
+    `<|im_end|>` and `<|endoftext|>`)."""
+    ids = [] if model_eos is None else ([model_eos] if isinstance(model_eos, int) else list(model_eos))
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def generation_eos(target: str):
+    """The eos id(s) of the model's generation config (or its config), without loading weights."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(target).eos_token_id
+    except OSError:
+        return json.loads((Path(target) / "config.json").read_text()).get("eos_token_id")
+
+
+def _cut(tokens: list[int], stops: list[int], max_new_tokens: int) -> Generation:
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return Generation(tokens[:i], False)
+    return Generation(tokens, len(tokens) >= max_new_tokens)
+
+
+class HFBackend:
+    """Hugging Face `generate` on left-padded batches (GPU when there is one, else the CPU)."""
+
+    name = "hf"
+
+    def __init__(self, target: str, tokenizer, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device == "cuda" else "float32"
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).to(self.device)
+        self.model.eval()
+        self.stops = stop_ids(tokenizer, self.model.generation_config.eos_token_id)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+        # `generate` fills every unset option from the model's generation config (Qwen3 ships
+        # top_k/top_p/temperature); a bare one makes greedy plain argmax and sampling plain
+        # temperature sampling.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.stops, pad_token_id=self.pad)
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 seeds: list[int] | None) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=self.stops, pad_token_id=self.pad,
+            **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}),
+        )
+        if seeds is not None:
+            # `generate` draws from the global generator: one seed per batch is all it can take
+            torch.manual_seed(seeds[0])
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config
+            )
+        new = out[:, width:].tolist()
+        return [_cut(row, self.stops, max_new_tokens) for row in new]
+
+
+class VLLMBackend:
+    """vLLM offline engine, fed token ids (so it sees exactly the rendered chat template)."""
+
+    name = "vllm"
+
+    def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
+        from vllm import LLM
+
+        self.llm = LLM(model=target, dtype=dtype, seed=seed or 0)
+        self.stops = stop_ids(tokenizer, generation_eos(target))
+
+    def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, seed=None if seeds is None else seeds[i],
+                stop_token_ids=self.stops, skip_special_tokens=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [_cut(list(o.outputs[0].token_ids), self.stops, max_new_tokens) for o in outs]
+
+
+class SGLangBackend:
+    """SGLang offline engine, fed token ids."""
+
+    name = "sglang"
+
+    def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
+        import sglang
+
+        self.engine = sglang.Engine(model_path=target, dtype=dtype, random_seed=seed or 0, log_level="error")
+        self.stops = stop_ids(tokenizer, generation_eos(target))
+
+    def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
+        params = [
+            {
+                "temperature": temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens,
+                "stop_token_ids": self.stops, "skip_special_tokens": False,
+                **({} if seeds is None else {"sampling_seed": seeds[i]}),
+            }
+            for i in range(len(prompts))
+        ]
+        outs = self.engine.generate(input_ids=prompts, sampling_params=params)
+        return [
+            Generation(_cut(list(o["output_ids"]), self.stops, max_new_tokens).token_ids,
+                       o["meta_info"]["finish_reason"]["type"] == "length")
+            for o in outs
+        ]
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def choose_backend(name: str) -> str:
+    """`auto`: vLLM when it is installed and a GPU is present, otherwise Hugging Face."""
+    if name == "auto":
+        import torch
+
+        return "vllm" if _importable("vllm") and torch.cuda.is_available() else "hf"
+    if name in ("vllm", "sglang") and not _importable(name):
+        raise UserError(f"--backend {name}: {name} is not installed (use --backend hf or auto)")
+    return name
+
+
+def load_backend(cfg: RegenerateConfig, tokenizer):
+    name = choose_backend(cfg.backend)
+    if name == "hf":
+        return HFBackend(cfg.target, tokenizer, cfg.dtype)
+    dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
+    cls = VLLMBackend if name == "vllm" else SGLangBackend
+    return cls(cfg.target, tokenizer, dtype, cfg.sampling_seed)
+
+
+def load_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if not tokenizer.chat_template:
+        raise UserError(f"--target {target}: the tokenizer has no chat template")
+    return tokenizer
+
+
+def read_done(output: Path, settings: dict) -> set[int]:
+    """Input line numbers already in `output`. A torn last line (a crash mid-write) is cut off;
+    lines made with other generation settings are an error, not something to mix in."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with output.open("r+b") as f:
+            f.truncate(end)
+    done = set()
+    for lineno, line in enumerate(data[:end].splitlines(), start=1):
+        try:
+            meta = json.loads(line)["meta"]
+            source = int(meta["source_line"])
+        except (ValueError, KeyError, TypeError):
+            raise UserError(
+                f"{output}:{lineno}: not a line written by regenerate (no meta.source_line); "
+                "give a new --output"
+            ) from None
+        mismatch = [k for k in SETTINGS if meta.get(k) != settings[k]]
+        if mismatch:
+            diff = ", ".join(f"{k}={meta.get(k)!r} (now {settings[k]!r})" for k in mismatch)
+            raise UserError(
+                f"{output}:{lineno} was generated with other settings: {diff}; resume with the same "
+                "settings or give a new --output"
+            )
+        done.add(source)
+    return done
+
+
+def _batches(samples: Iterator, size: int, limit: int | None) -> Iterator[list]:
+    batch = []
+    for n, sample in enumerate(samples):
+        if limit is not None and n >= limit:
+            break
+        batch.append(sample)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def regenerate_batch(backend, tokenizer, batch: list[list[dict]], cfg: RegenerateConfig,
+                     batch_key: int) -> tuple[list[list[dict]], list[list[Generation]]]:
+    """Regenerate every assistant turn of each conversation in `batch`.
+
+    Turn r of all conversations is generated in one call, with the earlier turns already replaced,
+    so each response is conditioned on the target's own history. A conversation ending in a user
+    turn gets one more response. Returns the new conversations and the generations per turn.
+    """
+    convs, slots = [], []
+    for messages in batch:
+        conv = [dict(m) for m in messages]
+        if conv[-1]["role"] == "user":
+            conv.append({"role": "assistant", "content": ""})
+        convs.append(conv)
+        slots.append([i for i, m in enumerate(conv) if m["role"] == "assistant"])
+    gens: list[list[Generation]] = [[] for _ in batch]
+    for turn in range(max(len(s) for s in slots)):
+        todo = [b for b in range(len(batch)) if turn < len(slots[b])]
+        prompts = []
+        for b in todo:
+            text = tokenizer.apply_chat_template(
+                convs[b][: slots[b][turn]], tokenize=False, add_generation_prompt=True
+            )
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        seed = cfg.sampling_seed
+        seeds = None if seed is None else [_derived_seed(seed, batch_key, b, turn) for b in todo]
+        outs = backend.generate(
+            prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seeds=seeds
+        )
+        for b, g in zip(todo, outs):
+            text = tokenizer.decode(g.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            convs[b][slots[b][turn]]["content"] = text if cfg.keep_thinking else strip_thinking(text)
+            gens[b].append(g)
+    return convs, gens
+
+
+def _record(raw: dict, lineno: int, messages: list[dict], gens: list[Generation], settings: dict,
+            backend: str) -> bytes:
+    extra = {k: v for k, v in raw.items() if k not in ("messages", "conversations", "meta")}
+    meta = {
+        "source_line": lineno, **settings, "backend": backend,
+        "hit_limit": any(g.hit_limit for g in gens),
+        "response_tokens": [len(g.token_ids) for g in gens],
+    }
+    return (json.dumps({"messages": messages, **extra, "meta": meta}, ensure_ascii=False) + "\n").encode()
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress: bool = True) -> dict:
+    """Run (or resume) a regeneration. Returns counts and timings for the summary.
+
+    `backend`/`tokenizer` may be passed in to reuse a loaded model (benchmarks, tests).
+    """
+    cfg.validate()
+    output = Path(cfg.output)
+    settings = cfg.settings()
+    done = read_done(output, settings)
+    tokenizer = tokenizer or load_tokenizer(cfg.target)
+    backend = backend or load_backend(cfg, tokenizer)
+    skipped = SkipCounter()
+    samples = read_conversations(cfg.input, skip_bad=cfg.skip_bad, skipped=skipped, require_assistant=False)
+    total = _count_lines(Path(cfg.input))
+    if cfg.limit is not None:
+        total = min(total, cfg.limit)
+    stats = {"backend": backend.name, "written": 0, "resumed": len(done), "new_tokens": 0,
+             "hit_limit": 0, "seconds": 0.0}
+    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    bar = tqdm(total=total, initial=min(len(done), total), unit="sample", desc=f"regenerate [{backend.name}]",
+               disable=not progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    counted_skips = 0
+    try:
+        for batch in _batches(samples, cfg.batch_size, cfg.limit):
+            bar.update(skipped.total - counted_skips)  # bad lines read while filling this batch
+            counted_skips = skipped.total
+            todo = [lineno not in done for lineno, _, _ in batch]
+            if not any(todo):
+                continue
+            # The whole batch is generated even when a crash left part of it written, so every
+            # line sees the same padding and random draws as in an uninterrupted run.
+            convs, gens = regenerate_batch(backend, tokenizer, [m for _, m, _ in batch], cfg, batch[0][0])
+            lines = [
+                _record(raw, lineno, conv, g, settings, backend.name)
+                for (lineno, _, raw), conv, g, new in zip(batch, convs, gens, todo) if new
+            ]
+            # One write of whole lines, then fsync: a crash loses at most this batch
+            os.write(fd, b"".join(lines))
+            os.fsync(fd)
+            stats["written"] += len(lines)
+            stats["new_tokens"] += sum(sum(len(x.token_ids) for x in g) for g, new in zip(gens, todo) if new)
+            stats["hit_limit"] += sum(any(x.hit_limit for x in g) for g, new in zip(gens, todo) if new)
+            elapsed = time.perf_counter() - start
+            bar.update(len(lines))
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / elapsed:.0f}")
+    finally:
+        os.close(fd)
+        bar.close()
+    stats["seconds"] = time.perf_counter() - start
+    stats["skipped"] = skipped
+    return stats
+
+
+def summary(stats: dict, output: str) -> str:
+    secs = max(stats["seconds"], 1e-9)
+    lines = [
+        f"backend: {stats['backend']}",
+        f"wrote {stats['written']} conversation(s) to {output}"
+        + (f" (resumed: {stats['resumed']} already there)" if stats["resumed"] else ""),
+        f"{stats['new_tokens']} new tokens in {stats['seconds']:.1f}s: "
+        f"{stats['written'] / secs:.2f} samples/s, {stats['new_tokens'] / secs:.0f} tokens/s",
+        f"hit the --max-new-tokens limit: {stats['hit_limit']}",
+        stats["skipped"].summary(),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""Regenerate a conversation dataset with the target model (the data a DFlash drafter learns from).
+
+    python launch/regenerate.py --target MODEL_DIR --input prompts.jsonl --output out.jsonl
+
+Every assistant turn is replaced by the target's own response to the turns before it (a
+conversation that ends with a user turn gets one response). Greedy by default. Rerunning the same
+command resumes: conversations already in --output are skipped. The output is JSONL in the
+`messages` form that launch/prepare_data.py reads, with a `meta` field per line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash.errors import exit_on_user_error  # noqa: E402
+from dflash.regenerate import BACKENDS, DTYPES, RegenerateConfig, regenerate, summary  # noqa: E402
+
+
+def parse_args(argv=None) -> RegenerateConfig:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="Hugging Face model directory of the target (with tokenizer and chat template)")
+    p.add_argument("--input", required=True, help="JSONL conversations ({'messages': [...]} or ShareGPT {'conversations': [...]})")
+    p.add_argument("--output", required=True, help="output JSONL; if it exists, the run resumes and appends to it")
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="limit per assistant turn (default: 2048)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples at this temperature")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, recorded in meta (default: 0 when sampling)")
+    p.add_argument("--batch-size", type=int, default=16, help="conversations per generation batch (default: 16)")
+    p.add_argument("--keep-thinking", action="store_true",
+                   help="keep <think>...</think> in stored responses (default: strip it, as Qwen3 templates do for history)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip unusable input lines and report counts and reasons, instead of stopping at the first")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="generation engine: auto = vllm if installed and a GPU is present, else hf (default: auto)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="model dtype: auto = bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--limit", type=int, default=None, help="regenerate only the first N valid conversations")
+    a = p.parse_args(argv)
+    return RegenerateConfig(
+        target=a.target, input=a.input, output=a.output, max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature, seed=a.seed, batch_size=a.batch_size, keep_thinking=a.keep_thinking,
+        skip_bad=a.skip_bad, backend=a.backend, dtype=a.dtype, limit=a.limit,
+    )
+
+
+@exit_on_user_error
+def main(argv=None):
+    cfg = parse_args(argv)
+    try:
+        stats = regenerate(cfg)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the lines written so far are complete; rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(130)
+    print(summary(stats, cfg.output))
+
+
+if __name__ == "__main__":
+    main()

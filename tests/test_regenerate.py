@@ -1,0 +1,262 @@
+"""Regeneration: resumable output, turn-by-turn semantics, bad input, and the prepare_data hand-off.
+
+Uses the bundled demo target (a 1.3M-parameter Qwen3) on a handful of bundled prompts.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash.demo import PROMPTS, TARGET
+from dflash.errors import UserError
+from dflash.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = ROOT / "launch" / "regenerate.py"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(str(TARGET))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    import torch
+
+    torch.set_num_threads(1)
+    return HFBackend(str(TARGET), tokenizer, "float32")
+
+
+def write_prompts(path: Path, n: int, start: int = 0) -> Path:
+    lines = PROMPTS.read_text(encoding="utf-8").splitlines()[start:start + n]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def cli_main():
+    """`main` of launch/regenerate.py, imported from its file (launch/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("launch_regenerate", CLI)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def run_cli(*args, **popen):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(CLI), "--target", str(TARGET), *map(str, args)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def cfg_for(tmp_path, prompts, out="out.jsonl", **kw) -> RegenerateConfig:
+    kw.setdefault("max_new_tokens", 40)
+    kw.setdefault("batch_size", 4)
+    return RegenerateConfig(target=str(TARGET), input=str(prompts), output=str(tmp_path / out), **kw)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def greedy_reference(model, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
+    """Greedy decoding without `generate`: full forward pass per token, argmax, stop at eos."""
+    import torch
+
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == tokenizer.eos_token_id:
+                break
+            new.append(nxt)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 32)
+    args = ["--input", prompts, "--batch-size", 2, "--max-new-tokens", 48]
+    full = run_cli(*args, "--output", tmp_path / "full.jsonl")
+    _, err = full.communicate(timeout=300)
+    assert full.returncode == 0, err
+
+    out = tmp_path / "resumed.jsonl"
+    killed = run_cli(*args, "--output", out)
+    deadline = time.time() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 2) and time.time() < deadline:
+        time.sleep(0.005)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate()
+    written = out.read_bytes().count(b"\n")
+    assert 2 <= written < 32, "the kill must land mid-run for this test to mean anything"
+    # a torn last line, as a crash in the middle of a write would leave
+    with out.open("ab") as f:
+        f.write(b'{"messages": [{"role": "user", "con')
+
+    resumed = run_cli(*args, "--output", out)
+    stdout, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert f"resumed: {written} already there" in stdout
+    assert out.read_bytes() == (tmp_path / "full.jsonl").read_bytes()
+
+
+def test_output_loads_with_prepare_data(tmp_path, backend, tokenizer):
+    from dflash.data import TokenStore, prepare_jsonl
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
+    cfg = cfg_for(tmp_path, prompts)
+    regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
+    rows = read_jsonl(Path(cfg.output))
+    prepare_jsonl(cfg.output, str(TARGET), tmp_path / "store", progress=False)
+    store = TokenStore(tmp_path / "store")
+    assert len(store) == len(rows) == 8
+    for i, row in enumerate(rows):
+        ids, mask = store[i]
+        assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        # each supervised run is one regenerated answer and its end-of-turn marker
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+        runs = [tokenizer.decode(ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
+        answers = [m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant"]
+        assert len(runs) == len(answers)
+        assert all(r.startswith(a) and not r[len(a):].strip() for r, a in zip(runs, answers))
+
+
+def test_every_turn_is_the_targets_greedy_answer_to_its_own_history(tmp_path, backend, tokenizer):
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    multi = [r for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) >= 2][:2]
+    prompt_only = [r for r in rows if r["messages"][-1]["role"] == "user"][:2]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in multi + prompt_only))
+    cfg = cfg_for(tmp_path, prompts, max_new_tokens=60)
+    regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
+    out = read_jsonl(Path(cfg.output))
+    for src, row in zip(multi + prompt_only, out):
+        got = row["messages"]
+        want_turns = len(src["messages"]) + (src["messages"][-1]["role"] == "user")
+        assert len(got) == want_turns
+        assert [m["role"] for m in got[: len(src["messages"])]] == [m["role"] for m in src["messages"]]
+        for i, m in enumerate(got):
+            if m["role"] == "assistant":
+                ref = greedy_reference(backend.model, tokenizer, got[:i], cfg.max_new_tokens)
+                assert m["content"] == strip_thinking(ref)
+            else:
+                assert m == src["messages"][i]
+    assert [r["meta"]["source_line"] for r in out] == [1, 2, 3, 4]
+
+
+def test_batched_generation_matches_one_at_a_time(tmp_path, backend, tokenizer):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8, start=40)
+    one = cfg_for(tmp_path, prompts, out="one.jsonl", batch_size=1)
+    many = cfg_for(tmp_path, prompts, out="many.jsonl", batch_size=8)
+    for cfg in (one, many):
+        regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
+    assert [r["messages"] for r in read_jsonl(Path(one.output))] == [r["messages"] for r in read_jsonl(Path(many.output))]
+
+
+def test_meta_records_settings_and_the_length_limit(tmp_path, backend, tokenizer):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    cfg = cfg_for(tmp_path, prompts, max_new_tokens=3, temperature=0.8, seed=5)
+    regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
+    for row in read_jsonl(Path(cfg.output)):
+        meta = row["meta"]
+        assert (meta["temperature"], meta["seed"], meta["max_new_tokens"], meta["backend"]) == (0.8, 5, 3, "hf")
+        assert meta["target"] == str(TARGET)
+        assert meta["hit_limit"] and all(n == 3 for n in meta["response_tokens"])
+
+
+def test_sampling_is_reproducible_from_the_recorded_seed(tmp_path, backend, tokenizer):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
+    outs = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        cfg = cfg_for(tmp_path, prompts, out=f"{name}.jsonl", temperature=1.0, seed=seed)
+        regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
+        outs.append([r["messages"] for r in read_jsonl(Path(cfg.output))])
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+
+
+def test_resume_refuses_lines_made_with_other_settings(tmp_path, backend, tokenizer):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
+    regenerate(cfg_for(tmp_path, prompts, limit=1), backend=backend, tokenizer=tokenizer, progress=False)
+    with pytest.raises(UserError, match=r"out.jsonl:1 was generated with other settings: temperature=0.0 \(now 0.5\)"):
+        regenerate(cfg_for(tmp_path, prompts, temperature=0.5), backend=backend, tokenizer=tokenizer, progress=False)
+
+
+class ScriptedBackend:
+    """Answers every prompt with the same text, to test what is stored independently of a model."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, text: str):
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompts, *, max_new_tokens, temperature, seeds):
+        return [Generation(list(self.ids), False) for _ in prompts]
+
+
+@pytest.mark.parametrize("keep, stored", [
+    pytest.param(False, "The answer is 7 .", id="stripped"),
+    pytest.param(True, "<think> 3 + 4 = 7 . </think>\nThe answer is 7 .", id="kept"),
+])
+def test_thinking_is_stripped_unless_kept(tmp_path, tokenizer, keep, stored):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 1)
+    fake = ScriptedBackend(tokenizer, "<think> 3 + 4 = 7 . </think>\nThe answer is 7 .")
+    cfg = cfg_for(tmp_path, prompts, keep_thinking=keep)
+    regenerate(cfg, backend=fake, tokenizer=tokenizer, progress=False)
+    (row,) = read_jsonl(Path(cfg.output))
+    assert [m["content"] for m in row["messages"] if m["role"] == "assistant"][-1] == stored
+    assert row["meta"]["keep_thinking"] is keep
+
+
+BAD_LINES = [
+    '{"messages": [{"role": "user", "content": "Count up from 3 to 6 ."}]}',
+    '{"messages": [{"role": "user", "content": "oops"}',
+    '{"messages": [{"role": "system", "content": "Answer briefly ."}, {"role": "assistant", "content": "x"}]}',
+    '{"messages": [{"role": "robot", "content": "beep"}]}',
+    '{"conversations": [{"from": "human", "value": "What is 2 + 3 ?"}]}',
+]
+
+
+def test_bad_line_stops_with_its_location(tmp_path, capsys):
+    main = cli_main()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(BAD_LINES) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--target", str(TARGET), "--input", str(bad), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {bad}:2: invalid JSON" in err and "Traceback" not in err
+
+
+def test_skip_bad_counts_reasons_and_keeps_the_good_lines(tmp_path, capsys):
+    main = cli_main()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(BAD_LINES) + "\n")
+    out = tmp_path / "o.jsonl"
+    main(["--target", str(TARGET), "--input", str(bad), "--output", str(out), "--skip-bad",
+          "--max-new-tokens", "8"])
+    text = capsys.readouterr().out
+    assert "backend: hf" in text
+    assert "skipped 3 bad line(s)" in text
+    for reason, line in (("invalid JSON", 2), ("no user turn", 3), ("unknown role", 4)):
+        assert f"1  {reason}  (first: {bad}:{line}:" in text
+    assert [r["meta"]["source_line"] for r in read_jsonl(out)] == [1, 5]
+
+
+def test_user_mistakes_are_reported_without_traceback(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 1)
+    proc = run_cli("--input", prompts, "--output", tmp_path / "o.jsonl", "--temperature", "-1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "error: --temperature must be >= 0" in err and "Traceback" not in err
