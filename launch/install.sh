@@ -18,5 +18,5 @@ py="$venv/bin/python"
 # No build isolation: the extension (and DeepSpeed's setup) must see the torch installed above;
 # an isolated build environment would fetch a different torch.
 "$py" -m pip install -q --no-build-isolation -e ".[$extras]"
-"$py" -c "import dflash._C" 2>/dev/null && echo "dflash installed in $venv (C++ packer built)" \
+"$py" -c "import torch, dflash._C" 2>/dev/null && echo "dflash installed in $venv (C++ packer built)" \
   || echo "dflash installed in $venv WITHOUT the C++ packer (no compiler?): the pure-Python path will be used"
