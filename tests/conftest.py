@@ -3,6 +3,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in its numpy interpreter, which must be switched on before
+# anything imports triton (transformers may, during the model tests that run before tests/ops).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_LENGTHS = ROOT.parent / "shared" / "data" / "seed_lengths.npy"

@@ -17,6 +17,7 @@ micro-batches, and the plan is a pure function of (lengths, settings, seed, epoc
 """
 from __future__ import annotations
 
+import itertools
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -100,12 +101,18 @@ def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str,
             batches[j : j + 1] = [batches[j][:half], batches[j][half:]]
         return batches
     for _ in range(len(batches) % world_size):
-        merged = None
+        merged, best = None, token_budget + 1
         if len(batches) > world_size:
+            # the cheapest pair that fits, among the cheapest batches (enough in practice: this
+            # path only runs when nearly every batch holds a single sample)
             costs = [_cost(lengths, b, layout) for b in batches]
-            first, second = sorted(sorted(range(len(batches)), key=costs.__getitem__)[:2])
-            merged = np.concatenate([batches[first], batches[second]])
-        if merged is None or _cost(lengths, merged, layout) > token_budget:
+            cheapest = sorted(range(len(batches)), key=costs.__getitem__)[:64]
+            for i, j in itertools.combinations(sorted(cheapest), 2):
+                union = np.concatenate([batches[i], batches[j]])
+                cost = _cost(lengths, union, layout)
+                if cost < best:
+                    merged, best, first, second = union, cost, i, j
+        if merged is None:
             raise UserError(
                 f"cannot give {world_size} ranks the same number of micro-batches without dropping or "
                 f"repeating samples: {int(lengths.size)} samples in {len(batches)} micro-batches, and no "
