@@ -12,6 +12,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -74,15 +75,44 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int):
     return sums, slot, skipped
 
 
+class LoadedTarget(NamedTuple):
+    """The frozen target and its tokenizer, loaded once; several Trainers may share one."""
+
+    tokenizer: object
+    hf: object  # the Hugging Face model (its config sizes the drafter)
+    model: object  # the TargetModel feature extractor
+    mask_id: int
+
+
+def load_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.demo import TARGET as DEMO_TARGET
+    from dflash.models import TargetModel, ensure_mask_token
+
+    target_path = Path(cfg.target or DEMO_TARGET)
+    if not (target_path / "config.json").is_file():
+        raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
+    try:
+        model = TargetModel(hf, parse_int_list(cfg.target_layer_ids, "--target-layer-ids"),
+                            num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
+        mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows)
+    except ValueError as e:
+        raise UserError(f"--target {target_path}: {e}") from None
+    return LoadedTarget(tokenizer, hf, model, mask_id)
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, target: LoadedTarget | None = None):
+        """`target`: an already loaded target to share (e.g. by several modes in one process);
+        it must match cfg's target options. None loads it."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dflash.demo import DATA as DEMO_DATA
-        from dflash.demo import TARGET as DEMO_TARGET
-        from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token
+        from dflash.models import DFlashDrafter, DrafterConfig
 
         self.cfg = cfg
         deepspeed.init_distributed()
@@ -91,20 +121,11 @@ class Trainer:
         on_gpu = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" or (cfg.dtype == "auto" and on_gpu) else torch.float32
         self.output_dir = Path(cfg.output_dir)
-        torch.manual_seed(cfg.seed)
 
         # target: frozen, features only
-        target_path = Path(cfg.target or DEMO_TARGET)
-        if not (target_path / "config.json").is_file():
-            raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
-        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-        hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=self.dtype).to(self.device)
-        try:
-            self.target = TargetModel(hf, parse_int_list(cfg.target_layer_ids, "--target-layer-ids"),
-                                      num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
-            mask_id = ensure_mask_token(tokenizer, self.target.num_embedding_rows)
-        except ValueError as e:
-            raise UserError(f"--target {target_path}: {e}") from None
+        self.loaded = target or load_target(cfg, self.device, self.dtype)
+        tokenizer, hf, self.target, mask_id = self.loaded
+        torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
 
         # data: token store -> held-out split -> planner
         store_path = self._token_store(Path(cfg.data or DEMO_DATA), tokenizer)
@@ -295,6 +316,8 @@ class Trainer:
             "skipped_samples": int(counts[2]),
             "slot_accuracy": (slot[0] / slot[1].clamp_min(1)).tolist(),
         }
+        if self.device.type == "cuda":  # for the config tuner: what this rank's step needed at most
+            record["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.metrics.write("train", self.step + 1, record)
         return record
 

@@ -1,0 +1,319 @@
+"""Every batch order x layout on the same target, data and token budget, side by side.
+
+One process (or one DeepSpeed launch) loads the target once and builds, for each mode, a
+`Trainer` whose drafter starts from the same seed. The modes then take their optimizer steps
+round-robin (step i of every mode, then step i + 1, ...), so drift of the machine (thermal,
+other jobs) hits them alike.
+
+Throughput (`measure_throughput`): the first `warmup` steps of each mode are left out; the
+rest give real and computed tokens/s (sums over steps, so long steps weigh as they cost),
+padding efficiency, the spread of step times across steps and across ranks, and each mode's
+ratio to sorted-padded (the seed's batching).
+
+Convergence (`measure_convergence`): each mode trains on the same number of real tokens; loss
+and offline tau on the held-out split are recorded against tokens seen and training seconds,
+for several seeds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash.data.planner import LAYOUTS, ORDERS
+from dflash.errors import UserError
+from dflash.training.config import TrainConfig
+from dflash.training.steps import micro_batches
+from dflash.training.trainer import Trainer, accumulate_gradients
+
+MODES = tuple(f"{o}-{lay}" for o in ORDERS for lay in LAYOUTS)
+BASELINE = "sorted-padded"
+SEED_SHUFFLE_PADDED_RATIO = 0.37  # the seed's padded full shuffle vs its sorted batches (2.7x slower)
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()] if text else list(MODES)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise UserError(f"--modes: unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}")
+    return modes
+
+
+class ModeRun:
+    """One mode's trainer and its stream of optimizer steps, one step per `step()` call."""
+
+    def __init__(self, mode: str, trainer: Trainer):
+        self.mode, self.trainer = mode, trainer
+        self._steps = self._micro_steps()
+        self.records: list[dict] = []
+        self.tokens_seen = 0
+        self.train_seconds = 0.0
+
+    def _micro_steps(self):
+        tr = self.trainer
+        for epoch in range(tr.cfg.epochs):
+            batches = [tr.train_idx[b] for b in tr.planner.plan(epoch)[tr.rank]]
+            loader = micro_batches(tr.maker, batches, epoch, 0, num_workers=tr.cfg.num_workers,
+                                   pin_memory=tr.device.type == "cuda")
+            for first, end in tr.steps[epoch]:
+                yield epoch, [next(loader) for _ in range(end - first)]
+
+    def step(self, origin: float) -> dict:
+        """One optimizer step; the record is the same on every rank."""
+        tr = self.trainer
+        start = time.perf_counter()
+        epoch, micro = next(self._steps)  # waiting for data is part of the step
+        sums, _, _ = accumulate_gradients(tr.engine, tr.target, micro, tr.device, tr.cfg.block_size)
+        tr.engine.step()
+        _synchronize()
+        own = time.perf_counter() - start
+        # this rank's seconds and work in its own slot, so one all_reduce gathers them all
+        w, r = tr.world_size, tr.rank
+        per_rank = torch.zeros(3, w, dtype=torch.float64, device=tr.device)
+        per_rank[:, r] = torch.tensor([own, sum(m.real_tokens for m in micro), sum(m.computed_tokens for m in micro)],
+                                      dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(per_rank)
+        seconds = time.perf_counter() - start
+        loss, weight, tau, blocks = sums.tolist()
+        rank_seconds, rank_real, rank_computed = per_rank.tolist()
+        tr.step += 1
+        record = {"index": len(self.records), "epoch": epoch, "start": start - origin, "seconds": seconds,
+                  "rank_seconds": rank_seconds, "rank_computed_tokens": [int(c) for c in rank_computed],
+                  "real_tokens": int(sum(rank_real)), "computed_tokens": int(sum(rank_computed)),
+                  "micro_batches": len(micro), "loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0}
+        self.tokens_seen += record["real_tokens"]
+        self.train_seconds += seconds
+        record.update(tokens_seen=self.tokens_seen, train_seconds=self.train_seconds)
+        self.records.append(record)
+        return record
+
+
+def _synchronize() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()  # a rank's own time includes its queued device work
+
+
+def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, say) -> list[ModeRun]:
+    """A trainer per mode, all sharing one loaded target and one token store."""
+    runs, target = [], None
+    for mode in modes:
+        order, layout = mode.split("-")
+        mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
+                                       max_steps=max_steps, export=False, progress=False, resume=False,
+                                       stop_at_step=0)
+        trainer = Trainer(mode_cfg, target=target)
+        if target is None:
+            target = trainer.loaded
+            cfg = dataclasses.replace(cfg, data=trainer.maker.store_path)  # prepared once, shared by the rest
+        runs.append(ModeRun(mode, trainer))
+    say(f"built {len(runs)} modes: {', '.join(modes)}")
+    return runs
+
+
+def run_interleaved(runs: list[ModeRun], done, origin: float, say=None) -> None:
+    """Step the modes round-robin until `done(run)` holds for every one; `say` hears each round."""
+    active = [r for r in runs if not done(r)]
+    while active:
+        for run in active:
+            run.step(origin)
+        if say:
+            say("  " + ", ".join(f"{r.mode} step {len(r.records)}: {r.records[-1]['seconds']:.2f}s" for r in active))
+        active = [r for r in active if not done(r)]
+
+
+def summarize_throughput(records: list[dict], warmup: int) -> dict:
+    """Throughput statistics of one mode's steps after the warm-up."""
+    measured = records[warmup:]
+    if not measured:
+        raise UserError(f"no steps left after {warmup} warm-up step(s); raise --steps or lower --warmup")
+    seconds = np.array([r["seconds"] for r in measured])
+    real = sum(r["real_tokens"] for r in measured)
+    computed = sum(r["computed_tokens"] for r in measured)
+    rank_s = np.array([r["rank_seconds"] for r in measured])
+    rank_work = np.array([r["rank_computed_tokens"] for r in measured], dtype=np.float64)
+    return {
+        "tokens_per_s": real / seconds.sum(),
+        "computed_tokens_per_s": computed / seconds.sum(),
+        "efficiency": real / computed,
+        "steps": len(measured), "warmup_steps": warmup, "real_tokens": real, "computed_tokens": computed,
+        "micro_batches_per_step": float(np.mean([r["micro_batches"] for r in measured])),
+        "step_seconds_median": float(np.median(seconds)),
+        # spread across steps: coefficient of variation and the range
+        "step_seconds_cv": float(seconds.std() / seconds.mean()),
+        "step_seconds_min": float(seconds.min()), "step_seconds_max": float(seconds.max()),
+        # spread across ranks, per step then averaged: (slowest - fastest) / mean of the ranks' own
+        # seconds (collectives inside the step make ranks wait for each other, so also the work)
+        "rank_seconds_spread": float(np.mean((rank_s.max(1) - rank_s.min(1)) / rank_s.mean(1))),
+        "rank_work_imbalance": float(np.mean(rank_work.max(1) / rank_work.mean(1))),
+    }
+
+
+def measure_throughput(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, warmup: int, say) -> dict:
+    """`{mode: statistics}` over `steps` measured steps per mode after `warmup`, plus the raw steps."""
+    runs = build_runs(cfg, modes, out, max_steps=steps + warmup, say=say)
+    available = min(r.trainer.total_steps for r in runs)
+    if available < steps + warmup:
+        raise UserError(f"--steps {steps} + --warmup {warmup}: the data gives only {available} steps in "
+                        f"{cfg.epochs} epoch(s) for some mode; raise --epochs or lower --steps")
+    say(f"throughput: {warmup} warm-up + {steps} measured steps per mode, interleaved")
+    run_interleaved(runs, lambda r: len(r.records) >= steps + warmup, time.perf_counter(), say)
+    result = {r.mode: {**summarize_throughput(r.records, warmup), "steps_log": r.records} for r in runs}
+    if BASELINE in result:
+        base = result[BASELINE]
+        for stats in result.values():
+            stats["ratio_to_sorted_padded"] = stats["tokens_per_s"] / base["tokens_per_s"]
+            stats["computed_ratio_to_sorted_padded"] = stats["computed_tokens_per_s"] / base["computed_tokens_per_s"]
+    return result
+
+
+def step_tokens_of_plan(trainer: Trainer) -> list[int]:
+    """Real tokens (all ranks) of each optimizer step the trainer will take, from its plan alone."""
+    tokens = []
+    for epoch, ranges in enumerate(trainer.steps):
+        plan = trainer.planner.plan(epoch)
+        for first, end in ranges:
+            tokens.append(int(sum(trainer.lengths[np.concatenate(p[first:end])].sum() for p in plan)))
+    return tokens[:trainer.total_steps]
+
+
+def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, repeats: int,
+                        eval_every: int, say) -> dict:
+    """Loss and held-out tau against real tokens and training seconds, per mode and seed.
+
+    Every mode trains on the same real-token budget: the fewest tokens any mode's plan holds in
+    `steps` steps (modes stop at the first step that reaches it; the schedule spans `steps`).
+    """
+    result = {m: {"repeats": []} for m in modes}
+    for rep in range(repeats):
+        seed_cfg = dataclasses.replace(cfg, seed=cfg.seed + rep)
+        runs = build_runs(seed_cfg, modes, out, max_steps=steps, say=say)
+        cfg = dataclasses.replace(cfg, data=runs[0].trainer.maker.store_path)
+        budget = min(sum(step_tokens_of_plan(r.trainer)[:steps]) for r in runs)
+        evals = {r.mode: [] for r in runs}
+
+        def evaluate(chunk):
+            for r in chunk:
+                e = r.trainer.evaluate()
+                if e is not None:
+                    evals[r.mode].append({"step": len(r.records), "tokens_seen": r.tokens_seen,
+                                          "train_seconds": r.train_seconds, "loss": e["loss"], "tau": e["tau"]})
+
+        say(f"convergence, seed {seed_cfg.seed}: {budget:,} real tokens per mode, interleaved")
+        evaluate(runs)
+        origin, active = time.perf_counter(), list(runs)
+        while active:
+            goal = {r.mode: len(r.records) + eval_every for r in active}
+            run_interleaved(active, lambda r: r.tokens_seen >= budget or len(r.records) >= goal[r.mode], origin, say)
+            evaluate(active)
+            active = [r for r in active if r.tokens_seen < budget]
+        for r in runs:
+            result[r.mode]["repeats"].append({
+                "seed": seed_cfg.seed, "budget_tokens": budget,
+                "train": [{k: s[k] for k in ("index", "tokens_seen", "train_seconds", "loss", "tau")} for s in r.records],
+                "eval": evals[r.mode]})
+        del runs
+        gc.collect()
+    for stats in result.values():
+        finals = [rep["eval"][-1] for rep in stats["repeats"] if rep["eval"]]
+        stats["final_eval_loss_mean"] = float(np.mean([f["loss"] for f in finals]))
+        stats["final_eval_loss_std"] = float(np.std([f["loss"] for f in finals]))
+        stats["final_eval_tau_mean"] = float(np.mean([f["tau"] for f in finals]))
+        stats["final_eval_tau_std"] = float(np.std([f["tau"] for f in finals]))
+        stats["train_seconds_mean"] = float(np.mean([rep["train"][-1]["train_seconds"] for rep in stats["repeats"]]))
+    return result
+
+
+# ---- reports -------------------------------------------------------------------------------
+def throughput_table(result: dict) -> str:
+    head = (f"{'mode':<17} {'tokens/s':>9} {'computed/s':>10} {'effic.':>7} {'ratio':>6} {'step s':>7} "
+            f"{'step cv':>7} {'rank spread':>11} {'mb/step':>7}")
+    lines = [head, "-" * len(head)]
+    for mode, s in result.items():
+        lines.append(f"{mode:<17} {s['tokens_per_s']:>9,.0f} {s['computed_tokens_per_s']:>10,.0f} "
+                     f"{s['efficiency']:>7.1%} {s.get('ratio_to_sorted_padded', float('nan')):>5.2f}x "
+                     f"{s['step_seconds_median']:>7.3f} {s['step_seconds_cv']:>7.1%} {s['rank_seconds_spread']:>11.1%} "
+                     f"{s['micro_batches_per_step']:>7.1f}")
+    notes = []
+    if "shuffle-padded" in result and "ratio_to_sorted_padded" in result["shuffle-padded"]:
+        notes.append(f"shuffle-padded: {result['shuffle-padded']['ratio_to_sorted_padded']:.2f}x sorted-padded "
+                     f"(the seed measured {SEED_SHUFFLE_PADDED_RATIO:.2f}x)")
+    if {"shuffle-packed", "sorted-packed"} <= result.keys():
+        notes.append(f"shuffle-packed: {result['shuffle-packed']['tokens_per_s'] / result['sorted-packed']['tokens_per_s']:.3f}x "
+                     "sorted-packed")
+    return "\n".join(lines + notes)
+
+
+def convergence_table(result: dict) -> str:
+    head = f"{'mode':<17} {'eval loss':>17} {'eval tau':>15} {'train s':>8} {'repeats':>7}"
+    lines = [head, "-" * len(head)]
+    for mode, s in result.items():
+        lines.append(f"{mode:<17} {s['final_eval_loss_mean']:>8.4f} ± {s['final_eval_loss_std']:<6.4f} "
+                     f"{s['final_eval_tau_mean']:>6.3f} ± {s['final_eval_tau_std']:<6.3f} {s['train_seconds_mean']:>8.1f} "
+                     f"{len(s['repeats']):>7}")
+    return "\n".join(lines)
+
+
+def _colors(modes):
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    return {m: cmap(MODES.index(m)) for m in modes}
+
+
+def plot_throughput(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(result)
+    x = np.arange(len(modes))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    real = [result[m]["tokens_per_s"] for m in modes]
+    ax.bar(x - 0.2, real, 0.4, label="real tokens/s")
+    ax.bar(x + 0.2, [result[m]["computed_tokens_per_s"] for m in modes], 0.4, label="computed tokens/s", alpha=0.6)
+    for i, m in enumerate(modes):
+        if "ratio_to_sorted_padded" in result[m]:
+            ax.text(i - 0.2, real[i], f"{result[m]['ratio_to_sorted_padded']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, modes, rotation=20)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_convergence(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = _colors(result)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for mode, stats in result.items():
+        for i, rep in enumerate(stats["repeats"]):
+            label = mode if i == 0 else None
+            for col, x in enumerate(("tokens_seen", "train_seconds")):
+                axes[0, col].plot([s[x] for s in rep["train"]], [s["loss"] for s in rep["train"]], color=colors[mode],
+                                  alpha=0.25, lw=0.8)
+                axes[0, col].plot([e[x] for e in rep["eval"]], [e["loss"] for e in rep["eval"]], "o-", color=colors[mode],
+                                  ms=3, lw=1.2, label=label)
+                axes[1, col].plot([e[x] for e in rep["eval"]], [e["tau"] for e in rep["eval"]], "o-", color=colors[mode],
+                                  ms=3, lw=1.2, label=label)
+    for col, xlabel in enumerate(("real tokens seen", "training seconds")):
+        axes[0, col].set(xlabel=xlabel, ylabel="loss (lines: eval; faint: train steps)")
+        axes[1, col].set(xlabel=xlabel, ylabel="eval tau (offline acceptance length)")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

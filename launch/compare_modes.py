@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Compare every batch order x layout (sorted, shuffle, bucketed; padded, packed) on the same
+target, data and token budget: throughput by default, learning curves with --convergence.
+
+  python launch/compare_modes.py [--target PATH --data PATH --steps N --deepspeed_config F] [--json]
+  deepspeed --num_gpus N launch/compare_modes.py [...]          # several ranks
+
+The modes take their steps interleaved (step i of every mode, then step i + 1), each from the
+same drafter initialisation, so drift of the machine hits them alike; the first --warmup steps
+of each mode are left out. Reports real and computed tokens/s, padding efficiency, step-time
+spread across steps and ranks, and each mode's ratio to sorted-padded (the seed's batching):
+a table, a PNG chart and, with --json, a JSON document on stdout keyed "<order>-<layout>".
+
+--convergence trains every mode on the same number of real tokens and plots loss and offline
+tau on the held-out split against tokens seen and training seconds, for --repeats seeds.
+
+With neither --target nor --data it runs the built-in CPU demo. All training options apply
+(--token-budget, --step-tokens, --deepspeed_config, ...); --order and --layout are ignored.
+Output goes to --output-dir (default runs/compare): <name>.png, <name>.json, one folder per mode.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+if "RANK" not in os.environ:  # plain `python`, no launcher: one rank of its own
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+from dflash.errors import UserError, exit_on_user_error  # noqa: E402
+from dflash.training.config import build_parser, load_config  # noqa: E402
+
+
+def add_compare_args(p):
+    g = p.add_argument_group("comparison")
+    g.add_argument("--modes", default="", help="comma-separated modes to compare (default: all six, e.g. sorted-padded,shuffle-packed)")
+    g.add_argument("--steps", type=int, default=None, help="measured optimizer steps per mode (default: 3; with --convergence: the steps whose tokens set the budget, 30)")
+    g.add_argument("--warmup", type=int, default=1, help="steps per mode left out of the throughput statistics (default: 1)")
+    g.add_argument("--convergence", action="store_true", help="train every mode on the same real tokens and plot loss and tau curves instead of measuring throughput")
+    g.add_argument("--repeats", type=int, default=3, help="--convergence: seeds per mode (--seed, --seed + 1, ...) to show the noise (default: 3)")
+    g.add_argument("--eval-interval", type=int, default=5, help="--convergence: evaluate every N steps per mode (default: 5)")
+    g.add_argument("--json", action="store_true", help="print the result as JSON on stdout (everything else goes to stderr)")
+    return p
+
+
+@exit_on_user_error
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    add_compare_args(build_parser(__doc__)).parse_args(argv)  # --help and bad flags, with every option
+    # the comparison's own options; the rest are training options
+    args, cfg_argv = add_compare_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
+    cfg = load_config(cfg_argv, description=__doc__)
+    if cfg.output_dir == "runs/demo":  # the demo's default run folder: keep training runs apart
+        cfg = dataclasses.replace(cfg, output_dir="runs/compare")
+    steps = args.steps if args.steps is not None else (30 if args.convergence else 3)
+    for flag, value, low in (("--steps", steps, 1), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
+                             ("--eval-interval", args.eval_interval, 1)):
+        if value < low:
+            raise UserError(f"{flag}: must be >= {low}, got {value}")
+
+    real_stdout = None
+    if args.json:  # keep stdout for the JSON alone, whoever prints (DeepSpeed, C extensions)
+        sys.stdout.flush()
+        real_stdout = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from dflash.training import compare
+
+    modes = compare.parse_modes(args.modes)
+    out = Path(cfg.output_dir)
+
+    def say(text):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(text, file=sys.stderr, flush=True)
+
+    if args.convergence:
+        result = compare.measure_convergence(cfg, modes, out, steps=steps, repeats=args.repeats,
+                                             eval_every=args.eval_interval, say=say)
+        name, table, plot = "convergence", compare.convergence_table(result), compare.plot_convergence
+    else:
+        result = compare.measure_throughput(cfg, modes, out, steps=steps, warmup=args.warmup, say=say)
+        name, table, plot = "throughput", compare.throughput_table(result), compare.plot_throughput
+    if dist.get_rank() == 0:
+        title = (f"{name}: {dist.get_world_size()} rank(s), budget {cfg.token_budget:,}, "
+                 f"{cfg.step_tokens or 4 * cfg.token_budget:,} tokens/rank/step, {cfg.deepspeed_config}")
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, out / f"{name}.png", title)
+        say(f"{title}\n{table}\nwrote {out / name}.json and {out / name}.png")
+        if real_stdout is not None:
+            real_stdout.write(json.dumps(result) + "\n")
+            real_stdout.flush()
+    return result
+
+
+if __name__ == "__main__":
+    main()
