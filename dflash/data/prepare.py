@@ -6,7 +6,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

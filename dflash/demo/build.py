@@ -163,7 +163,7 @@ def _describe(rng: random.Random) -> Task:
 def _story(rng: random.Random) -> Task:
     a, b = rng.sample(NOUNS, 2)
     k = rng.randint(2, 6)
-    (ka, ca, wa, da), (kb, cb, wb, db) = THINGS[a], THINGS[b]
+    (_, ca, wa, da), (kb, cb, wb, _) = THINGS[a], THINGS[b]
     sentences = [
         f"Once upon a time there was a {ca} {a} {wa} .",
         f"Every day the {a} {da} .",

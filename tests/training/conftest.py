@@ -44,6 +44,17 @@ def tiny_run_inputs(tmp_path_factory):
     return make_tiny_target(root / "target"), make_conversations(root / "data.jsonl")
 
 
+@pytest.fixture(scope="session")
+def tiny_store(tiny_run_inputs, tmp_path_factory):
+    """The tiny conversations prepared into a token store with the tiny target's tokenizer."""
+    from dflash.data import prepare_jsonl
+
+    target, data = tiny_run_inputs
+    out = tmp_path_factory.mktemp("store") / "store"
+    prepare_jsonl(data, str(target), out, progress=False)
+    return out
+
+
 def run_deepspeed(args, num_ranks=2, timeout=600, script=None):
     """Run `deepspeed --num_gpus N` on CPU ranks; returns the completed process."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

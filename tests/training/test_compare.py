@@ -19,16 +19,6 @@ from .conftest import run_deepspeed
 BUDGET, STEP_TOKENS, WARMUP, STEPS = 512, 512, 1, 2  # 3 steps fit in epoch 0 on 2 ranks
 
 
-@pytest.fixture(scope="module")
-def tiny_store(tiny_run_inputs, tmp_path_factory):
-    from dflash.data import prepare_jsonl
-
-    target, data = tiny_run_inputs
-    out = tmp_path_factory.mktemp("store") / "store"
-    prepare_jsonl(data, str(target), out, progress=False)
-    return out
-
-
 def compare_args(target, store, out):
     return [str(a) for a in (
         "--target", target, "--data", store, "--output-dir", out, "--token-budget", BUDGET, "--step-tokens",

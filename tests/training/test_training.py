@@ -46,16 +46,6 @@ def test_deepspeed_config_that_fights_the_trainer_is_refused(tmp_path):
         load_ds_config(path, world_size=1, grad_clip=1.0, bf16=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_store(tiny_run_inputs, tmp_path_factory):
-    from dflash.data import prepare_jsonl
-
-    target, data = tiny_run_inputs
-    out = tmp_path_factory.mktemp("store") / "store"
-    prepare_jsonl(data, str(target), out, progress=False)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_with_uneven_micro_batches_give_the_gradient_of_one_batch(tiny_run_inputs, tiny_store, stage):
