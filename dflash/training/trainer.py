@@ -140,15 +140,15 @@ class Trainer:
         self.train_idx, self.eval_idx = _split(len(store), cfg.eval_fraction, cfg.seed)
         self.lengths = store.lengths[self.train_idx]
         self.step_tokens = cfg.step_tokens or 4 * cfg.token_budget
-        self.planner = BatchPlanner(self.lengths, PlannerConfig(
-            token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout,
-            boundaries=tuple(parse_int_list(cfg.boundaries, "--boundaries") or ()) or None, seed=cfg.seed,
-            world_size=self.world_size, window=cfg.packing_window))
-        if cfg.order == "bucketed" and not cfg.boundaries and cfg.buckets != 6:
+        boundaries = parse_int_list(cfg.boundaries, "--boundaries")
+        if cfg.order == "bucketed" and boundaries is None:
             from dflash.data.buckets import optimal_buckets
 
-            edges = optimal_buckets(self.lengths, cfg.buckets, cfg.token_budget)
-            self.planner = BatchPlanner(self.lengths, dataclasses.replace(self.planner.config, boundaries=tuple(edges)))
+            boundaries = optimal_buckets(self.lengths, cfg.buckets, cfg.token_budget).tolist()
+        self.planner = BatchPlanner(self.lengths, PlannerConfig(
+            token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout,
+            boundaries=tuple(boundaries) if boundaries else None, seed=cfg.seed,
+            world_size=self.world_size, window=cfg.packing_window))
         self.steps = [step_ranges(self.planner.plan(e), self.lengths, self.step_tokens) for e in range(cfg.epochs)]
         self.total_steps = sum(len(s) for s in self.steps)
         if cfg.max_steps:
