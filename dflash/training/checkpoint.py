@@ -2,9 +2,10 @@
 never taken for complete.
 
 Layout: `<output_dir>/checkpoints/step-00000042/` holds what `engine.save_checkpoint` writes
-and, last, `COMPLETE` (written by rank 0 after every rank finished). `--resume` loads the
-newest folder with `COMPLETE`; if it cannot be read, the previous one, with a warning. Only
-the newest `keep` complete checkpoints are kept.
+and, last, `COMPLETE`: the run state as JSON, written atomically by rank 0 after every rank
+finished its files. A folder without it is ignored, so a crash at any point of a save leaves
+the previous checkpoint as the newest. `--resume` loads the newest complete folder; if it cannot
+be read, the previous one, with a warning. Only the newest `keep` complete checkpoints are kept.
 """
 from __future__ import annotations
 
@@ -14,13 +15,36 @@ import shutil
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+
+from dflash.errors import UserError
 
 COMPLETE = "COMPLETE"
 
 
 def _tag(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)  # the rename itself must reach the disk
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Marker first: a folder half-deleted by a crash must not look complete."""
+    (path / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class Checkpointer:
@@ -34,35 +58,56 @@ class Checkpointer:
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and (p / COMPLETE).is_file())
 
-    def save(self, engine, step: int, client_state: dict) -> Path:
-        """Collective: every rank calls it."""
+    def save(self, engine, step: int, run_state: dict) -> Path:
+        """Collective: every rank calls it. `run_state` must be JSON-serialisable."""
         path = self.root / _tag(step)
-        engine.save_checkpoint(str(self.root), tag=_tag(step), client_state=client_state, save_latest=False)
+        if dist.get_rank() == 0 and path.exists():  # e.g. a step redone after a fallback: never mix two saves
+            _remove(path)
+        dist.barrier()
+        engine.save_checkpoint(str(self.root), tag=_tag(step), save_latest=False)
         dist.barrier()
         if dist.get_rank() == 0:
-            marker = path / COMPLETE
-            with open(marker, "w") as f:
-                json.dump({"step": step}, f)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_atomically(path / COMPLETE, json.dumps({"step": step, **run_state}) + "\n")
             for old in self.complete()[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
         dist.barrier()
         return path
 
-    def load_latest(self, engine) -> dict | None:
-        """Collective: load the newest readable complete checkpoint; returns its client state."""
+    def load_latest(self, engine, check, module_only=lambda state: False) -> dict | None:
+        """Collective: load the newest readable complete checkpoint and return its run state.
+
+        `check(state)` sees the run state first and may refuse it (raise); `module_only(state)`
+        says to load the weights alone (optimizer state that cannot be re-partitioned).
+        Returns None when there is no complete checkpoint at all.
+        """
         candidates = self.complete()
+        if not candidates:
+            return None
+        failures = []
         for path in reversed(candidates):
             try:
-                loaded, client_state = engine.load_checkpoint(str(self.root), tag=path.name,
-                                                              load_module_strict=True)
-            except Exception as err:  # noqa: BLE001 - any unreadable file means: fall back
-                loaded, client_state = None, None
-                reason = f"{type(err).__name__}: {err}"
-            else:
-                reason = "DeepSpeed found nothing to load"
-            if loaded is not None and client_state:
-                return {**client_state, "checkpoint": str(path)}
-            warnings.warn(f"checkpoint {path} is unreadable ({reason}); falling back to the previous one")
-        return None
+                state = json.loads((path / COMPLETE).read_text())
+            except (OSError, ValueError) as err:
+                state, reason = None, f"unreadable {COMPLETE}: {err}"
+            if state is not None:
+                state["checkpoint"] = str(path)
+                check(state)
+                only = module_only(state)
+                try:
+                    loaded, _ = engine.load_checkpoint(str(self.root), tag=path.name, load_module_strict=True,
+                                                       load_module_only=only, load_optimizer_states=not only,
+                                                       load_lr_scheduler_states=not only)
+                    reason = None if loaded is not None else "DeepSpeed found nothing to load"
+                except Exception as err:  # noqa: BLE001 - any unreadable file means: fall back
+                    reason = f"{type(err).__name__}: {err}"
+            # every rank must end on the same checkpoint, even if only one rank's files are bad
+            ok = torch.tensor([0 if state is None or reason else 1], device=engine.device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if ok.item():
+                return state
+            failures.append(f"{path.name}: {reason or 'another rank could not load its part'}")
+            if path != candidates[0]:
+                warnings.warn(f"checkpoint {path} cannot be loaded ({failures[-1]}); falling back to the previous one")
+        raise UserError(f"--resume: none of the {len(candidates)} complete checkpoints in {self.root} can be loaded:\n  "
+                        + "\n  ".join(failures)
+                        + "\nmove them away to start over, or resume from a copy of an older run folder")

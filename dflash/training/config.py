@@ -61,7 +61,8 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "how many of the newest checkpoints to keep"})
     log_every: int = field(default=1, metadata={"help": "write metrics every N steps (a host sync point)"})
     num_workers: int = field(default=1, metadata={"help": "data-loader worker processes collating micro-batches ahead of compute"})
-    sample_log: bool = field(default=False, metadata={"help": "write which samples every step used to samples.jsonl"})
+    sample_log: bool = field(default=False, metadata={"help": "write which samples every step used to samples.rank<N>.jsonl (store indices)"})
+    max_nonfinite_steps: int = field(default=5, metadata={"help": "stop (with a checkpoint) after this many optimizer steps in a row with non-finite loss or gradients; each is skipped"})
     export: bool = field(default=True, metadata={"help": "export the drafter (save_pretrained) at the end"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
 
@@ -134,8 +135,34 @@ def _read_yaml(path: str) -> dict:
         name = str(key).replace("-", "_")
         if name not in known:
             raise UserError(f"--config {path}: unknown key {key!r} (see `train.py --help` for the options)")
-        out[name] = value
+        out[name] = _typed(value, known[name], f"--config {path}: {key!r}")
     return out
+
+
+def _typed(value, f: dataclasses.Field, where: str):
+    """A YAML value as the option's type. YAML reads `1e-3` as a string and `[1, 9]` as a list."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{where} must be true or false, got {value!r}")
+    if kind == "str":
+        if isinstance(value, list) and all(isinstance(v, int) for v in value):
+            return ",".join(map(str, value))  # e.g. target_layer_ids: [1, 9, 17]
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"{where} must be a string, got {value!r}")
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+        if kind == "int":
+            if number != int(number):
+                raise ValueError
+            return int(number)
+        return number
+    except (TypeError, ValueError):
+        raise UserError(f"{where} must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}") from None
 
 
 def validate(c: TrainConfig) -> None:
@@ -151,7 +178,7 @@ def validate(c: TrainConfig) -> None:
     if c.dtype not in ("auto", "bf16", "fp32"):
         bad("dtype", f"must be auto, bf16 or fp32, got {c.dtype!r}")
     for name in ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
-                 "keep_checkpoints", "log_every", "num_target_features"):
+                 "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps"):
         if getattr(c, name) < 1:
             bad(name, f"must be >= 1, got {getattr(c, name)}")
     if c.block_size < 2:

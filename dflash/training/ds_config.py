@@ -53,11 +53,88 @@ def load_ds_config(path: str | Path, *, world_size: int, grad_clip: float, bf16:
     leftover = [k for k, v in _walk(config) if v == "auto"]
     if leftover:
         raise UserError(f"--deepspeed_config {path}: the trainer cannot fill 'auto' at {', '.join(leftover)}")
+    _check_with_deepspeed(config, path)
     zero = config.get("zero_optimization", {})
+    if zero.get("stage", 0) == 0:
+        raise UserError(f"--deepspeed_config {path}: ZeRO stage 0 is not supported: the trainer relies on the ZeRO "
+                        "optimizers to skip steps with non-finite gradients; use stage 1 (ds_configs/zero1.json), "
+                        "which costs the same on one GPU")
     if zero.get("stage", 0) == 3 and zero.get("overlap_comm", True):
         raise UserError(f"--deepspeed_config {path}: ZeRO-3 needs 'overlap_comm': false with a varying number of "
                         "micro-batches per step (DeepSpeed's unmanaged accumulation)")
     return config
+
+
+# pydantic model of a config section -> its key, for error messages
+_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
+             "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param"}
+
+
+class _KeyRecorder(dict):
+    """A config dict that records which top-level keys DeepSpeed looks up."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.asked = set()
+
+    def get(self, key, *default):
+        self.asked.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self.asked.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.asked.add(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        recorder = self
+
+        class Keys:
+            def __contains__(self, key):
+                return key in recorder
+
+            def __iter__(self):
+                return iter(dict.keys(recorder))
+
+        return Keys()
+
+
+def _check_with_deepspeed(config: dict, path: Path) -> None:
+    """Parse the config with DeepSpeed itself, so that a typo fails here with the key named
+    instead of being ignored: DeepSpeed silently skips unknown top-level keys, and its
+    sections raise pydantic errors deep inside `deepspeed.initialize`."""
+    import difflib
+
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    # the batch sizes are checked against the world size; they are ours and already valid
+    recorder = _KeyRecorder({k: v for k, v in config.items() if k != "train_batch_size"})
+    try:
+        DeepSpeedConfig(recorder)
+    except pydantic.ValidationError as e:
+        section = _SECTIONS.get(e.title, e.title)
+        where = [f"{'.'.join([section, *map(str, err['loc'])])}: {err['msg']} (got {err.get('input')!r})"
+                 for err in e.errors()]
+        raise UserError(f"--deepspeed_config {path}: DeepSpeed rejects\n  " + "\n  ".join(where)
+                        + "\n(the keys and values: https://www.deepspeed.ai/docs/config-json/)") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise UserError(f"--deepspeed_config {path}: DeepSpeed rejects it: {e}") from None
+    unknown = [k for k in config if k not in recorder.asked and k != "train_batch_size"]
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(recorder.asked), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "DeepSpeed would silently ignore it"
+        raise UserError(f"--deepspeed_config {path}: unknown key {key!r} ({hint})")
+    for key in ("gradient_clipping",):
+        if not isinstance(config.get(key, 0.0), (int, float)) or isinstance(config.get(key), bool):
+            raise UserError(f"--deepspeed_config {path}: '{key}' must be a number, got {config[key]!r}")
+    for section in ("bf16", "fp16"):
+        if section in config and not (isinstance(config[section], dict)
+                                      and isinstance(config[section].get("enabled", False), bool)):
+            raise UserError(f"--deepspeed_config {path}: '{section}' must be an object with 'enabled': true/false")
 
 
 def _walk(d, prefix=""):

@@ -2,31 +2,61 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= last_step (and drop a line cut short by a crash); atomic."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record["step"] <= last_step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _finite_or_none(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path, enabled: bool):
+    def __init__(self, output_dir: str | Path, enabled: bool, resume_step: int | None = None):
+        """`resume_step`: the run continues after this step; later records (of a crashed
+        attempt) are removed from the JSONL and from TensorBoard."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                trim_jsonl(self.path, resume_step)
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard is optional
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+                purge = None if resume_step is None else resume_step + 1
+                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=purge)
 
     def write(self, kind: str, step: int, values: dict) -> None:
         if not self.enabled:
             return
+        # strict JSON: a skipped step's NaN loss is written as null
+        values = {k: _finite_or_none(v) for k, v in values.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
         if self._tb is not None:
             for k, v in values.items():
-                if isinstance(v, (int, float)):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"{kind}/{k}", v, step)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ steps of each epoch, everything else is a component (planner, loader, checkpoint
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
@@ -22,7 +23,7 @@ from dflash.errors import UserError
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig, parse_int_list
 from dflash.training.ds_config import load_ds_config, offloads_optimizer, zero_stage
-from dflash.training.metrics import MetricsWriter
+from dflash.training.metrics import MetricsWriter, trim_jsonl
 from dflash.training.steps import MicroBatchMaker, micro_batches, step_ranges
 
 
@@ -182,8 +183,8 @@ class Trainer:
         self.drafter = drafter
 
         self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
-        self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0)
         self.step = 0
+        self.nonfinite_in_row = self.nonfinite_total = 0
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
@@ -191,8 +192,11 @@ class Trainer:
                       f"{len(self.train_idx):,} train / {len(self.eval_idx):,} eval samples "
                       f"({len(store) - usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
                       f"budget {cfg.token_budget:,}, {self.step_tokens:,} tokens/rank/step, {self.total_steps} steps")
-        if cfg.resume:
-            self._resume()
+        resumed = cfg.resume and self._resume()
+        # a resumed run's logs end at its checkpoint: what a crash wrote after it is redone
+        self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0, resume_step=self.step if resumed else None)
+        if resumed and cfg.sample_log:
+            trim_jsonl(self._sample_log_path(), self.step)
 
     # ---- setup helpers -------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -229,18 +233,55 @@ class Trainer:
             raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
                             f"target's embedding has {rows} rows; prepare the data with the target's tokenizer")
 
-    def _resume(self) -> None:
-        state = self.checkpointer.load_latest(self.engine)
+    def _resume(self) -> bool:
+        """Load the newest complete checkpoint; False when there is none. A checkpoint of other
+        data, planner settings, step size or world size is refused unless --force-resume."""
+        cfg = self.cfg
+
+        def check(state):
+            diffs = self.planner.load_state_dict(state["planner"], force=True)
+            if state["step_tokens"] != self.step_tokens:
+                diffs.append(f"step_tokens: checkpoint {state['step_tokens']} -> now {self.step_tokens}")
+            if diffs and not cfg.force_resume:
+                raise UserError(f"--resume: {state['checkpoint']} was made with other "
+                                "data or settings:\n  " + "\n  ".join(diffs)
+                                + "\nresume with the same settings, or add --force-resume to continue anyway "
+                                "(the rest of the epoch is replanned)")
+            return diffs
+
+        def world_changed(state):
+            return state["world_size"] != self.world_size
+
+        state = self.checkpointer.load_latest(self.engine, check, module_only=world_changed)
         if state is None:
             self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning")
-            return
-        diffs = self.planner.load_state_dict(state["planner"], force=self.cfg.force_resume)
-        for d in diffs:
+            return False
+        for d in check(state):
             self._say(f"--force-resume: {d}")
         self.step = int(state["step"])
-        torch.set_rng_state(state["torch_rng"])
+        self.nonfinite_total = int(state.get("nonfinite_steps", 0))
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch_rng"])), dtype=torch.uint8))
+        if world_changed(state):
+            # DeepSpeed cannot re-partition ZeRO optimizer state for another world size
+            self._say(f"--force-resume: {state['world_size']} -> {self.world_size} ranks: the weights are loaded, "
+                      "the optimizer state (AdamW moments) starts fresh")
+            for _ in range(self.step):
+                self.scheduler.step()
+            self.planner.position = self.planner.position * state["world_size"] // self.world_size
+        epoch, position = self.planner.epoch, self.planner.position
+        boundary = next((first for first, _ in self.steps[epoch] if first >= position), None) \
+            if epoch < len(self.steps) else position
+        if boundary != position:
+            # only after a forced resume: continue at the next step of the new plan
+            if boundary is None:
+                self.planner.epoch, self.planner.position = epoch + 1, 0
+            else:
+                self.planner.position = boundary
+            self._say(f"--force-resume: epoch {epoch} continues at micro-step {self.planner.position} of the new plan "
+                      f"(was {position}); samples of this epoch may be repeated or skipped")
         self._say(f"resumed from {state['checkpoint']} at step {self.step} (epoch {self.planner.epoch}, "
                   f"micro-step {self.planner.position})")
+        return True
 
     # ---- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
@@ -265,6 +306,8 @@ class Trainer:
                 self.planner.advance(end - first)
                 self.step += 1
                 bar.update(1)
+                if self.nonfinite_in_row >= cfg.max_nonfinite_steps:
+                    self._stop_after_nonfinite_steps()
                 epoch_done = self.planner.epoch != epoch  # advance() rolled over
                 last = self.step >= self.total_steps
                 if record is not None:
@@ -293,9 +336,16 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         sums, slot, skipped = accumulate_gradients(self.engine, self.target, micro, self.device, cfg.block_size)
         self.engine.step()
+        # The ZeRO optimizers skip the update when the global gradient norm is not finite.
+        applied = self.engine.was_step_applied()
+        self.nonfinite_in_row = 0 if applied else self.nonfinite_in_row + 1
+        self.nonfinite_total += not applied
+        if not applied:
+            self._say(f"step {self.step + 1}: non-finite loss or gradients, update skipped "
+                      f"({self.nonfinite_in_row} in a row, {self.nonfinite_total} in all)")
         if cfg.sample_log:
             self._log_samples(micro, epoch, first)
-        if self.step % cfg.log_every and self.step + 1 < self.total_steps:
+        if applied and self.step % cfg.log_every and self.step + 1 < self.total_steps:
             return None
         # sync point: metrics of the step, summed over ranks
         real = sum(m.real_tokens for m in micro)
@@ -312,7 +362,7 @@ class Trainer:
             "step_seconds": seconds, "real_tokens": int(counts[0]), "computed_tokens": int(counts[1]),
             "tokens_per_s": float(counts[0]) / seconds, "computed_tokens_per_s": float(counts[1]) / seconds,
             "efficiency": float(counts[0] / counts[1]), "micro_batches": int(counts[3]) // self.world_size,
-            "skipped_samples": int(counts[2]),
+            "skipped_samples": int(counts[2]), "step_applied": applied, "nonfinite_steps": self.nonfinite_total,
             "slot_accuracy": (slot[0] / slot[1].clamp_min(1)).tolist(),
         }
         if self.device.type == "cuda":  # for the config tuner: what this rank's step needed at most
@@ -320,9 +370,22 @@ class Trainer:
         self.metrics.write("train", self.step + 1, record)
         return record
 
+    def _stop_after_nonfinite_steps(self) -> None:
+        first = self.step - self.nonfinite_in_row + 1
+        # skipped updates left the weights and optimizer as they were after step first - 1
+        path = self.save_checkpoint()
+        raise UserError(
+            f"steps {first}-{self.step}: {self.nonfinite_in_row} optimizer steps in a row had non-finite loss or "
+            f"gradients and were skipped (--max-nonfinite-steps {self.cfg.max_nonfinite_steps}); stopped with a "
+            f"checkpoint of the last good weights in {path}. Likely causes: a learning rate too high (--lr), "
+            "bf16 overflow (--dtype fp32), or bad samples (--sample-log writes which samples each step used). "
+            "--resume continues after these steps.")
+
+    def _sample_log_path(self) -> Path:
+        return self.output_dir / f"samples.rank{self.rank}.jsonl"
+
     def _log_samples(self, micro, epoch: int, first: int) -> None:
-        path = self.output_dir / f"samples.rank{self.rank}.jsonl"
-        with open(path, "a") as f:
+        with open(self._sample_log_path(), "a") as f:
             f.write(json.dumps({"step": self.step + 1, "epoch": epoch, "micro_step": first,
                                 "samples": [m.batch.sample_ids.tolist() for m in micro]}) + "\n")
 
@@ -332,17 +395,22 @@ class Trainer:
         if self.eval_idx.size == 0:
             return None
         store_lengths = self.maker.store.lengths[self.eval_idx]
-        plan = plan_batches(store_lengths, self.cfg.token_budget, "sorted", "packed", seed=self.cfg.seed,
-                            world_size=self.world_size)[self.rank]
+        batches = plan_batches(store_lengths, self.cfg.token_budget, "sorted", "packed", seed=self.cfg.seed)[0]
+        # Round-robin over ranks. Every rank runs the same number of forwards (ZeRO-3 gathers
+        # parameters collectively), so a rank short of batches repeats one and discards it.
+        per_rank = -(-len(batches) // self.world_size)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         slot = torch.zeros(2, self.cfg.block_size - 1, dtype=torch.float64, device=self.device)
-        for batch_idx in plan:
-            mb = self.maker(self.eval_idx[batch_idx], epoch=0)
+        for i in range(per_rank):
+            k = i * self.world_size + self.rank
+            counted = k < len(batches)
+            mb = self.maker(self.eval_idx[batches[k if counted else 0]], epoch=0)
             batch = mb.batch.to(self.device)
             out = self.engine(batch, self.target.features(batch), plan=mb.plan)
-            sums += torch.stack([out.loss_sum, out.weight_sum, out.tau_sum,
-                                 torch.tensor(float(out.num_blocks), device=self.device)]).double()
-            slot += torch.stack([out.slot_correct, out.slot_count]).double()
+            if counted:
+                sums += torch.stack([out.loss_sum, out.weight_sum, out.tau_sum,
+                                     torch.tensor(float(out.num_blocks), device=self.device)]).double()
+                slot += torch.stack([out.slot_correct, out.slot_count]).double()
         dist.all_reduce(sums)
         dist.all_reduce(slot)
         loss, weight, tau, blocks = sums.tolist()
@@ -352,10 +420,11 @@ class Trainer:
         self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} over {int(blocks)} blocks")
         return record
 
-    def save_checkpoint(self) -> None:
-        state = {"planner": self.planner.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state(),
-                 "config": dataclasses.asdict(self.cfg), "world_size": self.world_size}
-        self.checkpointer.save(self.engine, self.step, state)
+    def save_checkpoint(self) -> Path:
+        state = {"planner": self.planner.state_dict(), "step_tokens": self.step_tokens, "world_size": self.world_size,
+                 "nonfinite_steps": self.nonfinite_total, "config": dataclasses.asdict(self.cfg),
+                 "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+        return self.checkpointer.save(self.engine, self.step, state)
 
     def export(self, directory: Path) -> None:
         """The drafter in the official DFlash format (parameters gathered under ZeRO-3)."""

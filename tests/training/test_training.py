@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dflash.errors import UserError
+from dflash.training.config import load_config
 from dflash.training.ds_config import load_ds_config
 from dflash.training.steps import step_ranges
 from dflash.training.trainer import lr_lambda
@@ -79,28 +80,6 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
 
 
 @pytest.mark.slow
-def test_interrupted_and_resumed_run_has_the_same_loss_curve(tiny_run_inputs, tmp_path):
-    target, data = tiny_run_inputs
-    # small steps so that the stop falls in the middle of an epoch
-    common = ("--max-steps", 6, "--step-tokens", 600, "--deepspeed_config", "ds_configs/zero2.json", "--no-export")
-    whole = tmp_path / "whole"
-    proc = run_deepspeed(tiny_train_args(target, data, whole, *common))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    parts = tmp_path / "parts"
-    first = run_deepspeed(tiny_train_args(target, data, parts, *common, "--stop-at-step", 3))
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(parts)] == [1, 2, 3]
-    second = run_deepspeed(tiny_train_args(target, data, parts, *common, "--resume"))
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed from" in second.stdout
-    a, b = read_metrics(whole), read_metrics(parts)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
-    assert b[2]["epoch"] == b[3]["epoch"], "the interruption fell inside an epoch"
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    assert [r["lr"] for r in a] == [r["lr"] for r in b]
-
-
-@pytest.mark.slow
 def test_block_size_larger_than_any_sample_is_a_clear_error(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     proc = run_deepspeed(tiny_train_args(target, data, tmp_path / "run", "--block-size", 200, "--gamma", 7),
@@ -108,3 +87,41 @@ def test_block_size_larger_than_any_sample_is_a_clear_error(tiny_run_inputs, tmp
     assert proc.returncode != 0
     assert "--block-size 200: a sample needs at least 400 supervised tokens" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+BAD_OPTIONS = [
+    (["--order", "random"], "--order: must be one of sorted, shuffle, bucketed, got 'random'"),
+    (["--token-budget", "0"], "--token-budget: must be >= 1, got 0"),
+    (["--block-size", "12"], "--gamma: no default for block size 12; give --gamma"),
+    (["--force-resume"], "--force-resume: only makes sense with --resume"),
+    (["--config", "nope.yaml"], "--config nope.yaml: no such file"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_OPTIONS, ids=[m.split(":")[0] for _, m in BAD_OPTIONS])
+def test_bad_options_name_the_flag(argv, message):
+    with pytest.raises(UserError) as err:
+        load_config(argv)
+    assert str(err.value) == message
+
+
+def test_config_file_errors_name_the_file_and_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-3\nlearning_rate: 2e-3\n")
+    with pytest.raises(UserError, match=rf"--config {path}: unknown key 'learning_rate'"):
+        load_config(["--config", str(path)])
+    path.write_text("lr: [1e-3\n")
+    with pytest.raises(UserError, match=rf"--config {path}: not valid YAML"):
+        load_config(["--config", str(path)])
+    path.write_text("lr: 1e-3\nepochs: 2\n")
+    assert load_config(["--config", str(path), "--epochs", "3"]).epochs == 3, "flags override the file"
+
+
+def test_config_file_values_are_read_as_the_option_types(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-3\nepochs: 2.0\ntarget_layer_ids: [1, 3]\nsample_log: true\n")
+    config = load_config(["--config", str(path)])
+    assert (config.lr, config.epochs, config.target_layer_ids, config.sample_log) == (1e-3, 2, "1,3", True)
+    path.write_text("epochs: two\n")
+    with pytest.raises(UserError, match=rf"--config {path}: 'epochs' must be an integer, got 'two'"):
+        load_config(["--config", str(path)])

@@ -1,0 +1,202 @@
+"""Crashes, resumes, non-finite steps, determinism and bad input, with real DeepSpeed CPU ranks.
+
+Every multi-rank run is compared with one uninterrupted reference run of the same settings:
+loss curves, evaluations and the samples each step used (`--sample-log`) must be identical.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from dflash.errors import UserError
+from dflash.training.ds_config import load_ds_config
+
+from ..conftest import ROOT
+from .conftest import read_metrics, run_deepspeed, tiny_train_args
+
+pytestmark = pytest.mark.slow
+
+FAULTS = ROOT / "tests" / "training" / "fault_script.py"
+# 2 epochs of 4 steps on 2 ranks, a checkpoint every 2 steps
+COMMON = ("--step-tokens", 600, "--checkpoint-every", 2, "--sample-log", "--no-export",
+          "--deepspeed_config", "ds_configs/zero2.json")
+TIMING = {"step_seconds", "tokens_per_s", "computed_tokens_per_s"}
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def history(out):
+    """What a run learned and saw: metric records without timings, and each rank's sample log."""
+    with open(out / "metrics.jsonl") as f:
+        records = [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+    samples = {p.name: p.read_text().splitlines() for p in sorted(out.glob("samples.rank*.jsonl"))}
+    return records, samples
+
+
+def complete_checkpoints(out):
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_run_inputs, tmp_path_factory):
+    target, data = tiny_run_inputs
+    out = tmp_path_factory.mktemp("reference") / "run"
+    ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON)))
+    return out
+
+
+def test_reference_run_sees_every_training_sample_once_per_epoch(reference):
+    records, samples = history(reference)
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 9))
+    seen = {0: Counter(), 1: Counter()}
+    for lines in samples.values():
+        for entry in map(json.loads, lines):
+            for ids in entry["samples"]:
+                seen[entry["epoch"]].update(ids)
+    assert set(seen[0]) == set(seen[1]) and len(seen[0]) == 54  # 60 samples, 6 held out
+    assert all(n == 1 for epoch in seen.values() for n in epoch.values())
+
+
+def test_same_seed_and_world_size_give_identical_runs(reference, tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    ok(run_deepspeed(tiny_train_args(target, data, tmp_path / "again", *COMMON)))
+    assert history(tmp_path / "again") == history(reference)
+
+
+def test_stopped_and_resumed_run_equals_the_uninterrupted_one(reference, tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--stop-at-step", 3)))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    resumed = ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume")))
+    assert "resumed from" in resumed.stdout and "at step 3 (epoch 0" in resumed.stdout, "inside an epoch"
+    assert history(out) == history(reference)
+
+
+def test_crashes_at_any_point_lose_and_repeat_no_sample(reference, tiny_run_inputs, tmp_path):
+    """One run folder through three SIGKILLs and a corrupted checkpoint, then compared with
+    the reference: same losses, same evaluations, same samples in every step."""
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+
+    def crash(fault, *extra):
+        proc = run_deepspeed([fault, *tiny_train_args(target, data, out, *COMMON, *extra)], script=FAULTS)
+        assert proc.returncode != 0, f"{fault} did not stop the run"
+        return proc
+
+    crash("kill-mid-step@3:1")  # one rank dies between backward and optimizer step
+    assert complete_checkpoints(out) == ["step-00000002"]
+    crash("kill-mid-save@4:all", "--resume")  # every rank dies while writing its files
+    assert complete_checkpoints(out) == ["step-00000002"]
+    assert (out / "checkpoints" / "step-00000004").is_dir(), "the partial save is there, and ignored"
+    crash("kill-before-marker@6:0", "--resume")  # all files written, COMPLETE not yet
+    assert complete_checkpoints(out) == ["step-00000002", "step-00000004"]
+    # the newest complete checkpoint is damaged: the resume falls back to the previous one
+    states = out / "checkpoints" / "step-00000004" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:100])
+    final = ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume")))
+    assert "step-00000004 cannot be loaded" in final.stderr and "falling back" in final.stderr
+    assert "at step 2 (epoch 0" in final.stdout
+    assert history(out) == history(reference)
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops_with_the_last_good_weights(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    proc = run_deepspeed(["nan@3-4", *tiny_train_args(target, data, out, *COMMON, "--max-nonfinite-steps", 2)],
+                         script=FAULTS)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "steps 3-4: 2 optimizer steps in a row had non-finite loss or gradients" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    train = read_metrics(out)
+    assert [(r["step"], r["step_applied"], r["loss"] is None) for r in train] == [
+        (1, True, False), (2, True, False), (3, False, True), (4, False, True)]
+    assert train[-1]["nonfinite_steps"] == 2
+    assert complete_checkpoints(out) == ["step-00000002", "step-00000004"]
+
+    def weights(tag):
+        path = out / "checkpoints" / tag / "mp_rank_00_model_states.pt"
+        return torch.load(path, map_location="cpu", weights_only=False)["module"]
+
+    good, stopped = weights("step-00000002"), weights("step-00000004")
+    assert good.keys() == stopped.keys()
+    assert all(torch.equal(good[k], stopped[k]) for k in good), "skipped steps changed no weight"
+
+
+def test_resume_with_other_world_size_or_step_size_is_refused_unless_forced(reference, tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume"), num_ranks=1)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "world_size: checkpoint 2 -> now 1" in proc.stderr and "--force-resume" in proc.stderr
+    proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--step-tokens", 700))
+    assert proc.returncode == 2 and "step_tokens: checkpoint 600 -> now 700" in proc.stderr
+    # forced: one more epoch on one rank, from the weights of the two-rank run
+    proc = ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--force-resume",
+                                            "--epochs", 3), num_ranks=1))
+    assert "the optimizer state (AdamW moments) starts fresh" in proc.stdout
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps[:8] == list(range(1, 9)) and len(steps) > 8
+
+
+# ---- bad input -------------------------------------------------------------------------------
+BAD_DS_CONFIGS = [
+    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    ({"wibble": 1}, "unknown key 'wibble' (DeepSpeed would silently ignore it)"),
+    ({"zero_optimization": {"stage": 2, "overlap_comms": True}}, "zero_optimization.overlap_comms: Extra inputs"),
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage: Input should be"),
+    ({"zero_optimization": {"stage": 0}}, "ZeRO stage 0 is not supported"),
+    ({"gradient_clipping": "high"}, "'gradient_clipping' must be a number"),
+    ({"bf16": {"enabled": "yes"}}, "'bf16' must be an object with 'enabled': true/false"),
+    ({"optimizer": {"type": "Adam"}}, "remove 'optimizer'/'scheduler'"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_DS_CONFIGS, ids=[m[:30] for _, m in BAD_DS_CONFIGS])
+def test_bad_deepspeed_config_names_the_key(tmp_path, change, message):
+    config = {**json.loads((ROOT / "ds_configs" / "zero2.json").read_text()), **change}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(UserError) as err:
+        load_ds_config(path, world_size=2, grad_clip=1.0, bf16=False)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def train_one_rank(*args):
+    """launch/train.py as a single rank without the launcher (its env, set by hand)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 2000)}
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("case", ["missing data", "missing target", "layers", "vocabulary"])
+def test_bad_training_input_is_a_clear_error_without_traceback(case, tiny_run_inputs, tiny_store, tmp_path):
+    target, _ = tiny_run_inputs
+    flags = {"--target": target, "--data": tiny_store, "--output-dir": tmp_path / "run"}
+    if case == "missing data":
+        flags["--data"], message = tmp_path / "nope.jsonl", f"--data {tmp_path / 'nope.jsonl'}: no such file"
+    elif case == "missing target":
+        flags["--target"], message = tmp_path / "nope", f"--target {tmp_path / 'nope'}: not a Hugging Face model"
+    elif case == "layers":
+        flags["--target-layer-ids"], message = "1,9", "out of range"
+    else:  # a store tokenized with the demo's 512-token vocabulary, for a target with 128 embedding rows
+        from dflash.data import prepare_jsonl
+        from dflash.demo import DATA, TARGET
+
+        lines = DATA.read_text().splitlines()[:20]
+        (tmp_path / "demo.jsonl").write_text("\n".join(lines) + "\n")
+        prepare_jsonl(tmp_path / "demo.jsonl", str(TARGET), tmp_path / "store", progress=False)
+        flags["--data"], message = tmp_path / "store", "prepare the data with the target's tokenizer"
+    proc = train_one_rank(*[x for kv in flags.items() for x in kv], "--no-progress", "--num-workers", 0)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
