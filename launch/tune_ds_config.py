@@ -3,13 +3,14 @@
 
   python launch/tune_ds_config.py --base ds_configs/zero2.json [search space] [-- training options]
 
-Every combination of --stages x --token-budgets x --micro-batches x --offload is one
-`launch/train.py` run on --num-ranks ranks: --warmup steps, then --steps measured steps, in
-real tokens/s (not samples/s: variable-length samples are no unit of work). A trial that runs
-out of memory is recorded as such and the sweep goes on. The shipped ds_configs/*.json run as
-trials too (at the first budget and micro-batch count), so the table shows the choice against
-them. Writes the fastest as a ready DeepSpeed JSON (--output) with the token budget and step
-tokens to train with, plus summary.json and the table in --workdir.
+Every combination of --stages x --token-budgets x --micro-batches x --offload x
+--activation-checkpointing is one `launch/train.py` run on --num-ranks ranks: --warmup steps,
+then --steps measured steps, in real tokens/s (not samples/s: variable-length samples are no
+unit of work). A trial that runs out of memory is recorded as such and the sweep goes on. The
+shipped ds_configs/*.json run as trials too (at the first budget and micro-batch count), so
+the table shows the choice against them. Writes the fastest as a ready DeepSpeed JSON
+(--output) with the token budget and step tokens to train with, plus summary.json and the
+table in --workdir.
 
 Options after `--` (or unknown ones) go to launch/train.py unchanged (--target, --data, model
 sizes); with neither --target nor --data the trials train the CPU demo. Meant for GPUs; works
@@ -34,6 +35,7 @@ def build_parser():
     p.add_argument("--token-budgets", default="2048,4096", help="tokens per micro-batch to try (default: 2048,4096, CPU-sized)")
     p.add_argument("--micro-batches", default="1,2", help="micro-batches per optimizer step to try: step tokens = this x budget (default: 1,2)")
     p.add_argument("--offload", default="none", help="optimizer (and ZeRO-3 parameter) offload to try: none, cpu or none,cpu (default: none)")
+    p.add_argument("--activation-checkpointing", default="off", help="drafter activation checkpointing to try: off, on or off,on (default: off)")
     p.add_argument("--no-defaults", action="store_true", help="do not run the shipped ds_configs/*.json as reference trials")
     p.add_argument("--num-ranks", type=int, default=1, help="ranks per trial (deepspeed --num_gpus) (default: 1)")
     p.add_argument("--steps", type=int, default=8, help="measured steps per trial, after the warm-up (default: 8)")
@@ -63,7 +65,14 @@ def main(argv=None):
     base = json.loads(Path(args.base).read_text())
     budgets = tune.parse_list(args.token_budgets, "--token-budgets")
     micro = tune.parse_list(args.micro_batches, "--micro-batches")
-    trials = tune.search_space(base, tune.parse_list(args.stages, "--stages"), budgets, micro, offloads)
+    checkpointing = tune.parse_list(args.activation_checkpointing, "--activation-checkpointing", str)
+    if set(checkpointing) - {"off", "on"}:
+        raise UserError(f"--activation-checkpointing: expected off and/or on, got {args.activation_checkpointing!r}")
+    stages = tune.parse_list(args.stages, "--stages")
+    if set(stages) - {1, 2, 3}:
+        raise UserError(f"--stages: ZeRO stages 1, 2 and/or 3, got {args.stages!r}")
+    trials = tune.search_space(base, stages, budgets, micro, offloads,
+                               [c == "on" for c in checkpointing])
     if not args.no_defaults:
         trials += [tune.Trial(f"default:{p.stem}", json.loads(p.read_text()), budgets[0], micro[0])
                    for p in sorted((tune.ROOT / "ds_configs").glob("*.json"))]
@@ -83,7 +92,8 @@ def main(argv=None):
     print(table)
     print(f"best: {winner.name}, {winner.tokens_per_s:,.0f} real tokens/s -> {output}\n"
           f"train with: --deepspeed_config {output} --token-budget {winner.token_budget} "
-          f"--step-tokens {winner.micro_batches * winner.token_budget}")
+          f"--step-tokens {winner.micro_batches * winner.token_budget}"
+          f"{' --activation-checkpointing' if winner.activation_checkpointing else ''}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
@@ -170,6 +171,7 @@ class DFlashDrafter(nn.Module):
         gamma: float | None = None,
         ce_chunk_rows: int = DEFAULT_CHUNK_ROWS,
         attention_backend: str = "auto",
+        activation_checkpointing: bool = False,
     ) -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -185,6 +187,8 @@ class DFlashDrafter(nn.Module):
         self.num_anchors = num_anchors
         self.gamma = default_gamma(config.block_size) if gamma is None else float(gamma)
         self.ce_chunk_rows = ce_chunk_rows
+        # recompute each layer in backward instead of keeping its activations: less memory, ~1/3 more compute
+        self.activation_checkpointing = activation_checkpointing
         self._rope = _Rope(config)
         self._shared = None
         if shared is not None:
@@ -237,7 +241,11 @@ class DFlashDrafter(nn.Module):
         rope_blk = self._rope(block_position_ids, dtype)
         rope_ctx = self._rope(ctx_position_ids, dtype)
         for layer in self.layers:
-            x = layer(x, ctx, rope_blk, rope_ctx, seqlens, plan)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_blk, rope_ctx, seqlens, plan,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_blk, rope_ctx, seqlens, plan)
         return self.norm(x)
 
     def plan(self, batch: PackedBatch | PaddedBatch, *, epoch: int, seed: int) -> BlockPlan:

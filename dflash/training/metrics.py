@@ -6,6 +6,8 @@ import math
 import os
 from pathlib import Path
 
+from dflash.errors import UserError
+
 
 def trim_jsonl(path: Path, last_step: int) -> None:
     """Keep the records of steps <= last_step (and drop a line cut short by a crash); atomic."""
@@ -62,3 +64,41 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def read_records(run: Path) -> list[dict]:
+    """The records of a run folder's metrics.jsonl."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run}: no metrics.jsonl (is it a launch/train.py output dir?)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise UserError(f"{path}:{number}: not a JSON record") from None
+    return records
+
+
+def plot_curves(records: list[dict], output: Path, title: str) -> None:
+    """Loss and tau against the step, training records and held-out evaluations, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key in zip(axes, ("loss", "tau")):
+        for kind, style in (("train", "-"), ("eval", "o-")):
+            rows = [r for r in records if r["kind"] == kind]
+            ax.plot([r["step"] for r in rows], [float("nan") if r[key] is None else r[key] for r in rows], style,
+                    label=f"{kind}" if kind == "train" else "held out", alpha=0.6 if kind == "train" else 1.0)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)

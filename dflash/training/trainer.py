@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -23,7 +24,7 @@ from dflash.errors import UserError
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig, parse_int_list
 from dflash.training.ds_config import load_ds_config, offloads_optimizer, zero_stage
-from dflash.training.metrics import MetricsWriter, trim_jsonl
+from dflash.training.metrics import MetricsWriter, plot_curves, read_records, trim_jsonl
 from dflash.training.steps import MicroBatchMaker, micro_batches, step_ranges
 
 
@@ -75,6 +76,24 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int):
     return sums, slot, skipped
 
 
+def init_distributed() -> None:
+    """`deepspeed.init_distributed()`, minus the shared memory it leaks on CPU ranks.
+
+    DeepSpeed's CPU all-reduce maps one 66 MB buffer per rank in /dev/shm and never unlinks it,
+    so every CPU run (and every killed one) leaves that much RAM behind until reboot. Once all
+    ranks have mapped each other's buffers (the barrier), the names can go: mappings outlive them.
+    """
+    import deepspeed
+
+    deepspeed.init_distributed()
+    if dist.get_backend() != "gloo":
+        return
+    dist.barrier()
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+           f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 class LoadedTarget(NamedTuple):
     """The frozen target and its tokenizer, loaded once; several Trainers may share one."""
 
@@ -115,7 +134,7 @@ class Trainer:
         from dflash.models import DFlashDrafter, DrafterConfig
 
         self.cfg = cfg
-        deepspeed.init_distributed()
+        init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
         on_gpu = self.device.type == "cuda"
@@ -133,6 +152,7 @@ class Trainer:
 
         store = TokenStore(store_path)
         self._check_vocab(store, store_path)
+        self._check_lengths(store, store_path)
         usable = int((store.supervised >= 2 * cfg.block_size).sum())
         if usable == 0:
             raise UserError(f"--block-size {cfg.block_size}: a sample needs at least {2 * cfg.block_size} supervised "
@@ -161,7 +181,8 @@ class Trainer:
                                          target_layer_ids=self.target.target_layer_ids,
                                          vocab_size=self.target.num_embedding_rows)
         drafter = DFlashDrafter(dcfg, self.target.shared_weights(), num_anchors=cfg.num_anchors,
-                                gamma=cfg.gamma or None, attention_backend=cfg.attention_backend)
+                                gamma=cfg.gamma or None, attention_backend=cfg.attention_backend,
+                                activation_checkpointing=cfg.activation_checkpointing)
         self.maker = MicroBatchMaker(str(store_path), cfg.layout, pad_id=tokenizer.pad_token_id or 0,
                                      mask_token_id=mask_id, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                                      gamma=drafter.gamma, seed=cfg.seed)
@@ -232,6 +253,17 @@ class Trainer:
         if store.vocab_size is not None and store.vocab_size > rows:
             raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
                             f"target's embedding has {rows} rows; prepare the data with the target's tokenizer")
+
+    def _check_lengths(self, store, path) -> None:
+        """A sample over the token budget, named by its store index and source line."""
+        over = np.flatnonzero(store.lengths > self.cfg.token_budget)
+        if over.size:
+            i = int(over[0])
+            source = store.meta.get("summary", {}).get("input", "the source file")
+            raise UserError(
+                f"--data {path}: sample {i} (line {store.dataset[i]['source_line']} of {source}) has "
+                f"{int(store.lengths[i])} tokens, more than --token-budget {self.cfg.token_budget} ({over.size} "
+                "samples are); raise --token-budget, or prepare the data with a smaller --max-length")
 
     def _resume(self) -> bool:
         """Load the newest complete checkpoint; False when there is none. A checkpoint of other
@@ -327,6 +359,9 @@ class Trainer:
         if cfg.export:
             self.export(self.output_dir / "drafter")
         self.metrics.close()
+        if self.rank == 0 and self.metrics.path.is_file():
+            plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
+            self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
         return {"step": self.step, "eval": last_eval}
 
     def train_step(self, micro: list, epoch: int, first: int) -> dict | None:

@@ -31,6 +31,7 @@ class Trial:
     ds_config: dict
     token_budget: int
     micro_batches: int  # per optimizer step: step tokens = micro_batches x token budget
+    activation_checkpointing: bool = False
     status: str = "pending"  # ok, oom, error
     tokens_per_s: float = 0.0
     step_seconds: float = 0.0
@@ -54,13 +55,11 @@ def trial_config(base: dict, stage: int, offload: str) -> dict:
     return config
 
 
-def search_space(base: dict, stages, budgets, micro_batches, offloads) -> list[Trial]:
+def search_space(base: dict, stages, budgets, micro_batches, offloads, checkpointing=(False,)) -> list[Trial]:
     trials = []
-    for stage, budget, k, offload in itertools.product(stages, budgets, micro_batches, offloads):
-        if offload == "cpu" and stage == 0:
-            continue  # offload needs ZeRO
-        trials.append(Trial(f"zero{stage}{'-offload' if offload == 'cpu' else ''}-b{budget}-x{k}",
-                            trial_config(base, stage, offload), budget, k))
+    for stage, budget, k, offload, ac in itertools.product(stages, budgets, micro_batches, offloads, checkpointing):
+        name = f"zero{stage}{'-offload' if offload == 'cpu' else ''}-b{budget}-x{k}{'-ac' if ac else ''}"
+        trials.append(Trial(name, trial_config(base, stage, offload), budget, k, ac))
     return trials
 
 
@@ -77,7 +76,8 @@ def run_trial(trial: Trial, train_args: list[str], workdir: Path, *, num_ranks: 
            str(ROOT / "launch" / "train.py"), *train_args, "--output-dir", str(folder / "run"),
            "--token-budget", str(trial.token_budget), "--step-tokens", str(trial.micro_batches * trial.token_budget),
            "--deepspeed_config", str(folder / "ds_config.json"), "--max-steps", str(steps + warmup),
-           "--no-export", "--no-progress", "--checkpoint-every", str(10 ** 9), "--eval-every", str(10 ** 9)]
+           "--no-export", "--no-progress", "--checkpoint-every", str(10 ** 9), "--eval-every", str(10 ** 9),
+           "--activation-checkpointing" if trial.activation_checkpointing else "--no-activation-checkpointing"]
     log = folder / "log.txt"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -106,8 +106,10 @@ def run_trial(trial: Trial, train_args: list[str], workdir: Path, *, num_ranks: 
         trial.status, trial.detail = "oom", "out of memory"
     else:
         trial.status = "error"
-        trial.detail = (f"timed out after {timeout:.0f}s" if time.monotonic() - start > timeout
-                        else next((ln for ln in reversed(text.splitlines()) if ln.strip()), "no output")[-200:])
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        # the trainer's own message if it gave one, not the launcher's "exits with return code" line
+        reason = next((ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else "no output")
+        trial.detail = f"timed out after {timeout:.0f}s" if time.monotonic() - start > timeout else reason[:300]
     return trial
 
 

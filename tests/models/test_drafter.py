@@ -162,6 +162,25 @@ def test_padded_batch_gives_the_packed_result():
     assert a.num_blocks == b.num_blocks == 6 and a.tau_sum == b.tau_sum
 
 
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    target = tiny_target()
+    batch = make_batch([20, 33, 17])
+    feats = target.features(batch)
+    grads = []
+    for checkpointing in (False, True):
+        drafter = tiny_drafter(target, num_anchors=3, activation_checkpointing=checkpointing)
+        calls = []
+        drafter.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        out = drafter(batch, feats, epoch=0, seed=0)
+        out.loss_sum.backward()
+        assert len(calls) == (2 if checkpointing else 1), "checkpointing recomputes the layer in backward"
+        grads.append((out.loss_sum.detach(), {n: p.grad for n, p in drafter.named_parameters()}))
+    (loss_a, grad_a), (loss_b, grad_b) = grads
+    assert loss_a == loss_b and grad_a.keys() == grad_b.keys()
+    for name in grad_a:
+        torch.testing.assert_close(grad_a[name], grad_b[name], rtol=0, atol=0, msg=name)
+
+
 def test_micro_batch_without_blocks_still_backpropagates():
     target = tiny_target()
     drafter = tiny_drafter(target)

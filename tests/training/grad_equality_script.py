@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token  # noqa: E402
 from dflash.training.ds_config import load_ds_config  # noqa: E402
 from dflash.training.steps import MicroBatchMaker  # noqa: E402
-from dflash.training.trainer import accumulate_gradients  # noqa: E402
+from dflash.training.trainer import accumulate_gradients, init_distributed  # noqa: E402
 
-deepspeed.init_distributed()
+init_distributed()
 rank = dist.get_rank()
 # SGD with a large step makes the update dominate the parameter, so before - after keeps
 # the gradient's precision in fp32.

@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,12 +47,23 @@ def complete_checkpoints(out):
     return sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
 
 
+def shared_memory_buffers():
+    shm = Path("/dev/shm")
+    return set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_run_inputs, tmp_path_factory):
     target, data = tiny_run_inputs
     out = tmp_path_factory.mktemp("reference") / "run"
+    before = shared_memory_buffers()
     ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON)))
+    (out / "leaked_shm.json").write_text(json.dumps(sorted(map(str, shared_memory_buffers() - before))))
     return out
+
+
+def test_cpu_ranks_leave_no_shared_memory_behind(reference):
+    assert json.loads((reference / "leaked_shm.json").read_text()) == []
 
 
 def test_reference_run_sees_every_training_sample_once_per_epoch(reference):
@@ -179,9 +192,9 @@ def train_one_rank(*args):
                           text=True, timeout=300, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("case", ["missing data", "missing target", "layers", "vocabulary"])
+@pytest.mark.parametrize("case", ["missing data", "missing target", "layers", "vocabulary", "over budget"])
 def test_bad_training_input_is_a_clear_error_without_traceback(case, tiny_run_inputs, tiny_store, tmp_path):
-    target, _ = tiny_run_inputs
+    target, data = tiny_run_inputs
     flags = {"--target": target, "--data": tiny_store, "--output-dir": tmp_path / "run"}
     if case == "missing data":
         flags["--data"], message = tmp_path / "nope.jsonl", f"--data {tmp_path / 'nope.jsonl'}: no such file"
@@ -189,6 +202,14 @@ def test_bad_training_input_is_a_clear_error_without_traceback(case, tiny_run_in
         flags["--target"], message = tmp_path / "nope", f"--target {tmp_path / 'nope'}: not a Hugging Face model"
     elif case == "layers":
         flags["--target-layer-ids"], message = "1,9", "out of range"
+    elif case == "over budget":
+        from dflash.data.token_store import TokenStore
+
+        store = TokenStore(tiny_store)
+        i = int(np.flatnonzero(store.lengths > 64)[0])
+        line = store.dataset[i]["source_line"]
+        flags["--token-budget"] = 64
+        message = f"sample {i} (line {line} of {data}) has {store.lengths[i]} tokens, more than --token-budget 64"
     else:  # a store tokenized with the demo's 512-token vocabulary, for a target with 128 embedding rows
         from dflash.data import prepare_jsonl
         from dflash.demo import DATA, TARGET

@@ -8,6 +8,7 @@ import pytest
 from dflash.errors import UserError
 from dflash.training.config import load_config
 from dflash.training.ds_config import load_ds_config
+from dflash.training.metrics import MetricsWriter
 from dflash.training.steps import step_ranges
 from dflash.training.trainer import lr_lambda
 
@@ -125,3 +126,29 @@ def test_config_file_values_are_read_as_the_option_types(tmp_path):
     path.write_text("epochs: two\n")
     with pytest.raises(UserError, match=rf"--config {path}: 'epochs' must be an integer, got 'two'"):
         load_config(["--config", str(path)])
+
+
+def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
+    from dflash.training.metrics import plot_curves, read_records
+
+    writer = MetricsWriter(tmp_path, enabled=True)
+    for step in (1, 2, 3):
+        writer.write("train", step, {"loss": 3.0 / step, "tau": 1.0 + step / 10})
+    writer.write("eval", 2, {"loss": 2.5, "tau": 1.1})
+    writer.write("train", 4, {"loss": float("nan"), "tau": 1.0})  # a skipped step: strict JSON null
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 5, "lo')  # a crash in the middle of a line
+    MetricsWriter(tmp_path, enabled=True, resume_step=2).close()
+    records = read_records(tmp_path)
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
+    plot_curves(records + [{"kind": "train", "step": 3, "loss": None, "tau": None}], tmp_path / "c.png", "t")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_non_finite_metric_values_are_written_as_null(tmp_path):
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write("train", 1, {"loss": float("nan"), "grad_norm": float("inf"), "tau": 1.5})
+    writer.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {
+        "kind": "train", "step": 1, "loss": None, "grad_norm": None, "tau": 1.5}
