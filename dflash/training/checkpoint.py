@@ -89,6 +89,8 @@ class Checkpointer:
                 state = json.loads((path / COMPLETE).read_text())
             except (OSError, ValueError) as err:
                 state, reason = None, f"unreadable {COMPLETE}: {err}"
+            if state is not None and "planner" not in state:
+                state, reason = None, f"no run state in {COMPLETE} (written by an older dflash)"
             if state is not None:
                 state["checkpoint"] = str(path)
                 check(state)

@@ -22,6 +22,8 @@ from pathlib import Path
 from dflash.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+EXCEPTION = re.compile(r"^[\w.]+(Error|Exception): ")
 OOM = re.compile(r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|Killed", re.IGNORECASE)
 
 
@@ -106,9 +108,10 @@ def run_trial(trial: Trial, train_args: list[str], workdir: Path, *, num_ranks: 
         trial.status, trial.detail = "oom", "out of memory"
     else:
         trial.status = "error"
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        # the trainer's own message if it gave one, not the launcher's "exits with return code" line
-        reason = next((ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else "no output")
+        lines = [RANK_PREFIX.sub("", ln) for ln in text.splitlines() if ln.strip()]
+        # the trainer's message or the exception, not the launcher's "exits with return code" line
+        reason = next((ln for ln in reversed(lines) if ln.startswith("error: ") or EXCEPTION.match(ln)),
+                      lines[-1] if lines else "no output")
         trial.detail = f"timed out after {timeout:.0f}s" if time.monotonic() - start > timeout else reason[:300]
     return trial
 
