@@ -2,12 +2,12 @@
 
 A store is a Hugging Face `datasets` folder (`Dataset.save_to_disk`: Arrow files) with columns
 `input_ids` (int32 lists), `loss_mask` (uint8 lists, 1 on assistant tokens), `length`,
-`supervised` (assistant tokens) and `source_line`, plus `dflash_store.json` (how it was made and its summary). Arrow was chosen
-over a format of our own or DeepSpeed's indexed dataset because it holds both token streams
-and the metadata in one standard, inspectable folder that `datasets` can also read, writes in
-bounded memory, and its list columns are a flat value buffer plus offsets: reading sample i is
-two slices of memory-mapped arrays, with no per-sample decoding and no RAM proportional to
-the data set.
+`supervised` (assistant tokens) and `source_line`, plus `dflash_store.json` (how it was made
+and its summary). Arrow was chosen over a format of our own or DeepSpeed's indexed dataset
+because it holds both token streams and the metadata in one standard, inspectable folder that
+`datasets` can also read, writes in bounded memory, and its list columns are a flat value
+buffer plus offsets: reading sample i is two slices of memory-mapped arrays, with no
+per-sample decoding and no RAM proportional to the data set.
 """
 from __future__ import annotations
 

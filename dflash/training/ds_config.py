@@ -124,13 +124,13 @@ def _check_with_deepspeed(config: dict, path: Path) -> None:
     except (AssertionError, ValueError, TypeError, KeyError) as e:
         raise UserError(f"--deepspeed_config {path}: DeepSpeed rejects it: {e}") from None
     unknown = [k for k in config if k not in recorder.asked and k != "train_batch_size"]
-    for key in unknown:
-        close = difflib.get_close_matches(key, sorted(recorder.asked), n=1)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(recorder.asked), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "DeepSpeed would silently ignore it"
-        raise UserError(f"--deepspeed_config {path}: unknown key {key!r} ({hint})")
-    for key in ("gradient_clipping",):
-        if not isinstance(config.get(key, 0.0), (int, float)) or isinstance(config.get(key), bool):
-            raise UserError(f"--deepspeed_config {path}: '{key}' must be a number, got {config[key]!r}")
+        raise UserError(f"--deepspeed_config {path}: unknown key {unknown[0]!r} ({hint})")
+    clip = config.get("gradient_clipping", 0.0)
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool):
+        raise UserError(f"--deepspeed_config {path}: 'gradient_clipping' must be a number, got {clip!r}")
     for section in ("bf16", "fp16"):
         if section in config and not (isinstance(config[section], dict)
                                       and isinstance(config[section].get("enabled", False), bool)):

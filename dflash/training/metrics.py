@@ -92,7 +92,7 @@ def plot_curves(records: list[dict], output: Path, title: str) -> None:
         for kind, style in (("train", "-"), ("eval", "o-")):
             rows = [r for r in records if r["kind"] == kind]
             ax.plot([r["step"] for r in rows], [float("nan") if r[key] is None else r[key] for r in rows], style,
-                    label=f"{kind}" if kind == "train" else "held out", alpha=0.6 if kind == "train" else 1.0)
+                    label="train" if kind == "train" else "held out", alpha=0.6 if kind == "train" else 1.0)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)

@@ -326,8 +326,7 @@ class Trainer:
         while self.step < self.total_steps and self.planner.epoch < cfg.epochs:
             epoch = self.planner.epoch
             ranges = [r for r in self.steps[epoch] if r[0] >= self.planner.position]
-            if not ranges or ranges[0][0] != self.planner.position:
-                raise UserError(f"checkpoint position {self.planner.position} is not a step boundary of epoch {epoch}")
+            assert ranges and ranges[0][0] == self.planner.position, "_resume leaves the planner on a step boundary"
             batches = [self.train_idx[b] for b in self.planner.plan(epoch)[self.rank]]
             loader = micro_batches(self.maker, batches, epoch, self.planner.position, num_workers=cfg.num_workers,
                                    pin_memory=self.device.type == "cuda")
