@@ -55,7 +55,7 @@ setup(
             "pyyaml",
             "tensorboard",
         ],
-        "test": ["pytest>=8", "hypothesis>=6"],
+        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -42,13 +42,22 @@ from dflash.training.config import build_parser, load_config  # noqa: E402
 
 def add_compare_args(p):
     g = p.add_argument_group("comparison")
-    g.add_argument("--modes", default="", help="comma-separated modes to compare (default: all six, e.g. sorted-padded,shuffle-packed)")
-    g.add_argument("--steps", type=int, default=None, help="measured optimizer steps per mode (default: 3; with --convergence: the steps whose tokens set the budget, 30)")
-    g.add_argument("--warmup", type=int, default=1, help="steps per mode left out of the throughput statistics (default: 1)")
-    g.add_argument("--convergence", action="store_true", help="train every mode on the same real tokens and plot loss and tau curves instead of measuring throughput")
-    g.add_argument("--repeats", type=int, default=3, help="--convergence: seeds per mode (--seed, --seed + 1, ...) to show the noise (default: 3)")
-    g.add_argument("--eval-interval", type=int, default=5, help="--convergence: evaluate every N steps per mode (default: 5)")
-    g.add_argument("--json", action="store_true", help="print the result as JSON on stdout (everything else goes to stderr)")
+    g.add_argument("--modes", default="",
+                   help="comma-separated modes to compare (default: all six, e.g. sorted-padded,shuffle-packed)")
+    g.add_argument("--steps", type=int, default=None,
+                   help="measured optimizer steps per mode (default: 3; with --convergence: the steps whose tokens "
+                        "set the budget, 30)")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="steps per mode left out of the throughput statistics (default: 1)")
+    g.add_argument("--convergence", action="store_true",
+                   help="train every mode on the same real tokens and plot loss and tau curves instead of measuring "
+                        "throughput")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="--convergence: seeds per mode (--seed, --seed + 1, ...) to show the noise (default: 3)")
+    g.add_argument("--eval-interval", type=int, default=5,
+                   help="--convergence: evaluate every N steps per mode (default: 5)")
+    g.add_argument("--json", action="store_true",
+                   help="print the result as JSON on stdout (everything else goes to stderr)")
     return p
 
 
@@ -57,7 +66,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     add_compare_args(build_parser(__doc__)).parse_args(argv)  # --help and bad flags, with every option
     # the comparison's own options; the rest are training options
-    args, cfg_argv = add_compare_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
+    own = add_compare_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    args, cfg_argv = own.parse_known_args(argv)
     cfg = load_config(cfg_argv, description=__doc__)
     if cfg.output_dir == "runs/demo":  # the demo's default run folder: keep training runs apart
         cfg = dataclasses.replace(cfg, output_dir="runs/compare")
@@ -94,7 +104,7 @@ def main(argv=None):
         name, table, plot = "throughput", compare.throughput_table(result), compare.plot_throughput
     if dist.get_rank() == 0:
         title = (f"{name}: {dist.get_world_size()} rank(s), budget {cfg.token_budget:,}, "
-                 f"{cfg.step_tokens or 4 * cfg.token_budget:,} tokens/rank/step, {cfg.deepspeed_config}")
+                 f"{cfg.step_tokens:,} tokens/rank/step, {cfg.deepspeed_config}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         plot(result, out / f"{name}.png", title)
         say(f"{title}\n{table}\nwrote {out / name}.json and {out / name}.png")

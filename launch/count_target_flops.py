@@ -7,12 +7,11 @@
 2. Measured (`FlopCounterMode` on real forwards of a tiny Qwen3 through `TargetModel.features`)
    for a few seed-like packed micro-batches: packed forward against each sample run alone.
 
-Run: python launch/count_target_flops.py [--lengths /work/shared/data/seed_lengths.npy]
+Run: python launch/count_target_flops.py [--lengths LENGTHS.npy]
 """
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
 import torch
@@ -49,14 +48,14 @@ def tiny_packed(lengths, vocab, seed):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="/work/shared/data/seed_lengths.npy")
+    ap.add_argument("--lengths", help=".npy array of sample lengths (default: the built-in seed-like lengths)")
     ap.add_argument("--budget", type=int, default=SEED_TOKEN_BUDGET, help="tokens per micro-batch")
     ap.add_argument("--samples", type=int, default=200_000, help="shuffled samples counted analytically")
     ap.add_argument("--measure", type=int, default=2, help="micro-batches measured with FlopCounterMode")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    if os.path.exists(args.lengths):
+    if args.lengths:
         lengths, source = np.load(args.lengths), args.lengths
     else:
         lengths, source = seed_like_lengths(), "dflash.data.seed_lengths.seed_like_lengths()"

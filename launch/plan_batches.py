@@ -18,11 +18,12 @@ import time
 
 import numpy as np
 
-from dflash.data.buckets import optimal_buckets, padded_cost, parse_boundaries, quantile_buckets
+from dflash.data.buckets import optimal_buckets, padded_cost, quantile_buckets
 from dflash.data.plan_stats import plan_stats
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS, bucket_edges, check_lengths, plan_batches
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.errors import UserError, exit_on_user_error
+from dflash.options import parse_list
 
 
 def parse_args(argv=None):
@@ -30,11 +31,14 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help=".npy file of sample lengths")
     src.add_argument("--data", help="token store folder (from launch/prepare_data.py)")
-    p.add_argument("--token-budget", type=int, default=SEED_TOKEN_BUDGET, help="tokens per micro-batch (default %(default)s)")
+    p.add_argument("--token-budget", type=int, default=SEED_TOKEN_BUDGET,
+                   help="tokens per micro-batch (default %(default)s)")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default %(default)s)")
     b = p.add_mutually_exclusive_group()
-    b.add_argument("--buckets", type=int, default=6, help="number of optimal buckets for the bucketed order (default %(default)s)")
-    b.add_argument("--boundaries", type=parse_boundaries, help="bucket boundaries, e.g. 770,1216,1728,2432,3296")
+    b.add_argument("--buckets", type=int, default=6,
+                   help="number of optimal buckets for the bucketed order (default %(default)s)")
+    b.add_argument("--boundaries", type=lambda text: parse_list(text, "--boundaries", increasing=True, minimum=0),
+                   help="bucket boundaries, e.g. 770,1216,1728,2432,3296")
     p.add_argument("--seed", type=int, default=0, help="planner seed (default %(default)s)")
     p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default %(default)s)")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="open bins of the packer (default %(default)s)")
@@ -92,7 +96,8 @@ def main(argv=None):
           f"world size {args.world_size}")
     print(f"bucket boundaries ({buckets['method']}): {edges.tolist()}")
     print(f"lower bound: {-(-int(lengths.sum()) // args.token_budget):,} micro-batches per epoch\n")
-    head = f"{'mode':<18}{'efficiency':>11}{'fill':>9}{'batches':>10}{'per rank':>10}{'smp/batch':>10}{'len R2':>8}{'plan s':>8}"
+    head = (f"{'mode':<18}{'efficiency':>11}{'fill':>9}{'batches':>10}{'per rank':>10}{'smp/batch':>10}"
+            f"{'len R2':>8}{'plan s':>8}")
     print(head)
     print("-" * len(head))
     for mode, r in results.items():

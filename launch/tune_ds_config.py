@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
+from dflash.options import parse_list
 from dflash.training import tune
 from dflash.training.ds_config import load_ds_config
 
@@ -30,19 +31,27 @@ from dflash.training.ds_config import load_ds_config
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--base", default="ds_configs/zero2.json", help="DeepSpeed JSON the trials start from (default: ds_configs/zero2.json)")
+    p.add_argument("--base", default="ds_configs/zero2.json",
+                   help="DeepSpeed JSON the trials start from (default: ds_configs/zero2.json)")
     p.add_argument("--stages", default="1,2,3", help="ZeRO stages to try (default: 1,2,3)")
-    p.add_argument("--token-budgets", default="2048,4096", help="tokens per micro-batch to try (default: 2048,4096, CPU-sized)")
-    p.add_argument("--micro-batches", default="1,2", help="micro-batches per optimizer step to try: step tokens = this x budget (default: 1,2)")
-    p.add_argument("--offload", default="none", help="optimizer (and ZeRO-3 parameter) offload to try: none, cpu or none,cpu (default: none)")
-    p.add_argument("--activation-checkpointing", default="off", help="drafter activation checkpointing to try: off, on or off,on (default: off)")
-    p.add_argument("--no-defaults", action="store_true", help="do not run the shipped ds_configs/*.json as reference trials")
+    p.add_argument("--token-budgets", default="2048,4096",
+                   help="tokens per micro-batch to try (default: 2048,4096, CPU-sized)")
+    p.add_argument("--micro-batches", default="1,2",
+                   help="micro-batches per optimizer step to try: step tokens = this x budget (default: 1,2)")
+    p.add_argument("--offload", default="none",
+                   help="optimizer (and ZeRO-3 parameter) offload to try: none, cpu or none,cpu (default: none)")
+    p.add_argument("--activation-checkpointing", default="off",
+                   help="drafter activation checkpointing to try: off, on or off,on (default: off)")
+    p.add_argument("--no-defaults", action="store_true",
+                   help="do not run the shipped ds_configs/*.json as reference trials")
     p.add_argument("--num-ranks", type=int, default=1, help="ranks per trial (deepspeed --num_gpus) (default: 1)")
     p.add_argument("--steps", type=int, default=8, help="measured steps per trial, after the warm-up (default: 8)")
     p.add_argument("--warmup", type=int, default=2, help="steps per trial left out of the measurement (default: 2)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds after which a trial is stopped and recorded as an error (default: 900)")
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds after which a trial is stopped and recorded as an error (default: 900)")
     p.add_argument("--workdir", default="runs/tune", help="trial folders, logs, summary.json (default: runs/tune)")
-    p.add_argument("--output", default="", help="where to write the best DeepSpeed JSON (default: WORKDIR/best_ds_config.json)")
+    p.add_argument("--output", default="",
+                   help="where to write the best DeepSpeed JSON (default: WORKDIR/best_ds_config.json)")
     return p
 
 
@@ -55,20 +64,21 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
     else:
         args, train_args = build_parser().parse_known_args(argv)
-    for flag, value, low in (("--num-ranks", args.num_ranks, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+    for flag, value, low in (("--num-ranks", args.num_ranks, 1), ("--steps", args.steps, 1),
+                             ("--warmup", args.warmup, 0)):
         if value < low:
             raise UserError(f"{flag}: must be >= {low}, got {value}")
-    offloads = tune.parse_list(args.offload, "--offload", str)
+    offloads = parse_list(args.offload, "--offload", str)
     if set(offloads) - {"none", "cpu"}:
         raise UserError(f"--offload: expected none and/or cpu, got {args.offload!r}")
     load_ds_config(args.base, world_size=1, grad_clip=1.0, bf16=False)  # refuses a base the trainer cannot run
     base = json.loads(Path(args.base).read_text())
-    budgets = tune.parse_list(args.token_budgets, "--token-budgets")
-    micro = tune.parse_list(args.micro_batches, "--micro-batches")
-    checkpointing = tune.parse_list(args.activation_checkpointing, "--activation-checkpointing", str)
+    budgets = parse_list(args.token_budgets, "--token-budgets", minimum=1)
+    micro = parse_list(args.micro_batches, "--micro-batches", minimum=1)
+    checkpointing = parse_list(args.activation_checkpointing, "--activation-checkpointing", str)
     if set(checkpointing) - {"off", "on"}:
         raise UserError(f"--activation-checkpointing: expected off and/or on, got {args.activation_checkpointing!r}")
-    stages = tune.parse_list(args.stages, "--stages")
+    stages = parse_list(args.stages, "--stages")
     if set(stages) - {1, 2, 3}:
         raise UserError(f"--stages: ZeRO stages 1, 2 and/or 3, got {args.stages!r}")
     trials = tune.search_space(base, stages, budgets, micro, offloads,

@@ -10,7 +10,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_LENGTHS = ROOT.parent / "shared" / "data" / "seed_lengths.npy"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CHATML = (
@@ -19,12 +18,25 @@ CHATML = (
 )
 
 
+def poison_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled float tensors, so outputs a kernel or model
+    leaves unwritten show up as NaN instead of passing on whatever memory held."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
 def make_chat_tokenizer(words=None):
     """A small word-level fast tokenizer with a ChatML template, built offline."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = words or [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is", "user", "assistant", "system"]
+    words = words or [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is", "user", "assistant",
+                                                     "system"]
     specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
     vocab = {t: i for i, t in enumerate(specials + ["\n"] + sorted(set(words)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

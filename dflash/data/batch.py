@@ -11,8 +11,25 @@ from dataclasses import dataclass, fields
 import torch
 
 
+class _Batch:
+    """Moving a batch: every tensor but the one kept on the host for launches without a sync."""
+
+    _host_only = ""
+
+    def _map(self, fn):
+        return type(self)(**{f.name: fn(v) if isinstance(v, torch.Tensor) and f.name != self._host_only else v
+                             for f in fields(self) for v in [getattr(self, f.name)]})
+
+    def to(self, device, non_blocking: bool = False):
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self):
+        """Called by the DataLoader's pinning thread, so host-to-device copies can overlap compute."""
+        return self._map(torch.Tensor.pin_memory)
+
+
 @dataclass
-class PackedBatch:
+class PackedBatch(_Batch):
     input_ids: torch.Tensor  # (T,) int64, samples concatenated
     loss_mask: torch.Tensor  # (T,) bool, True on assistant (supervised) tokens
     position_ids: torch.Tensor  # (T,) int64, restarting at 0 for every sample
@@ -22,6 +39,7 @@ class PackedBatch:
     sample_ids: torch.Tensor  # (S,) int64, index of each sample in the token store
 
     layout = "packed"
+    _host_only = "cu_seqlens_cpu"
 
     @property
     def num_tokens(self) -> int:
@@ -32,27 +50,10 @@ class PackedBatch:
     def computed_tokens(self) -> int:
         return self.num_tokens
 
-    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
-        moved = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and f.name != "cu_seqlens_cpu":
-                value = value.to(device, non_blocking=non_blocking)
-            moved[f.name] = value
-        return PackedBatch(**moved)
-
-    def pin_memory(self) -> "PackedBatch":
-        return PackedBatch(
-            **{
-                f.name: (v.pin_memory() if isinstance(v, torch.Tensor) and f.name != "cu_seqlens_cpu" else v)
-                for f in fields(self)
-                for v in [getattr(self, f.name)]
-            }
-        )
 
 
 @dataclass
-class PaddedBatch:
+class PaddedBatch(_Batch):
     input_ids: torch.Tensor  # (S, L) int64, right-padded with pad_id
     attention_mask: torch.Tensor  # (S, L) bool, True on real tokens
     loss_mask: torch.Tensor  # (S, L) bool, True on assistant tokens (False on padding)
@@ -61,6 +62,7 @@ class PaddedBatch:
     sample_ids: torch.Tensor  # (S,) int64
 
     layout = "padded"
+    _host_only = "lengths"
 
     @property
     def num_tokens(self) -> int:
@@ -70,12 +72,3 @@ class PaddedBatch:
     def computed_tokens(self) -> int:
         """count x longest: what a padded forward computes."""
         return int(self.input_ids.shape[0] * self.input_ids.shape[1])
-
-    def to(self, device, non_blocking: bool = False) -> "PaddedBatch":
-        moved = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and f.name != "lengths":
-                value = value.to(device, non_blocking=non_blocking)
-            moved[f.name] = value
-        return PaddedBatch(**moved)

@@ -51,19 +51,3 @@ def padded_cost(lengths, boundaries) -> int:
     edges = np.asarray(boundaries, dtype=np.int64)
     bucket = np.searchsorted(edges[1:-1], lengths, side="left")
     return int(np.bincount(bucket, minlength=len(edges) - 1) @ edges[1:])
-
-
-def parse_boundaries(text: str) -> np.ndarray:
-    """`"770,1216,1728"` or `"0,770,...,8192"` -> sorted int array; errors name the bad item."""
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            out.append(int(item))
-        except ValueError:
-            raise UserError(f"--boundaries: {item!r} is not an integer (expected e.g. 770,1216,1728)") from None
-    if not out or any(b < 0 for b in out) or out != sorted(set(out)):
-        raise UserError(f"--boundaries must be strictly increasing non-negative integers, got {text!r}")
-    return np.asarray(out, dtype=np.int64)

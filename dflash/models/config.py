@@ -142,10 +142,6 @@ class DrafterConfig:
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
     @classmethod
     def from_target(
         cls,

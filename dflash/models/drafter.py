@@ -138,11 +138,6 @@ class DrafterOutput:
     num_blocks: int
     num_skipped: int  # samples skipped for too few supervised tokens
 
-    @property
-    def loss(self) -> torch.Tensor:
-        """Weighted mean over this micro-batch alone (for logging a single batch)."""
-        return self.loss_sum / self.weight_sum.clamp_min(1e-12)
-
 
 class DFlashDrafter(nn.Module):
     """DFlash drafter with the official checkpoint layout.

@@ -156,10 +156,6 @@ class TargetModel(nn.Module):
         return self.model.config
 
     @property
-    def hidden_size(self) -> int:
-        return self.model.config.hidden_size
-
-    @property
     def num_embedding_rows(self) -> int:
         return self.model.get_input_embeddings().weight.shape[0]
 

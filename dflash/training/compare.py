@@ -22,14 +22,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from dflash.data.planner import LAYOUTS, ORDERS
 from dflash.errors import UserError
 from dflash.training.config import TrainConfig
-from dflash.training.steps import micro_batches
-from dflash.training.trainer import Trainer, accumulate_gradients
+from dflash.training.trainer import Trainer
 
 MODES = tuple(f"{o}-{lay}" for o in ORDERS for lay in LAYOUTS)
 BASELINE = "sorted-padded"
@@ -45,59 +42,24 @@ def parse_modes(text: str) -> list[str]:
 
 
 class ModeRun:
-    """One mode's trainer and its stream of optimizer steps, one step per `step()` call."""
+    """One mode's trainer, driven one optimizer step per `step()` call through its own step."""
 
     def __init__(self, mode: str, trainer: Trainer):
         self.mode, self.trainer = mode, trainer
-        self._steps = self._micro_steps()
         self.records: list[dict] = []
         self.tokens_seen = 0
         self.train_seconds = 0.0
 
-    def _micro_steps(self):
-        tr = self.trainer
-        for epoch in range(tr.cfg.epochs):
-            batches = [tr.train_idx[b] for b in tr.planner.plan(epoch)[tr.rank]]
-            loader = micro_batches(tr.maker, batches, epoch, 0, num_workers=tr.cfg.num_workers,
-                                   pin_memory=tr.device.type == "cuda")
-            for first, end in tr.steps[epoch]:
-                yield epoch, [next(loader) for _ in range(end - first)]
-
     def step(self, origin: float) -> dict:
         """One optimizer step; the record is the same on every rank."""
-        tr = self.trainer
         start = time.perf_counter()
-        epoch, micro = next(self._steps)  # waiting for data is part of the step
-        sums, _, _ = accumulate_gradients(tr.engine, tr.target, micro, tr.device, tr.cfg.block_size)
-        tr.engine.step()
-        _synchronize()
-        own = time.perf_counter() - start
-        # this rank's seconds and work in its own slot, so one all_reduce gathers them all
-        w, r = tr.world_size, tr.rank
-        per_rank = torch.zeros(3, w, dtype=torch.float64, device=tr.device)
-        per_rank[:, r] = torch.tensor([own, sum(m.real_tokens for m in micro), sum(m.computed_tokens for m in micro)],
-                                      dtype=torch.float64)
-        dist.all_reduce(sums)
-        dist.all_reduce(per_rank)
-        seconds = time.perf_counter() - start
-        loss, weight, tau, blocks = sums.tolist()
-        rank_seconds, rank_real, rank_computed = per_rank.tolist()
-        tr.step += 1
-        record = {"index": len(self.records), "epoch": epoch, "start": start - origin, "seconds": seconds,
-                  "rank_seconds": rank_seconds, "rank_computed_tokens": [int(c) for c in rank_computed],
-                  "real_tokens": int(sum(rank_real)), "computed_tokens": int(sum(rank_computed)),
-                  "micro_batches": len(micro), "loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0}
+        record = self.trainer.train_step()  # a record every step: the runs are built with log_every=1
+        record = {"index": len(self.records), "start": start - origin, "seconds": record["step_seconds"], **record}
         self.tokens_seen += record["real_tokens"]
-        self.train_seconds += seconds
+        self.train_seconds += record["seconds"]
         record.update(tokens_seen=self.tokens_seen, train_seconds=self.train_seconds)
         self.records.append(record)
         return record
-
-
-def _synchronize() -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().synchronize()  # a rank's own time includes its queued device work
 
 
 def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, say) -> list[ModeRun]:
@@ -107,7 +69,7 @@ def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, sa
         order, layout = mode.split("-")
         mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
                                        max_steps=max_steps, export=False, progress=False, resume=False,
-                                       stop_at_step=0)
+                                       stop_at_step=0, log_every=1)
         trainer = Trainer(mode_cfg, target=target)
         if target is None:
             target = trainer.loaded
@@ -183,6 +145,20 @@ def step_tokens_of_plan(trainer: Trainer) -> list[int]:
     return tokens[:trainer.total_steps]
 
 
+def _evaluate(runs: list[ModeRun], evals: dict) -> None:
+    """Held-out metrics of every run, appended to `evals[mode]` with the tokens and time so far."""
+    for r in runs:
+        e = r.trainer.evaluate()
+        if e is not None:
+            evals[r.mode].append({"step": len(r.records), "tokens_seen": r.tokens_seen,
+                                  "train_seconds": r.train_seconds, "loss": e["loss"], "tau": e["tau"]})
+
+
+def _until(budget: int, goal: dict):
+    """A run is done once it has seen `budget` real tokens or reached its goal step."""
+    return lambda r: r.tokens_seen >= budget or len(r.records) >= goal[r.mode]
+
+
 def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, repeats: int,
                         eval_every: int, say) -> dict:
     """Loss and held-out tau against real tokens and training seconds, per mode and seed.
@@ -197,26 +173,19 @@ def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps:
         cfg = dataclasses.replace(cfg, data=runs[0].trainer.maker.store_path)
         budget = min(sum(step_tokens_of_plan(r.trainer)[:steps]) for r in runs)
         evals = {r.mode: [] for r in runs}
-
-        def evaluate(chunk):
-            for r in chunk:
-                e = r.trainer.evaluate()
-                if e is not None:
-                    evals[r.mode].append({"step": len(r.records), "tokens_seen": r.tokens_seen,
-                                          "train_seconds": r.train_seconds, "loss": e["loss"], "tau": e["tau"]})
-
         say(f"convergence, seed {seed_cfg.seed}: {budget:,} real tokens per mode, interleaved")
-        evaluate(runs)
+        _evaluate(runs, evals)
         origin, active = time.perf_counter(), list(runs)
         while active:
             goal = {r.mode: len(r.records) + eval_every for r in active}
-            run_interleaved(active, lambda r: r.tokens_seen >= budget or len(r.records) >= goal[r.mode], origin, say)
-            evaluate(active)
+            run_interleaved(active, _until(budget, goal), origin, say)
+            _evaluate(active, evals)
             active = [r for r in active if r.tokens_seen < budget]
         for r in runs:
             result[r.mode]["repeats"].append({
                 "seed": seed_cfg.seed, "budget_tokens": budget,
-                "train": [{k: s[k] for k in ("index", "tokens_seen", "train_seconds", "loss", "tau")} for s in r.records],
+                "train": [{k: s[k] for k in ("index", "tokens_seen", "train_seconds", "loss", "tau")}
+                          for s in r.records],
                 "eval": evals[r.mode]})
         del runs
         gc.collect()
@@ -245,7 +214,8 @@ def throughput_table(result: dict) -> str:
         notes.append(f"shuffle-padded: {result['shuffle-padded']['ratio_to_sorted_padded']:.2f}x sorted-padded "
                      f"(the seed measured {SEED_SHUFFLE_PADDED_RATIO:.2f}x)")
     if {"shuffle-packed", "sorted-packed"} <= result.keys():
-        notes.append(f"shuffle-packed: {result['shuffle-packed']['tokens_per_s'] / result['sorted-packed']['tokens_per_s']:.3f}x "
+        ratio = result['shuffle-packed']['tokens_per_s'] / result['sorted-packed']['tokens_per_s']
+        notes.append(f"shuffle-packed: {ratio:.3f}x "
                      "sorted-packed")
     return "\n".join(lines + notes)
 
@@ -255,7 +225,8 @@ def convergence_table(result: dict) -> str:
     lines = [head, "-" * len(head)]
     for mode, s in result.items():
         lines.append(f"{mode:<17} {s['final_eval_loss_mean']:>8.4f} ± {s['final_eval_loss_std']:<6.4f} "
-                     f"{s['final_eval_tau_mean']:>6.3f} ± {s['final_eval_tau_std']:<6.3f} {s['train_seconds_mean']:>8.1f} "
+                     f"{s['final_eval_tau_mean']:>6.3f} ± {s['final_eval_tau_std']:<6.3f} "
+                     f"{s['train_seconds_mean']:>8.1f} "
                      f"{len(s['repeats']):>7}")
     return "\n".join(lines)
 
@@ -281,7 +252,8 @@ def plot_throughput(result: dict, path: Path, title: str) -> None:
     ax.bar(x + 0.2, [result[m]["computed_tokens_per_s"] for m in modes], 0.4, label="computed tokens/s", alpha=0.6)
     for i, m in enumerate(modes):
         if "ratio_to_sorted_padded" in result[m]:
-            ax.text(i - 0.2, real[i], f"{result[m]['ratio_to_sorted_padded']:.2f}x", ha="center", va="bottom", fontsize=8)
+            ax.text(i - 0.2, real[i], f"{result[m]['ratio_to_sorted_padded']:.2f}x", ha="center", va="bottom",
+                    fontsize=8)
     ax.set_xticks(x, modes, rotation=20)
     ax.set_ylabel("tokens/s")
     ax.set_title(title, fontsize=9)
@@ -303,11 +275,12 @@ def plot_convergence(result: dict, path: Path, title: str) -> None:
         for i, rep in enumerate(stats["repeats"]):
             label = mode if i == 0 else None
             for col, x in enumerate(("tokens_seen", "train_seconds")):
-                axes[0, col].plot([s[x] for s in rep["train"]], [s["loss"] for s in rep["train"]], color=colors[mode],
+                color = colors[mode]
+                axes[0, col].plot([s[x] for s in rep["train"]], [s["loss"] for s in rep["train"]], color=color,
                                   alpha=0.25, lw=0.8)
-                axes[0, col].plot([e[x] for e in rep["eval"]], [e["loss"] for e in rep["eval"]], "o-", color=colors[mode],
+                axes[0, col].plot([e[x] for e in rep["eval"]], [e["loss"] for e in rep["eval"]], "o-", color=color,
                                   ms=3, lw=1.2, label=label)
-                axes[1, col].plot([e[x] for e in rep["eval"]], [e["tau"] for e in rep["eval"]], "o-", color=colors[mode],
+                axes[1, col].plot([e[x] for e in rep["eval"]], [e["tau"] for e in rep["eval"]], "o-", color=color,
                                   ms=3, lw=1.2, label=label)
     for col, xlabel in enumerate(("real tokens seen", "training seconds")):
         axes[0, col].set(xlabel=xlabel, ylabel="loss (lines: eval; faint: train steps)")

@@ -2,75 +2,120 @@
 
 Precedence: dataclass defaults (the paper's recipe) < the built-in demo preset (only when
 neither --target nor --data is given) < the YAML file of --config < command-line flags.
-Unknown YAML keys and bad combinations are errors that name the key or flag.
+`load_config` resolves every option once: lists become tuples of ints, derived defaults
+(step tokens, maximum length, gamma) are filled in, and every value is checked, so a bad one
+fails before anything loads. The rest of the code reads the result and interprets nothing.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.errors import UserError
+from dflash.models.config import GAMMA_BY_BLOCK_SIZE
+from dflash.options import parse_list
 
-REPO = Path(__file__).resolve().parents[2]
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+def _opt(default, help: str, list_options: dict | None = None):
+    """An option: its default, its `--help` text and, for a comma-separated list, how to check it."""
+    return field(default=default, metadata={"help": help, **({"list": list_options} if list_options else {})})
 
 
 @dataclass
 class TrainConfig:
     # what to train on
-    target: str = field(default="", metadata={"help": "Hugging Face causal LM folder of the frozen target (default: the built-in demo target)"})
-    data: str = field(default="", metadata={"help": "token store folder, or a JSONL file of conversations prepared on the fly with the target's tokenizer (default: the demo data)"})
-    output_dir: str = field(default="runs/demo", metadata={"help": "run folder: metrics, TensorBoard, checkpoints, exported drafter"})
-    max_length: int = field(default=0, metadata={"help": "when --data is JSONL: truncate samples to this many tokens (0: the token budget)"})
-    eval_fraction: float = field(default=0.02, metadata={"help": "share of samples held out for evaluation"})
+    target: str = _opt(
+        str(demo.TARGET),
+        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target)",
+    )
+    data: str = _opt(
+        str(demo.DATA),
+        "token store folder, or a JSONL file of conversations prepared on the fly with the target's tokenizer "
+        "(default: the demo data)",
+    )
+    output_dir: str = _opt("runs/demo", "run folder: metrics, TensorBoard, checkpoints, exported drafter")
+    max_length: int = _opt(0, "when --data is JSONL: truncate samples to this many tokens (0: the token budget)")
+    eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")
     # batching
-    order: str = field(default="shuffle", metadata={"help": f"batch order: {', '.join(ORDERS)}"})
-    layout: str = field(default="packed", metadata={"help": f"micro-batch layout: {', '.join(LAYOUTS)}"})
-    token_budget: int = field(default=16384, metadata={"help": "tokens per micro-batch (padded: count x longest; packed: sum of lengths)"})
-    step_tokens: int = field(default=0, metadata={"help": "real tokens per rank per optimizer step; micro-batches are added until a step reaches it (0: 4 x token budget)"})
-    buckets: int = field(default=6, metadata={"help": "number of optimal length buckets for --order bucketed"})
-    boundaries: str = field(default="", metadata={"help": "bucket boundaries instead of --buckets, e.g. 770,1216,1728"})
-    packing_window: int = field(default=DEFAULT_WINDOW, metadata={"help": "open bins of the best-fit packer"})
+    order: str = _opt("shuffle", f"batch order: {', '.join(ORDERS)}")
+    layout: str = _opt("packed", f"micro-batch layout: {', '.join(LAYOUTS)}")
+    token_budget: int = _opt(16384, "tokens per micro-batch (padded: count x longest; packed: sum of lengths)")
+    step_tokens: int = _opt(
+        0,
+        "real tokens per rank per optimizer step; micro-batches are added until a step reaches it (0: 4 x token "
+        "budget)",
+    )
+    buckets: int = _opt(6, "number of optimal length buckets for --order bucketed")
+    boundaries: tuple[int, ...] | None = _opt(
+        None,
+        "bucket boundaries instead of --buckets, e.g. 770,1216,1728",
+        list_options={"increasing": True, "minimum": 1},
+    )
+    packing_window: int = _opt(DEFAULT_WINDOW, "open bins of the best-fit packer")
     # optimisation (the paper's recipe)
-    epochs: int = field(default=6, metadata={"help": "passes over the training split"})
-    max_steps: int = field(default=0, metadata={"help": "train this many optimizer steps in all (0: all epochs); the schedule spans them"})
-    stop_at_step: int = field(default=0, metadata={"help": "stop after this step with a checkpoint, as if interrupted; --resume continues the same schedule"})
-    lr: float = field(default=6e-4, metadata={"help": "peak AdamW learning rate"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    warmup_ratio: float = field(default=0.04, metadata={"help": "share of steps of linear warm-up"})
-    schedule: str = field(default="cosine", metadata={"help": "learning-rate schedule after warm-up: cosine, linear, constant"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient clipping norm (fills 'gradient_clipping': 'auto')"})
+    epochs: int = _opt(6, "passes over the training split")
+    max_steps: int = _opt(0, "train this many optimizer steps in all (0: all epochs); the schedule spans them")
+    stop_at_step: int = _opt(
+        0,
+        "stop after this step with a checkpoint, as if interrupted; --resume continues the same schedule",
+    )
+    lr: float = _opt(6e-4, "peak AdamW learning rate")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    warmup_ratio: float = _opt(0.04, "share of steps of linear warm-up")
+    schedule: str = _opt("cosine", "learning-rate schedule after warm-up: cosine, linear, constant")
+    grad_clip: float = _opt(1.0, "gradient clipping norm (fills 'gradient_clipping': 'auto')")
     # drafter
-    num_anchors: int = field(default=512, metadata={"help": "anchors drawn per sample (fewer if it has fewer candidates)"})
-    block_size: int = field(default=16, metadata={"help": "drafted tokens per block, anchor slot included"})
-    gamma: float = field(default=0.0, metadata={"help": "loss decay exp(-(k-1)/gamma) (0: 7/5/4 for block 16/10/8)"})
-    draft_layers: int = field(default=5, metadata={"help": "drafter decoder layers"})
-    target_layer_ids: str = field(default="", metadata={"help": "tapped target layers, e.g. 1,9,17,25,33 (default: the official rule)"})
-    num_target_features: int = field(default=5, metadata={"help": "number of taps when --target-layer-ids is not given"})
-    activation_checkpointing: bool = field(default=False, metadata={"help": "recompute drafter layers in backward: less activation memory, about a third more drafter compute"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16, fp32"})
-    attention_backend: str = field(default="auto", metadata={"help": "dflash.ops backend: auto (Triton on CUDA), triton, torch"})
-    seed: int = field(default=0, metadata={"help": "seed of the planner, anchors, split and initialisation"})
+    num_anchors: int = _opt(512, "anchors drawn per sample (fewer if it has fewer candidates)")
+    block_size: int = _opt(16, "drafted tokens per block, anchor slot included")
+    gamma: float = _opt(0.0, "loss decay exp(-(k-1)/gamma) (0: 7/5/4 for block 16/10/8)")
+    draft_layers: int = _opt(5, "drafter decoder layers")
+    target_layer_ids: tuple[int, ...] | None = _opt(
+        None,
+        "tapped target layers, e.g. 1,9,17,25,33 (default: the official rule)",
+        list_options={"distinct": True, "minimum": 0},
+    )
+    num_target_features: int = _opt(5, "number of taps when --target-layer-ids is not given")
+    activation_checkpointing: bool = _opt(
+        False,
+        "recompute drafter layers in backward: less activation memory, about a third more drafter compute",
+    )
+    dtype: str = _opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
+    attention_backend: str = _opt("auto", f"dflash.ops backend: {', '.join(ATTENTION_BACKENDS)} (auto: Triton on CUDA)")
+    seed: int = _opt(0, "seed of the planner, anchors, split and initialisation")
     # run control
-    deepspeed_config: str = field(default="ds_configs/zero2.json", metadata={"help": "DeepSpeed JSON; 'auto' values are filled from these options"})
-    resume: bool = field(default=False, metadata={"help": "continue from the newest complete checkpoint in the output dir"})
-    force_resume: bool = field(default=False, metadata={"help": "resume even if data, world size or planner settings changed (prints what changes)"})
-    eval_every: int = field(default=0, metadata={"help": "evaluate loss and tau every N steps (0: once per epoch and at the end)"})
-    checkpoint_every: int = field(default=0, metadata={"help": "save a checkpoint every N steps (0: at the end of each epoch)"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "how many of the newest checkpoints to keep"})
-    log_every: int = field(default=1, metadata={"help": "write metrics every N steps (a host sync point)"})
-    num_workers: int = field(default=1, metadata={"help": "data-loader worker processes collating micro-batches ahead of compute"})
-    sample_log: bool = field(default=False, metadata={"help": "write which samples every step used to samples.rank<N>.jsonl (store indices)"})
-    max_nonfinite_steps: int = field(default=5, metadata={"help": "stop (with a checkpoint) after this many optimizer steps in a row with non-finite loss or gradients; each is skipped"})
-    export: bool = field(default=True, metadata={"help": "export the drafter (save_pretrained) at the end"})
-    progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
+    deepspeed_config: str = _opt("ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these options")
+    resume: bool = _opt(False, "continue from the newest complete checkpoint in the output dir")
+    force_resume: bool = _opt(
+        False,
+        "resume even if data, world size or planner settings changed (prints what changes)",
+    )
+    eval_every: int = _opt(0, "evaluate loss and tau every N steps (0: once per epoch and at the end)")
+    checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: at the end of each epoch)")
+    keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
+    log_every: int = _opt(1, "write metrics every N steps (a host sync point)")
+    num_workers: int = _opt(1, "data-loader worker processes collating micro-batches ahead of compute")
+    sample_log: bool = _opt(False, "write which samples every step used to samples.rank<N>.jsonl (store indices)")
+    max_nonfinite_steps: int = _opt(
+        5,
+        "stop (with a checkpoint) after this many optimizer steps in a row with non-finite loss or gradients; "
+        "each is skipped",
+    )
+    export: bool = _opt(True, "export the drafter (save_pretrained) at the end")
+    progress: bool = _opt(True, "show a progress bar on rank 0")
 
 
-# The built-in demo: the tiny target and the data it regenerated, sized to run on a laptop CPU
-# in a few minutes.
+# The built-in demo: the tiny target and the data it regenerated (the dataclass defaults), sized
+# to run on a laptop CPU in a few minutes.
 DEMO_PRESET = {
+    "target": str(demo.TARGET),
+    "data": str(demo.DATA),
     "output_dir": "runs/demo",
     "token_budget": 4096,
     "step_tokens": 4096,  # many small steps: on this data the drafter learns faster per token
@@ -89,34 +134,56 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _kind(f: dataclasses.Field) -> str:
+    if "list" in f.metadata:
+        return "list"
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def _list_parser(f: dataclasses.Field, where: str):
+    return lambda text: parse_list(text, where, **f.metadata["list"])
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of options (keys as below, with underscores)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
     for f in dataclasses.fields(TrainConfig):
         kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {f.default!r})"}
-        if f.type in ("bool", bool):
+        kind = _kind(f)
+        if kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind == "list":
+            kwargs["type"] = _list_parser(f, _flag(f.name))
         else:
-            kwargs["type"] = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            kwargs["type"] = {"int": int, "float": float, "str": str}[kind]
         names = [_flag(f.name)] + (["--deepspeed_config"] if f.name == "deepspeed_config" else [])
         p.add_argument(*names, **kwargs)
     return p
 
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
-    """Parse flags (and --config YAML) into a validated TrainConfig."""
+    """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
     args = build_parser(description).parse_args(argv)
     values = {}
     if args.config:
         values.update(_read_yaml(args.config))
     cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     values.update(cli)
-    if not values.get("target") and not values.get("data"):
+    if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
-    config = TrainConfig(**values)
-    validate(config)
-    return config
+    return resolve(TrainConfig(**values))
+
+
+def resolve(c: TrainConfig) -> TrainConfig:
+    """Check every option and fill in the defaults that depend on others (0 = derived)."""
+    validate(c)
+    return dataclasses.replace(
+        c,
+        step_tokens=c.step_tokens or 4 * c.token_budget,
+        max_length=c.max_length or c.token_budget,
+        gamma=c.gamma or GAMMA_BY_BLOCK_SIZE[c.block_size],
+    )
 
 
 def _read_yaml(path: str) -> dict:
@@ -143,14 +210,14 @@ def _read_yaml(path: str) -> dict:
 
 def _typed(value, f: dataclasses.Field, where: str):
     """A YAML value as the option's type. YAML reads `1e-3` as a string and `[1, 9]` as a list."""
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    kind = _kind(f)
+    if kind == "list":
+        return _list_parser(f, where)(value)
     if kind == "bool":
         if isinstance(value, bool):
             return value
         raise UserError(f"{where} must be true or false, got {value!r}")
     if kind == "str":
-        if isinstance(value, list) and all(isinstance(v, int) for v in value):
-            return ",".join(map(str, value))  # e.g. target_layer_ids: [1, 9, 17]
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UserError(f"{where} must be a string, got {value!r}")
@@ -163,7 +230,7 @@ def _typed(value, f: dataclasses.Field, where: str):
                 raise ValueError
             return int(number)
         return number
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise UserError(f"{where} must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}") from None
 
 
@@ -171,39 +238,36 @@ def validate(c: TrainConfig) -> None:
     def bad(flag, why):
         raise UserError(f"{_flag(flag)}: {why}")
 
-    if c.order not in ORDERS:
-        bad("order", f"must be one of {', '.join(ORDERS)}, got {c.order!r}")
-    if c.layout not in LAYOUTS:
-        bad("layout", f"must be one of {', '.join(LAYOUTS)}, got {c.layout!r}")
-    if c.schedule not in ("cosine", "linear", "constant"):
-        bad("schedule", f"must be cosine, linear or constant, got {c.schedule!r}")
-    if c.dtype not in ("auto", "bf16", "fp32"):
-        bad("dtype", f"must be auto, bf16 or fp32, got {c.dtype!r}")
+    for name, choices in (("order", ORDERS), ("layout", LAYOUTS), ("schedule", ("cosine", "linear", "constant")),
+                          ("dtype", ("auto", "bf16", "fp32")), ("attention_backend", ATTENTION_BACKENDS)):
+        if getattr(c, name) not in choices:
+            bad(name, f"must be one of {', '.join(choices)}, got {getattr(c, name)!r}")
     for name in ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps"):
         if getattr(c, name) < 1:
             bad(name, f"must be >= 1, got {getattr(c, name)}")
+    for name in ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
+                 "checkpoint_every", "seed"):
+        if getattr(c, name) < 0:
+            bad(name, f"must be >= 0, got {getattr(c, name)}")
+    for name in ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction"):
+        if not math.isfinite(getattr(c, name)):
+            bad(name, f"must be a finite number, got {getattr(c, name)}")
     if c.block_size < 2:
         bad("block_size", "must be >= 2 (slot 0 holds the anchor)")
-    if c.gamma == 0 and c.block_size not in (8, 10, 16):
+    if c.gamma < 0:
+        bad("gamma", f"must be positive (0: the default for the block size), got {c.gamma}")
+    if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:
         bad("gamma", f"no default for block size {c.block_size}; give --gamma")
     if not 0 <= c.warmup_ratio < 1:
         bad("warmup_ratio", f"must be in [0, 1), got {c.warmup_ratio}")
     if not 0 <= c.eval_fraction < 1:
         bad("eval_fraction", f"must be in [0, 1), got {c.eval_fraction}")
-    for name in ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every", "checkpoint_every"):
-        if getattr(c, name) < 0:
-            bad(name, f"must be >= 0, got {getattr(c, name)}")
     if c.lr <= 0:
         bad("lr", f"must be positive, got {c.lr}")
+    if c.weight_decay < 0:
+        bad("weight_decay", f"must be >= 0, got {c.weight_decay}")
+    if c.grad_clip < 0:
+        bad("grad_clip", f"must be >= 0 (0: no clipping), got {c.grad_clip}")
     if c.force_resume and not c.resume:
         bad("force_resume", "only makes sense with --resume")
-
-
-def parse_int_list(text: str, flag: str) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None

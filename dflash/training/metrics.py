@@ -26,6 +26,18 @@ def trim_jsonl(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def step_metrics(sums, slot) -> dict:
+    """Loss, offline tau and per-slot accuracy from summed drafter outputs.
+
+    sums: (loss_sum, weight_sum, tau_sum, num_blocks); slot: (2, B-1) correct and scored labels
+    per slot. Totals over micro-batches and ranks: the loss is weighted as one big batch.
+    """
+    loss, weight, tau, blocks = (float(v) for v in sums)
+    correct, count = slot
+    return {"loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0, "blocks": int(blocks),
+            "slot_accuracy": (correct / count.clamp_min(1)).tolist()}
+
+
 def _finite_or_none(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
@@ -88,7 +100,7 @@ def plot_curves(records: list[dict], output: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key in zip(axes, ("loss", "tau")):
+    for ax, key in zip(axes, ("loss", "tau"), strict=True):
         for kind, style in (("train", "-"), ("eval", "o-")):
             rows = [r for r in records if r["kind"] == kind]
             ax.plot([r["step"] for r in rows], [float("nan") if r[key] is None else r[key] for r in rows], style,

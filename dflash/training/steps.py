@@ -50,9 +50,8 @@ class MicroBatch:
     real_tokens: int
     computed_tokens: int
 
-    def pin_memory(self) -> "MicroBatch":
-        pinned = self.batch.pin_memory() if hasattr(self.batch, "pin_memory") else self.batch
-        return MicroBatch(pinned, self.plan, self.weight_sum, self.real_tokens, self.computed_tokens)
+    def pin_memory(self) -> MicroBatch:
+        return MicroBatch(self.batch.pin_memory(), self.plan, self.weight_sum, self.real_tokens, self.computed_tokens)
 
 
 class MicroBatchMaker:

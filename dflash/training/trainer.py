@@ -22,9 +22,9 @@ import torch.distributed as dist
 from dflash.data.planner import BatchPlanner, PlannerConfig, plan_batches
 from dflash.errors import UserError
 from dflash.training.checkpoint import Checkpointer
-from dflash.training.config import TrainConfig, parse_int_list
+from dflash.training.config import TrainConfig
 from dflash.training.ds_config import load_ds_config, offloads_optimizer, zero_stage
-from dflash.training.metrics import MetricsWriter, plot_curves, read_records, trim_jsonl
+from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
 from dflash.training.steps import MicroBatchMaker, micro_batches, step_ranges
 
 
@@ -106,17 +106,16 @@ class LoadedTarget(NamedTuple):
 def load_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.demo import TARGET as DEMO_TARGET
     from dflash.models import TargetModel, ensure_mask_token
 
-    target_path = Path(cfg.target or DEMO_TARGET)
+    target_path = Path(cfg.target)
     if not (target_path / "config.json").is_file():
         raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
     try:
-        model = TargetModel(hf, parse_int_list(cfg.target_layer_ids, "--target-layer-ids"),
-                            num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
+        taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
+        model = TargetModel(hf, taps, num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
         mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows)
     except ValueError as e:
         raise UserError(f"--target {target_path}: {e}") from None
@@ -125,18 +124,19 @@ def load_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, target: LoadedTarget | None = None):
-        """`target`: an already loaded target to share (e.g. by several modes in one process);
-        it must match cfg's target options. None loads it."""
+        """`cfg`: resolved (`config.load_config` / `config.resolve`). `target`: an already loaded
+        target to share (e.g. by several modes in one process); it must match cfg's target
+        options. None loads it."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        from dflash.demo import DATA as DEMO_DATA
         from dflash.models import DFlashDrafter, DrafterConfig
 
         self.cfg = cfg
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device(get_accelerator().current_device_name())
+        self.accelerator = get_accelerator()
+        self.device = torch.device(self.accelerator.current_device_name())
         on_gpu = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" or (cfg.dtype == "auto" and on_gpu) else torch.float32
         self.output_dir = Path(cfg.output_dir)
@@ -147,7 +147,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
 
         # data: token store -> held-out split -> planner
-        store_path = self._token_store(Path(cfg.data or DEMO_DATA), tokenizer)
+        store_path = self._token_store(Path(cfg.data), tokenizer)
         from dflash.data.token_store import TokenStore
 
         store = TokenStore(store_path)
@@ -160,17 +160,15 @@ class Trainer:
                             f"(most: {int(store.supervised.max())}); use a smaller block size")
         self.train_idx, self.eval_idx = _split(len(store), cfg.eval_fraction, cfg.seed)
         self.lengths = store.lengths[self.train_idx]
-        self.step_tokens = cfg.step_tokens or 4 * cfg.token_budget
-        boundaries = parse_int_list(cfg.boundaries, "--boundaries")
+        boundaries = cfg.boundaries
         if cfg.order == "bucketed" and boundaries is None:
             from dflash.data.buckets import optimal_buckets
 
-            boundaries = optimal_buckets(self.lengths, cfg.buckets, cfg.token_budget).tolist()
+            boundaries = tuple(optimal_buckets(self.lengths, cfg.buckets, cfg.token_budget).tolist())
         self.planner = BatchPlanner(self.lengths, PlannerConfig(
-            token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout,
-            boundaries=tuple(boundaries) if boundaries else None, seed=cfg.seed,
+            token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout, boundaries=boundaries, seed=cfg.seed,
             world_size=self.world_size, window=cfg.packing_window))
-        self.steps = [step_ranges(self.planner.plan(e), self.lengths, self.step_tokens) for e in range(cfg.epochs)]
+        self.steps = [step_ranges(self.planner.plan(e), self.lengths, cfg.step_tokens) for e in range(cfg.epochs)]
         self.total_steps = sum(len(s) for s in self.steps)
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -181,7 +179,7 @@ class Trainer:
                                          target_layer_ids=self.target.target_layer_ids,
                                          vocab_size=self.target.num_embedding_rows)
         drafter = DFlashDrafter(dcfg, self.target.shared_weights(), num_anchors=cfg.num_anchors,
-                                gamma=cfg.gamma or None, attention_backend=cfg.attention_backend,
+                                gamma=cfg.gamma, attention_backend=cfg.attention_backend,
                                 activation_checkpointing=cfg.activation_checkpointing)
         self.maker = MicroBatchMaker(str(store_path), cfg.layout, pad_id=tokenizer.pad_token_id or 0,
                                      mask_token_id=mask_id, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
@@ -212,12 +210,14 @@ class Trainer:
             self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, ZeRO-{self.zero_stage}; "
                       f"{len(self.train_idx):,} train / {len(self.eval_idx):,} eval samples "
                       f"({len(store) - usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
-                      f"budget {cfg.token_budget:,}, {self.step_tokens:,} tokens/rank/step, {self.total_steps} steps")
+                      f"budget {cfg.token_budget:,}, {cfg.step_tokens:,} tokens/rank/step, {self.total_steps} steps")
         resumed = cfg.resume and self._resume()
         # a resumed run's logs end at its checkpoint: what a crash wrote after it is redone
-        self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0, resume_step=self.step if resumed else None)
+        self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0,
+                                     resume_step=self.step if resumed else None)
         if resumed and cfg.sample_log:
             trim_jsonl(self._sample_log_path(), self.step)
+        self._stream = self._micro_steps()
 
     # ---- setup helpers -------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -231,7 +231,7 @@ class Trainer:
         if not data.is_file():
             raise UserError(f"--data {data}: no such file or folder")
         store = self.output_dir / "data"
-        max_length = self.cfg.max_length or self.cfg.token_budget
+        max_length = self.cfg.max_length
         meta = store / "dflash_store.json"
         from dflash.data.token_store import STORE_VERSION
 
@@ -272,8 +272,8 @@ class Trainer:
 
         def check(state):
             diffs = self.planner.load_state_dict(state["planner"], force=True)
-            if state["step_tokens"] != self.step_tokens:
-                diffs.append(f"step_tokens: checkpoint {state['step_tokens']} -> now {self.step_tokens}")
+            if state["step_tokens"] != cfg.step_tokens:
+                diffs.append(f"step_tokens: checkpoint {state['step_tokens']} -> now {cfg.step_tokens}")
             if diffs and not cfg.force_resume:
                 raise UserError(f"--resume: {state['checkpoint']} was made with other "
                                 "data or settings:\n  " + "\n  ".join(diffs)
@@ -316,6 +316,25 @@ class Trainer:
         return True
 
     # ---- the loop ------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps or self.planner.epoch >= self.cfg.epochs
+
+    def _micro_steps(self):
+        """This rank's micro-batches, one optimizer step's worth at a time, from where the
+        planner stands (0 for a fresh run, the checkpoint's micro-step after a resume)."""
+        while not self.done:
+            epoch = self.planner.epoch
+            ranges = [r for r in self.steps[epoch] if r[0] >= self.planner.position]
+            assert ranges and ranges[0][0] == self.planner.position, "_resume leaves the planner on a step boundary"
+            batches = [self.train_idx[b] for b in self.planner.plan(epoch)[self.rank]]
+            loader = micro_batches(self.maker, batches, epoch, self.planner.position,
+                                   num_workers=self.cfg.num_workers, pin_memory=self.device.type == "cuda")
+            for first, end in ranges:
+                if self.step >= self.total_steps:
+                    return
+                yield epoch, first, [next(loader) for _ in range(end - first)]
+
     def train(self) -> dict:
         from tqdm.auto import tqdm
 
@@ -323,19 +342,10 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=self.rank != 0 or not cfg.progress, dynamic_ncols=True)
         last_eval = None
-        while self.step < self.total_steps and self.planner.epoch < cfg.epochs:
-            epoch = self.planner.epoch
-            ranges = [r for r in self.steps[epoch] if r[0] >= self.planner.position]
-            assert ranges and ranges[0][0] == self.planner.position, "_resume leaves the planner on a step boundary"
-            batches = [self.train_idx[b] for b in self.planner.plan(epoch)[self.rank]]
-            loader = micro_batches(self.maker, batches, epoch, self.planner.position, num_workers=cfg.num_workers,
-                                   pin_memory=self.device.type == "cuda")
-            for first, end in ranges:
-                if self.step >= self.total_steps:
-                    break
-                record = self.train_step([next(loader) for _ in range(end - first)], epoch, first)
-                self.planner.advance(end - first)
-                self.step += 1
+        try:
+            while not self.done:
+                epoch = self.planner.epoch
+                record = self.train_step()
                 bar.update(1)
                 if self.nonfinite_in_row >= cfg.max_nonfinite_steps:
                     self._stop_after_nonfinite_steps()
@@ -353,21 +363,23 @@ class Trainer:
                 if stop:
                     self._say(f"--stop-at-step {self.step}: stopped; continue with --resume")
                     return {"step": self.step, "eval": last_eval, "stopped": True}
-            del loader
-        bar.close()
+        finally:  # also on --stop-at-step and errors: TensorBoard keeps its tail
+            bar.close()
+            self._stream.close()
+            self.metrics.close()
         if cfg.export:
             self.export(self.output_dir / "drafter")
-        self.metrics.close()
         if self.rank == 0 and self.metrics.path.is_file():
             plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
             self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
         return {"step": self.step, "eval": last_eval}
 
-    def train_step(self, micro: list, epoch: int, first: int) -> dict | None:
-        """One optimizer step over this rank's micro-batches; the loss is normalised by the
+    def train_step(self) -> dict | None:
+        """One optimizer step over this rank's next micro-batches; the loss is normalised by the
         loss weight of the WHOLE step (all micro-batches, all ranks), so the gradient is that of
-        one big batch."""
+        one big batch. Returns the step's metrics (the same on every rank) on logged steps."""
         cfg, t0 = self.cfg, time.perf_counter()
+        epoch, first, micro = next(self._stream)  # waiting for data is part of the step
         sums, slot, skipped = accumulate_gradients(self.engine, self.target, micro, self.device, cfg.block_size)
         self.engine.step()
         # The ZeRO optimizers skip the update when the global gradient norm is not finite.
@@ -379,29 +391,38 @@ class Trainer:
                       f"({self.nonfinite_in_row} in a row, {self.nonfinite_total} in all)")
         if cfg.sample_log:
             self._log_samples(micro, epoch, first)
-        if applied and self.step % cfg.log_every and self.step + 1 < self.total_steps:
+        self.planner.advance(len(micro))
+        self.step += 1
+        if applied and (self.step - 1) % cfg.log_every and self.step < self.total_steps:
             return None
-        # sync point: metrics of the step, summed over ranks
-        real = sum(m.real_tokens for m in micro)
-        computed = sum(m.computed_tokens for m in micro)
-        counts = torch.tensor([real, computed, skipped, len(micro)], dtype=torch.float64, device=self.device)
-        for t in (sums, slot, counts):
+        # sync point: metrics of the step, summed over ranks; each rank's own time (its queued
+        # device work included) and work in its slot, so one all_reduce gathers them all
+        self.accelerator.synchronize()
+        own = time.perf_counter() - t0
+        per_rank = torch.zeros(3, self.world_size, dtype=torch.float64, device=self.device)
+        per_rank[:, self.rank] = torch.tensor([own, sum(m.real_tokens for m in micro),
+                                               sum(m.computed_tokens for m in micro)], dtype=torch.float64)
+        counts = torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device)
+        for t in (sums, slot, per_rank, counts):
             dist.all_reduce(t)
         seconds = time.perf_counter() - t0
-        loss, weight, tau, blocks = sums.tolist()
+        rank_seconds, rank_real, rank_computed = per_rank.tolist()
+        real, computed = sum(rank_real), sum(rank_computed)
         grad_norm = self.engine.get_global_grad_norm()
+        metrics = step_metrics(sums.tolist(), slot)
         record = {
-            "epoch": epoch, "loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0,
+            "epoch": epoch, "loss": metrics["loss"], "tau": metrics["tau"],
             "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "step_seconds": seconds, "real_tokens": int(counts[0]), "computed_tokens": int(counts[1]),
-            "tokens_per_s": float(counts[0]) / seconds, "computed_tokens_per_s": float(counts[1]) / seconds,
-            "efficiency": float(counts[0] / counts[1]), "micro_batches": int(counts[3]) // self.world_size,
-            "skipped_samples": int(counts[2]), "step_applied": applied, "nonfinite_steps": self.nonfinite_total,
-            "slot_accuracy": (slot[0] / slot[1].clamp_min(1)).tolist(),
+            "step_seconds": seconds, "real_tokens": int(real), "computed_tokens": int(computed),
+            "tokens_per_s": real / seconds, "computed_tokens_per_s": computed / seconds,
+            "efficiency": real / computed, "micro_batches": int(counts[1]) // self.world_size,
+            "skipped_samples": int(counts[0]), "step_applied": applied, "nonfinite_steps": self.nonfinite_total,
+            "slot_accuracy": metrics["slot_accuracy"],
+            "rank_seconds": rank_seconds, "rank_computed_tokens": [int(c) for c in rank_computed],
         }
         if self.device.type == "cuda":  # for the config tuner: what this rank's step needed at most
             record["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        self.metrics.write("train", self.step + 1, record)
+        self.metrics.write("train", self.step, record)
         return record
 
     def _stop_after_nonfinite_steps(self) -> None:
@@ -447,15 +468,15 @@ class Trainer:
                 slot += torch.stack([out.slot_correct, out.slot_count]).double()
         dist.all_reduce(sums)
         dist.all_reduce(slot)
-        loss, weight, tau, blocks = sums.tolist()
-        record = {"loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0,
-                  "blocks": int(blocks), "slot_accuracy": (slot[0] / slot[1].clamp_min(1)).tolist()}
+        record = step_metrics(sums.tolist(), slot)
         self.metrics.write("eval", self.step, record)
-        self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} over {int(blocks)} blocks")
+        self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} "
+                  f"over {record['blocks']} blocks")
         return record
 
     def save_checkpoint(self) -> Path:
-        state = {"planner": self.planner.state_dict(), "step_tokens": self.step_tokens, "world_size": self.world_size,
+        state = {"planner": self.planner.state_dict(), "step_tokens": self.cfg.step_tokens,
+                 "world_size": self.world_size,
                  "nonfinite_steps": self.nonfinite_total, "config": dataclasses.asdict(self.cfg),
                  "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
         return self.checkpointer.save(self.engine, self.step, state)

@@ -130,13 +130,3 @@ def best(trials: list[Trial]) -> Trial:
     if not ok:
         raise UserError("no trial finished; see the trial logs (and the summary table) for why")
     return max(ok, key=lambda t: t.tokens_per_s)
-
-
-def parse_list(text: str, flag: str, cast=int) -> list:
-    try:
-        values = [cast(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag}: expected a comma-separated list, got {text!r}") from None
-    if not values:
-        raise UserError(f"{flag}: give at least one value")
-    return values

@@ -10,16 +10,6 @@ import torch
 from dflash.data.batch import PackedBatch
 from dflash.models import block_tensors, sample_anchors, slot_weights
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on shared cores: intra-op threads cost far more than the work (100x measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 B = 4
 
 

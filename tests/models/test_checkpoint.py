@@ -12,16 +12,6 @@ from transformers import LlamaConfig, Qwen3Config
 
 from dflash.models import CONFIG_KEYS, DFlashDrafter, DrafterConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on shared cores: intra-op threads cost far more than the work (100x measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 H, HEADS, KV, HEAD_DIM, INTER, VOCAB, MASK_ID = 64, 4, 2, 16, 96, 300, 297
 
 

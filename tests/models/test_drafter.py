@@ -11,16 +11,6 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotat
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.models import BlockPlan, DFlashDrafter, DrafterConfig, TargetModel, block_tensors, slot_weights
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on shared cores: intra-op threads cost far more than the work (100x measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 VOCAB, MASK_ID, B = 300, 299, 4
 TAPS = [1, 3]
 

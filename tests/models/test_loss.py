@@ -9,15 +9,6 @@ from dflash.models import acceptance_stats, chunked_weighted_ce
 from dflash.models.flops import measure_peak_tensor_bytes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on shared cores: intra-op threads cost far more than the work (100x measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def inputs(n, vocab, hidden, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_()

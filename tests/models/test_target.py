@@ -15,16 +15,6 @@ from dflash.models import (
     target_forward_flops,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on shared cores: intra-op threads cost far more than the work (100x measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 VOCAB = 300
 COMMON = dict(
     vocab_size=VOCAB,

@@ -1,12 +1,16 @@
 """Training end to end with real DeepSpeed CPU ranks (gloo), plus its small components."""
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from dflash.demo import DATA as DEMO_DATA
+from dflash.demo import TARGET as DEMO_TARGET
 from dflash.errors import UserError
-from dflash.training.config import load_config
+from dflash.training.config import load_config, resolve
 from dflash.training.ds_config import load_ds_config
 from dflash.training.metrics import MetricsWriter
 from dflash.training.steps import step_ranges
@@ -96,6 +100,17 @@ BAD_OPTIONS = [
     (["--block-size", "12"], "--gamma: no default for block size 12; give --gamma"),
     (["--force-resume"], "--force-resume: only makes sense with --resume"),
     (["--config", "nope.yaml"], "--config nope.yaml: no such file"),
+    (["--lr", "inf"], "--lr: must be a finite number, got inf"),
+    (["--lr", "nan"], "--lr: must be a finite number, got nan"),
+    (["--weight-decay", "nan"], "--weight-decay: must be a finite number, got nan"),
+    (["--seed", "-1"], "--seed: must be >= 0, got -1"),
+    (["--attention-backend", "cudnn"], "--attention-backend: must be one of auto, triton, torch, got 'cudnn'"),
+    (["--grad-clip", "-1"], "--grad-clip: must be >= 0 (0: no clipping), got -1.0"),
+    (["--gamma", "-2"], "--gamma: must be positive (0: the default for the block size), got -2.0"),
+    (["--target-layer-ids", "1,3,1"], "--target-layer-ids: values must not repeat, got '1,3,1'"),
+    (["--target-layer-ids", "1,x"], "--target-layer-ids: 'x' is not an integer (expected a comma-separated list, "
+                                    "got '1,x')"),
+    (["--boundaries", "900,300"], "--boundaries: values must be strictly increasing, got '900,300'"),
 ]
 
 
@@ -118,11 +133,35 @@ def test_config_file_errors_name_the_file_and_key(tmp_path):
     assert load_config(["--config", str(path), "--epochs", "3"]).epochs == 3, "flags override the file"
 
 
+def test_options_are_resolved_once_into_typed_values():
+    demo = load_config([])
+    assert (demo.target, demo.data) == (str(DEMO_TARGET), str(DEMO_DATA)), "the demo preset holds the demo paths"
+    assert (demo.step_tokens, demo.max_length, demo.gamma) == (4096, 1024, 7.0)
+    c = load_config(["--data", "d.jsonl", "--token-budget", "2048", "--block-size", "8", "--boundaries", "300,900"])
+    assert c.target == str(DEMO_TARGET) and c.output_dir == "runs/demo", "no preset once --data is given"
+    assert (c.step_tokens, c.max_length, c.gamma, c.boundaries) == (4 * 2048, 2048, 4.0, (300, 900))
+    assert load_config(["--data", "d", "--gamma", "3", "--step-tokens", "5"]).gamma == 3.0
+    assert resolve(c) == c, "resolving twice changes nothing"
+
+
+def test_every_command_parses_lists_alike(tmp_path):
+    """train.py and plan_batches.py share one list parser: same values, same errors."""
+    np.save(tmp_path / "lengths.npy", np.array([100, 200, 300, 400] * 50))
+    argv = ["--lengths", str(tmp_path / "lengths.npy"), "--token-budget", "1024", "--json"]
+    script = ROOT / "launch" / "plan_batches.py"
+    ok = subprocess.run([sys.executable, script, *argv, "--boundaries", "150,250"], capture_output=True, text=True)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["buckets"]["boundaries"] == [0, 150, 250, 400]
+    bad = subprocess.run([sys.executable, script, *argv, "--boundaries", "250,150"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --boundaries: values must be strictly increasing, " \
+        "got '250,150'"
+    assert load_config(["--data", "d", "--boundaries", "150,250"]).boundaries == (150, 250)
+
+
 def test_config_file_values_are_read_as_the_option_types(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 1e-3\nepochs: 2.0\ntarget_layer_ids: [1, 3]\nsample_log: true\n")
     config = load_config(["--config", str(path)])
-    assert (config.lr, config.epochs, config.target_layer_ids, config.sample_log) == (1e-3, 2, "1,3", True)
+    assert (config.lr, config.epochs, config.target_layer_ids, config.sample_log) == (1e-3, 2, (1, 3), True)
     path.write_text("epochs: two\n")
     with pytest.raises(UserError, match=rf"--config {path}: 'epochs' must be an integer, got 'two'"):
         load_config(["--config", str(path)])
