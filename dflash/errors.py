@@ -21,3 +21,30 @@ def exit_on_user_error(main):
             sys.exit(2)
 
     return wrapper
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err`, or an error it was raised from, is a full disk. torch.save reports one as
+    a RuntimeError "unexpected pos ..." from its zip writer, with no errno."""
+    import errno
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(err, RuntimeError) and "unexpected pos" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def free_space(path) -> str:
+    """Free space on the file system of `path` (or its nearest existing parent), for messages."""
+    import shutil
+    from pathlib import Path
+
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free"

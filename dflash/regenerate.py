@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from tqdm import tqdm
 
-from dflash.data.conversations import SkipCounter, read_conversations
+from dflash.data.conversations import BadSample, SkipCounter, read_conversations, render_chat
 from dflash.errors import UserError
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
@@ -300,6 +300,27 @@ def read_done(output: Path, settings: dict) -> set[int]:
     return done
 
 
+def _assistant_slots(messages: list[dict]) -> list[int]:
+    """Indices of the turns to generate: every assistant turn, and one after a final user turn."""
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return slots + [len(messages)] if messages[-1]["role"] == "user" else slots
+
+
+def renderable(samples: Iterator, tokenizer, path, skip_bad: bool, skipped: SkipCounter) -> Iterator:
+    """The samples whose every prompt the chat template renders; the others are a BadSample
+    naming their line (or, with skip_bad, counted), before any of them reaches the model."""
+    for lineno, messages, raw in samples:
+        try:
+            for slot in _assistant_slots(messages):
+                render_chat(tokenizer, messages[:slot], f"{path}:{lineno}", add_generation_prompt=True)
+        except BadSample as err:
+            if not skip_bad:
+                raise
+            skipped.add(err)
+            continue
+        yield lineno, messages, raw
+
+
 def _batches(samples: Iterator, size: int, limit: int | None) -> Iterator[list]:
     batch = []
     for n, sample in enumerate(samples):
@@ -324,10 +345,10 @@ def regenerate_batch(backend, tokenizer, batch: list[list[dict]], cfg: Regenerat
     convs, slots = [], []
     for messages in batch:
         conv = [dict(m) for m in messages]
+        slots.append(_assistant_slots(conv))
         if conv[-1]["role"] == "user":
             conv.append({"role": "assistant", "content": ""})
         convs.append(conv)
-        slots.append([i for i, m in enumerate(conv) if m["role"] == "assistant"])
     gens: list[list[Generation]] = [[] for _ in batch]
     for turn in range(max(len(s) for s in slots)):
         todo = [b for b in range(len(batch)) if turn < len(slots[b])]
@@ -342,7 +363,7 @@ def regenerate_batch(backend, tokenizer, batch: list[list[dict]], cfg: Regenerat
         outs = backend.generate(
             prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seeds=seeds
         )
-        for b, g in zip(todo, outs):
+        for b, g in zip(todo, outs, strict=True):
             text = tokenizer.decode(g.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             convs[b][slots[b][turn]]["content"] = text if cfg.keep_thinking else strip_thinking(text)
             gens[b].append(g)
@@ -377,19 +398,22 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     backend = backend or load_backend(cfg, tokenizer)
     skipped = SkipCounter()
-    samples = read_conversations(cfg.input, skip_bad=cfg.skip_bad, skipped=skipped, require_assistant=False)
+    samples = renderable(read_conversations(cfg.input, skip_bad=cfg.skip_bad, skipped=skipped,
+                                            require_assistant=False), tokenizer, cfg.input, cfg.skip_bad, skipped)
     total = _count_lines(Path(cfg.input))
     if cfg.limit is not None:
         total = min(total, cfg.limit)
     stats = {"backend": backend.name, "written": 0, "resumed": len(done), "new_tokens": 0,
              "hit_limit": 0, "seconds": 0.0}
+    created = not output.exists()
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     bar = tqdm(total=total, initial=min(len(done), total), unit="sample", desc=f"regenerate [{backend.name}]",
                disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
-    counted_skips = 0
+    counted_skips = read = 0
     try:
         for batch in _batches(samples, cfg.batch_size, cfg.limit):
+            read += len(batch)
             bar.update(skipped.total - counted_skips)  # bad lines read while filling this batch
             counted_skips = skipped.total
             todo = [lineno not in done for lineno, _, _ in batch]
@@ -400,20 +424,25 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
             convs, gens = regenerate_batch(backend, tokenizer, [m for _, m, _ in batch], cfg, batch[0][0])
             lines = [
                 _record(raw, lineno, conv, g, settings, backend.name)
-                for (lineno, _, raw), conv, g, new in zip(batch, convs, gens, todo) if new
+                for (lineno, _, raw), conv, g, new in zip(batch, convs, gens, todo, strict=True) if new
             ]
             # One write of whole lines, then fsync: a crash loses at most this batch
             os.write(fd, b"".join(lines))
             os.fsync(fd)
             stats["written"] += len(lines)
-            stats["new_tokens"] += sum(sum(len(x.token_ids) for x in g) for g, new in zip(gens, todo) if new)
-            stats["hit_limit"] += sum(any(x.hit_limit for x in g) for g, new in zip(gens, todo) if new)
+            new_gens = [g for g, new in zip(gens, todo, strict=True) if new]
+            stats["new_tokens"] += sum(sum(len(x.token_ids) for x in g) for g in new_gens)
+            stats["hit_limit"] += sum(any(x.hit_limit for x in g) for g in new_gens)
             elapsed = time.perf_counter() - start
             bar.update(len(lines))
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / elapsed:.0f}")
     finally:
         os.close(fd)
         bar.close()
+    if not read:
+        if created and output.stat().st_size == 0:
+            output.unlink()  # ours, and empty: nothing to resume
+        raise UserError(f"{cfg.input}: no usable conversation; {skipped.summary()}")
     stats["seconds"] = time.perf_counter() - start
     stats["skipped"] = skipped
     return stats

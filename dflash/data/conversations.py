@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from dflash.errors import UserError
 
@@ -67,6 +67,11 @@ def parse_conversation(obj, where: str, *, require_assistant: bool = True) -> li
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "user" for m in messages):
         raise BadSample(where, "no user turn", "the conversation has no user turn")
+    first = next(m["role"] for m in messages if m["role"] != "system")
+    if first != "user":
+        # an opening assistant turn answers nothing; chat templates cannot render a prompt for it
+        raise BadSample(where, "assistant first", "the first turn after the system prompt must be the user's, "
+                        "not the assistant's")
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadSample(where, "no assistant turn", "the conversation has no assistant turn (nothing to learn)")
     return messages
@@ -96,6 +101,17 @@ class SkipCounter:
         return "\n".join(lines)
 
 
+def render_chat(tokenizer, messages: list[dict], where: str, *, add_generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages`; a template that refuses them is a BadSample."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        # e.g. a template's raise_exception('...') on a role order it does not accept
+        raise BadSample(where, "template", f"the chat template refuses this conversation: {e}") from None
+
+
 def read_conversations(
     path: str | Path, *, skip_bad: bool = False, skipped: SkipCounter | None = None,
     require_assistant: bool = True,
@@ -108,12 +124,17 @@ def read_conversations(
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:  # decoded line by line, so that bad UTF-8 is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadSample(where, "invalid UTF-8", f"invalid UTF-8 at byte {e.start} of the line "
+                                    f"({raw[e.start:e.start + 4]!r})") from None
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:

@@ -1,9 +1,11 @@
 """raw conversations (JSONL) -> token store: chat template, assistant-only loss mask, lengths."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -11,41 +13,57 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.data.conversations import BadSample, SkipCounter, read_conversations
-from dflash.data.token_store import STORE_META, STORE_VERSION
-from dflash.errors import UserError
+from dflash.data.conversations import BadSample, SkipCounter, read_conversations, render_chat
+from dflash.data.token_store import (
+    STORE_META,
+    STORE_VERSION,
+    file_fingerprint,
+    read_store_meta,
+    same_file_content,
+    tokenizer_fingerprint,
+)
+from dflash.errors import UserError, disk_full, free_space
 
 OVERLONG = ("truncate", "drop", "error")
+OWNER = "dflash_partial.json"  # in a temporary folder: which process writes it, so that a dead one's is removed
+# files one of which a tokenizer folder must hold; without them transformers loads an empty tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
+    """A fast tokenizer with a chat template from a local folder; `flag` names the option in errors."""
     from transformers import AutoTokenizer
 
-    if not Path(path).exists():
-        raise UserError(f"--tokenizer {path}: no such directory (give a local Hugging Face tokenizer or model folder)")
+    if not Path(path).is_dir():
+        raise UserError(f"{flag} {path}: no such directory (give a local Hugging Face tokenizer or model folder)")
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{flag} {path}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}); "
+                        "copy the model's tokenizer into that folder")
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
-        raise UserError(f"--tokenizer {path}: cannot load a tokenizer there ({e})") from None
+        raise UserError(f"{flag} {path}: cannot load a tokenizer there ({e})") from None
     if not getattr(tok, "is_fast", False):
-        raise UserError(f"--tokenizer {path}: a fast tokenizer (tokenizer.json) is needed for offsets")
+        raise UserError(f"{flag} {path}: a fast tokenizer (tokenizer.json) is needed for offsets")
     if not tok.chat_template:
-        raise UserError(f"--tokenizer {path}: the tokenizer has no chat template")
+        raise UserError(f"{flag} {path}: the tokenizer has no chat template")
     return tok
 
 
-def count_lines(path: Path) -> int:
-    """Lines in a file (a last line without a newline counts), read in 16 MiB chunks."""
-    count, last = 0, b"\n"
+def scan_file(path: Path) -> tuple[int, str]:
+    """Lines in a file (a last line without a newline counts) and its SHA-256, in one read of
+    16 MiB chunks."""
+    count, last, h = 0, b"\n", hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             count += chunk.count(b"\n")
             last = chunk[-1:]
-    return count + (last != b"\n")
+            h.update(chunk)
+    return count + (last != b"\n"), h.hexdigest()
 
 
-def _render(tokenizer, messages, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages, where: str, add_generation_prompt=False) -> str:
+    return render_chat(tokenizer, messages, where, add_generation_prompt=add_generation_prompt)
 
 
 def assistant_spans(tokenizer, messages, where: str) -> tuple[str, list[tuple[int, int]]]:
@@ -57,13 +75,13 @@ def assistant_spans(tokenizer, messages, where: str) -> tuple[str, list[tuple[in
     template rewrites history (e.g. drops earlier reasoning), the turn's content is searched
     for in the full text instead.
     """
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, where)
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: i + 1])
+        before = _render(tokenizer, messages[:i], where, add_generation_prompt=True)
+        upto = _render(tokenizer, messages[: i + 1], where)
         if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
             spans.append((len(before), len(upto)))
             cursor = len(upto)
@@ -120,18 +138,94 @@ class PrepareSummary:
                          + ", ".join(f"{k}: {v}" for k, v in self.skipped.items()))
         if self.length_stats:
             s = self.length_stats
-            lines.append(f"  lengths: min {s['min']}, mean {s['mean']:.0f}, p50 {s['p50']}, p99 {s['p99']}, max {s['max']}")
+            lines.append(f"  lengths: min {s['min']}, mean {s['mean']:.0f}, p50 {s['p50']}, p99 {s['p99']}, "
+                         f"max {s['max']}")
         return "\n".join(lines)
+
+
+def settings_of(max_length: int | None, overlong: str, skip_bad: bool) -> dict:
+    """The preparation settings a store records, and is rebuilt or refused for when they change."""
+    return {"max_length": max_length, "overlong": overlong, "skip_bad": skip_bad}
+
+
+def store_differences(store_dir: Path, input_path: Path, tokenizer, settings: dict) -> list[str]:
+    """How the store at `store_dir` differs from one made now of `input_path` with `tokenizer`
+    and `settings`: empty when it can be used as is."""
+    meta = read_store_meta(store_dir)
+    if meta is None:
+        return [f"{store_dir} is not a token store"]
+    if meta.get("version") != STORE_VERSION:
+        return [f"store version {meta.get('version')} is not {STORE_VERSION}"]
+    diffs = []
+    made = meta.get("input_fingerprint") or {}
+    if made.get("path") != str(input_path.resolve()):
+        diffs.append(f"input: {made.get('path')} -> {input_path.resolve()}")
+    elif not same_file_content(made, input_path):
+        diffs.append(f"input: {input_path} changed since the store was made")
+    if meta.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
+        diffs.append(f"tokenizer: {meta.get('tokenizer')} -> {getattr(tokenizer, 'name_or_path', None)}")
+    for key, value in settings.items():
+        if meta.get("settings", {}).get(key) != value:
+            diffs.append(f"{key}: {meta.get('settings', {}).get(key)} -> {value}")
+    return diffs
+
+
+def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag: str = "--output") -> None:
+    """Refuse to write the store where it would delete anything dflash did not create: only an
+    empty folder or a token store (marked by its meta file) is replaced, never the input."""
+    if output_dir.resolve() in input_path.resolve().parents:
+        raise UserError(f"{flag} {output_dir}: the input {input_path} lies inside it and would be deleted; "
+                        "choose another folder")
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise UserError(f"{flag} {output_dir}: exists and is not a folder; choose another path")
+    if read_store_meta(output_dir) is None and any(output_dir.iterdir()):
+        raise UserError(f"{flag} {output_dir}: exists and is not a dflash token store (no {STORE_META}); dflash "
+                        "replaces only folders it made: choose another folder, or move its contents away")
+    if not overwrite:
+        raise UserError(f"{flag} {output_dir} already exists; choose another folder or pass --overwrite")
+
+
+def _make_work_dir(output_dir: Path) -> Path:
+    """A temporary folder beside `output_dir`, marked with its owner; those of dead owners (a
+    killed run) are removed first. Unmarked folders are not ours and are left alone."""
+    prefix = f".{output_dir.name}.partial-"
+    host = socket.gethostname()
+    for old in output_dir.parent.glob(prefix + "*"):
+        try:
+            owner = json.loads((old / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("host") == host and not _alive(int(owner.get("pid", 0))):
+            shutil.rmtree(old, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=output_dir.parent))
+    (work / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": host}) + "\n")
+    return work
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None = None,
                   overlong: str = "truncate", skip_bad: bool = False, overwrite: bool = False,
-                  progress: bool = True) -> PrepareSummary:
+                  progress: bool = True, flag: str = "--output") -> PrepareSummary:
     """Tokenize a JSONL file of conversations into a token store at `output_dir`.
 
     `tokenizer` is a loaded tokenizer or a path. Samples longer than `max_length` are truncated,
     dropped or refused as `overlong` says, and counted in the summary. The store is written to
     a temporary folder beside `output_dir` and renamed into place, so a failed run leaves nothing.
+    An existing `output_dir` is replaced (with `overwrite`) only if it is empty or a token store.
+    `flag` names `output_dir` in errors.
     """
     import datasets
     from tqdm.auto import tqdm
@@ -145,8 +239,7 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
     input_path, output_dir = Path(input_path), Path(output_dir)
     if not input_path.is_file():
         raise UserError(f"--input {input_path}: no such file")
-    if output_dir.exists() and not overwrite:
-        raise UserError(f"--output {output_dir} already exists; choose another folder or pass --overwrite")
+    check_replaceable(output_dir, input_path, overwrite, flag)
     tok_path = None
     if isinstance(tokenizer, (str, Path)):
         tok_path, tokenizer = str(tokenizer), load_tokenizer(tokenizer)
@@ -155,9 +248,11 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
     skipped = SkipCounter()
     vocab = len(tokenizer)
     t0 = time.perf_counter()
+    num_lines, sha256 = scan_file(input_path)
+    fingerprint = file_fingerprint(input_path, sha256)
 
     def samples():
-        with tqdm(total=count_lines(input_path), unit=" lines", desc="tokenizing", disable=not progress) as bar:
+        with tqdm(total=num_lines, unit=" lines", desc="tokenizing", disable=not progress) as bar:
             for lineno, messages, _ in read_conversations(input_path, skip_bad=skip_bad, skipped=skipped):
                 bar.update(lineno - bar.n)
                 where = f"{input_path}:{lineno}"
@@ -183,10 +278,16 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
                     summary.dropped_no_loss += 1
                     continue
                 summary.assistant_tokens += int(mask.sum())
+                summary.samples += 1
                 yield {"input_ids": ids, "loss_mask": mask, "length": int(ids.size), "supervised": int(mask.sum()),
                        "source_line": lineno}
             bar.update(bar.total - bar.n)
         summary.lines_read = bar.total
+        if summary.samples == 0:
+            # before `datasets` sees an empty generator (it would fail with no word of why)
+            raise UserError(
+                f"{input_path}: no usable sample in {num_lines:,} line(s) ({summary.dropped_overlong} over-long "
+                f"dropped, {summary.dropped_no_loss} with no supervised token left); {skipped.summary()}")
 
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int32")),
@@ -196,7 +297,7 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
         "source_line": datasets.Value("int64"),
     })
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    work = _make_work_dir(output_dir)
     try:
         try:
             ds = datasets.Dataset.from_generator(samples, features=features, cache_dir=str(work / "cache"))
@@ -204,8 +305,6 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
             if isinstance(e.__cause__, UserError):
                 raise e.__cause__ from None
             raise
-        if len(ds) == 0:
-            raise UserError(f"{input_path}: no usable sample (summary: {skipped.summary()})")
         staged = work / "store"
         ds.save_to_disk(str(staged))
         lengths = np.asarray(ds["length"], dtype=np.int64)
@@ -220,6 +319,9 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
         meta = {
             "version": STORE_VERSION,
             "tokenizer": tok_path or getattr(tokenizer, "name_or_path", None),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "input_fingerprint": fingerprint,
+            "settings": settings_of(max_length, overlong, skip_bad),
             "vocab_size": vocab,
             "max_length": max_length,
             "overlong": overlong,
@@ -227,9 +329,14 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
         }
         (staged / STORE_META).write_text(json.dumps(meta, indent=2) + "\n")
         del ds
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
+        if output_dir.exists():  # an empty folder or a store (check_replaceable): moved aside, removed below
+            os.replace(output_dir, work / "old")
         os.replace(staged, output_dir)
+    except Exception as e:
+        if disk_full(e):
+            raise UserError(f"{output_dir}: the disk is full while writing the token store "
+                            f"({free_space(output_dir.parent)}); free some space and run again") from None
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return summary

@@ -3,14 +3,18 @@
 A store is a Hugging Face `datasets` folder (`Dataset.save_to_disk`: Arrow files) with columns
 `input_ids` (int32 lists), `loss_mask` (uint8 lists, 1 on assistant tokens), `length`,
 `supervised` (assistant tokens) and `source_line`, plus `dflash_store.json` (how it was made
-and its summary). Arrow was chosen over a format of our own or DeepSpeed's indexed dataset
-because it holds both token streams and the metadata in one standard, inspectable folder that
-`datasets` can also read, writes in bounded memory, and its list columns are a flat value
-buffer plus offsets: reading sample i is two slices of memory-mapped arrays, with no
-per-sample decoding and no RAM proportional to the data set.
+and its summary). That file also marks the folder as dflash's own: only such a folder is ever
+replaced, and it holds the fingerprints of what the store was derived from (the input file, the
+tokenizer, the settings), so that a store of other data is rebuilt or refused, never used.
+Arrow was chosen over a format of our own or DeepSpeed's indexed dataset because it holds
+both token streams and the metadata in one standard, inspectable folder that `datasets` can
+also read, writes in bounded memory, and its list columns are a flat value buffer plus
+offsets: reading sample i is two slices of memory-mapped arrays, with no per-sample decoding
+and no RAM proportional to the data set.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -19,7 +23,64 @@ import numpy as np
 from dflash.errors import UserError
 
 STORE_META = "dflash_store.json"
-STORE_VERSION = 2  # 2: the supervised column
+STORE_VERSION = 3  # 2: the supervised column; 3: fingerprints of the input and the tokenizer
+COLUMNS = ("input_ids", "loss_mask", "length", "supervised", "source_line")
+PREPARE_AGAIN = "prepare it again with launch/prepare_data.py (or delete it: the trainer rebuilds its own)"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what decides token ids: vocabulary, merges, normalisation, special tokens and
+    the chat template (padding and truncation settings left out: they change no id)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("padding", None)
+        spec.pop("truncation", None)
+    else:
+        spec = {"vocab": sorted(tokenizer.get_vocab().items())}
+    spec["chat_template"] = tokenizer.chat_template
+    text = json.dumps(spec, sort_keys=True, ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_fingerprint(path: Path, sha256: str | None = None) -> dict:
+    """Size, modification time and content hash of a file (hashed here unless given)."""
+    st = path.stat()
+    if sha256 is None:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        sha256 = h.hexdigest()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+
+
+def same_file_content(recorded: dict, path: Path) -> bool:
+    """Whether `path` holds what `recorded` (a file_fingerprint) was taken of: equal size and
+    modification time are trusted; otherwise the content is hashed (a touched, unchanged file)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if st.st_size != recorded.get("size"):
+        return False
+    if st.st_mtime_ns == recorded.get("mtime_ns"):
+        return True
+    return file_fingerprint(path)["sha256"] == recorded.get("sha256")
+
+
+def read_store_meta(path: Path) -> dict | None:
+    """The store's meta, or None when `path` is not a dflash store; a damaged meta is an error."""
+    meta_path = Path(path) / STORE_META
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{meta_path}: damaged store description ({e}); {PREPARE_AGAIN}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("summary"), dict):
+        raise UserError(f"{meta_path}: damaged store description (no summary); {PREPARE_AGAIN}")
+    return meta
 
 
 class _Column:
@@ -52,21 +113,34 @@ class TokenStore:
         import datasets
 
         self.path = Path(path)
-        meta_path = self.path / STORE_META
-        if not meta_path.is_file():
+        meta = read_store_meta(self.path)
+        if meta is None:
             raise UserError(
                 f"{self.path}: not a dflash token store (no {STORE_META}); build one with "
                 "`python launch/prepare_data.py --input FILE.jsonl --tokenizer PATH --output DIR`"
             )
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("version") != STORE_VERSION:
-            raise UserError(f"{meta_path}: store version {self.meta.get('version')} is not {STORE_VERSION}; re-run prepare_data")
-        self.dataset = datasets.load_from_disk(str(self.path))  # memory-mapped Arrow
-        table = self.dataset.data.table
-        self._ids = _Column(table.column("input_ids"))
-        self._mask = _Column(table.column("loss_mask"))
-        self.lengths = table.column("length").to_numpy().astype(np.int64)
-        self.supervised = table.column("supervised").to_numpy().astype(np.int64)
+        self.meta = meta
+        if meta.get("version") != STORE_VERSION:
+            raise UserError(f"{self.path / STORE_META}: store version {meta.get('version')} is not {STORE_VERSION}; "
+                            f"{PREPARE_AGAIN}")
+        try:
+            self.dataset = datasets.load_from_disk(str(self.path))  # memory-mapped Arrow
+            table = self.dataset.data.table
+            missing = [c for c in COLUMNS if c not in table.column_names]
+            if missing:
+                raise ValueError(f"no column {', '.join(missing)}")
+            self._ids = _Column(table.column("input_ids"))
+            self._mask = _Column(table.column("loss_mask"))
+            self.lengths = table.column("length").to_numpy().astype(np.int64)
+            self.supervised = table.column("supervised").to_numpy().astype(np.int64)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - pyarrow, datasets and OS errors all mean: damaged files
+            raise UserError(f"{self.path}: damaged token store ({type(e).__name__}: {e}); {PREPARE_AGAIN}") from None
+        recorded = meta["summary"].get("samples")
+        if recorded != len(self.lengths) or self._ids.starts[-1] != len(self.lengths):
+            raise UserError(f"{self.path}: damaged token store ({len(self.lengths)} samples readable, "
+                            f"{recorded} written); {PREPARE_AGAIN}")
 
     def __len__(self) -> int:
         return int(self.lengths.size)
@@ -76,6 +150,13 @@ class TokenStore:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} outside the store's {len(self)} samples")
         return self._ids.get(i), self._mask.get(i).view(np.bool_)
+
+    def check_tokenizer(self, tokenizer, flag: str) -> None:
+        """Refuse a store made with another tokenizer than `tokenizer` (that of `flag`)."""
+        made, now = self.meta.get("tokenizer_fingerprint"), tokenizer_fingerprint(tokenizer)
+        if made != now:
+            raise UserError(f"{flag}: its tokenizer differs from the one {self.path} was made with "
+                            f"({self.meta.get('tokenizer')}); prepare the data with this tokenizer")
 
     @property
     def vocab_size(self) -> int | None:
