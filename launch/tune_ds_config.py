@@ -71,7 +71,7 @@ def main(argv=None):
     offloads = parse_list(args.offload, "--offload", str)
     if set(offloads) - {"none", "cpu"}:
         raise UserError(f"--offload: expected none and/or cpu, got {args.offload!r}")
-    load_ds_config(args.base, world_size=1, grad_clip=1.0, bf16=False)  # refuses a base the trainer cannot run
+    load_ds_config(args.base, world_size=1, grad_clip=1.0, bf16=False, flag="--base")  # one the trainer can run
     base = json.loads(Path(args.base).read_text())
     budgets = parse_list(args.token_budgets, "--token-budgets", minimum=1)
     micro = parse_list(args.micro_batches, "--micro-batches", minimum=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
+from dflash.errors import UserError
 from dflash.models.anchors import BlockPlan, block_tensors, sample_anchors, to_packed
 from dflash.models.config import DrafterConfig, default_gamma
 from dflash.models.loss import DEFAULT_CHUNK_ROWS, acceptance_stats, chunked_weighted_ce, slot_weights
@@ -139,6 +141,18 @@ class DrafterOutput:
     num_skipped: int  # samples skipped for too few supervised tokens
 
 
+def _is_drafter_folder(path: Path) -> bool:
+    """An empty folder, or one holding a DFlash drafter's config (and nothing but its files)."""
+    names = {p.name for p in path.iterdir()} if path.is_dir() else {None}
+    if not names:
+        return True
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return names <= {CONFIG_NAME, WEIGHTS_NAME} and config.get("architectures") == ["DFlashDraftModel"]
+
+
 class DFlashDrafter(nn.Module):
     """DFlash drafter with the official checkpoint layout.
 
@@ -209,7 +223,8 @@ class DFlashDrafter(nn.Module):
 
     def _require_shared(self) -> SharedWeights:
         if self._shared is None:
-            raise RuntimeError("the drafter needs the target's embedding and lm_head: call attach(target.shared_weights())")
+            raise RuntimeError("the drafter needs the target's embedding and lm_head: "
+                               "call attach(target.shared_weights())")
         return self._shared
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -319,22 +334,47 @@ class DFlashDrafter(nn.Module):
         )
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write `config.json` and `model.safetensors` in the official DFlash format."""
+        """Write `config.json` and `model.safetensors` in the official DFlash format.
+
+        All or nothing: the files are written to a temporary folder beside `directory` and
+        renamed into place. Non-finite weights are refused, and an existing `directory` is
+        replaced only if it is empty or a DFlash drafter (what this writes).
+        """
+        import shutil
+        import tempfile
+
         from safetensors.torch import save_file
 
-        os.makedirs(directory, exist_ok=True)
+        directory = Path(directory)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise UserError(f"{directory}: not exported: {len(bad)} of {len(tensors)} weight tensors hold NaN or inf "
+                            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the training diverged: "
+                            "lower --lr, or resume from an earlier checkpoint")
+        if directory.exists() and not _is_drafter_folder(directory):
+            raise UserError(f"{directory}: exists and is not a DFlash drafter folder; not replaced (move it away)")
         config = self.config.to_json_dict()
         config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
-        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+        try:
+            staged = work / "drafter"
+            staged.mkdir()
+            with open(staged / CONFIG_NAME, "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+                f.write("\n")
+            save_file(tensors, staged / WEIGHTS_NAME, metadata={"format": "pt"})
+            if directory.exists():
+                os.replace(directory, work / "old")  # removed below, once the new one is in place
+            os.replace(staged, directory)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
     @classmethod
     def from_pretrained(
         cls, directory: str | os.PathLike, shared: SharedWeights | None = None, **kwargs
-    ) -> "DFlashDrafter":
+    ) -> DFlashDrafter:
         """Load a checkpoint in the official format (ours or written by others).
 
         Weights keep the stored dtype. A uniform `model.` prefix on the tensor names is

@@ -4,8 +4,10 @@ never taken for complete.
 Layout: `<output_dir>/checkpoints/step-00000042/` holds what `engine.save_checkpoint` writes
 and, last, `COMPLETE`: the run state as JSON, written atomically by rank 0 after every rank
 finished its files. A folder without it is ignored, so a crash at any point of a save leaves
-the previous checkpoint as the newest. `--resume` loads the newest complete folder; if it cannot
-be read, the previous one, with a warning. Only the newest `keep` complete checkpoints are kept.
+the previous checkpoint as the newest. `COMPLETE` also lists every file of the checkpoint with
+its size, so that a file lost or cut short later is named before DeepSpeed tries to read it.
+`--resume` loads the newest complete folder; if it cannot be read, the previous one, with a
+warning. Only the newest `keep` complete checkpoints are kept.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash.errors import UserError
+from dflash.errors import UserError, disk_full, free_space
 
 COMPLETE = "COMPLETE"
 
@@ -47,6 +49,22 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _manifest(path: Path) -> dict:
+    """Every file under a checkpoint folder with its size in bytes."""
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def _damage(path: Path, manifest: dict) -> str | None:
+    """What is missing or cut short in `path` compared with the files its save wrote."""
+    for name, size in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"missing file {f}"
+        if f.stat().st_size != size:
+            return f"file {f} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
 class Checkpointer:
     def __init__(self, output_dir: str | Path, keep: int):
         self.root = Path(output_dir) / "checkpoints"
@@ -64,12 +82,22 @@ class Checkpointer:
         if dist.get_rank() == 0 and path.exists():  # e.g. a step redone after a fallback: never mix two saves
             _remove(path)
         dist.barrier()
-        engine.save_checkpoint(str(self.root), tag=_tag(step), save_latest=False)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            _write_atomically(path / COMPLETE, json.dumps({"step": step, **run_state}) + "\n")
-            for old in self.complete()[: -self.keep]:
-                _remove(old)
+        try:
+            engine.save_checkpoint(str(self.root), tag=_tag(step), save_latest=False)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                files = _manifest(path)
+                _write_atomically(path / COMPLETE, json.dumps({"step": step, **run_state, "files": files}) + "\n")
+                for old in self.complete()[: -self.keep]:
+                    _remove(old)
+        except (OSError, RuntimeError) as err:
+            if not disk_full(err):
+                raise
+            _remove(path)  # a partial save: never loaded, and its space is needed
+            previous = self.complete()
+            raise UserError(f"checkpoint {path}: the disk is full ({free_space(self.root)}); the save was removed"
+                            + (f" and {previous[-1].name} is the newest complete checkpoint" if previous else "")
+                            + ". Free some space (or lower --keep-checkpoints) and continue with --resume") from None
         dist.barrier()
         return path
 
@@ -95,13 +123,15 @@ class Checkpointer:
                 state["checkpoint"] = str(path)
                 check(state)
                 only = module_only(state)
+                reason = _damage(path, state.pop("files", {}))
+            if state is not None and reason is None:
                 try:
                     loaded, _ = engine.load_checkpoint(str(self.root), tag=path.name, load_module_strict=True,
                                                        load_module_only=only, load_optimizer_states=not only,
                                                        load_lr_scheduler_states=not only)
                     reason = None if loaded is not None else "DeepSpeed found nothing to load"
                 except Exception as err:  # noqa: BLE001 - any unreadable file means: fall back
-                    reason = f"{type(err).__name__}: {err}"
+                    reason = f"{type(err).__name__}: {err or 'no message'}"
             # every rank must end on the same checkpoint, even if only one rank's files are bad
             ok = torch.tensor([0 if state is None or reason else 1], device=engine.device)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -109,7 +139,9 @@ class Checkpointer:
                 return state
             failures.append(f"{path.name}: {reason or 'another rank could not load its part'}")
             if path != candidates[0]:
-                warnings.warn(f"checkpoint {path} cannot be loaded ({failures[-1]}); falling back to the previous one")
-        raise UserError(f"--resume: none of the {len(candidates)} complete checkpoints in {self.root} can be loaded:\n  "
+                warnings.warn(f"checkpoint {path} cannot be loaded ({failures[-1]}); falling back to the previous one",
+                              stacklevel=2)
+        raise UserError(f"--resume: none of the {len(candidates)} complete checkpoints in {self.root} "
+                        "can be loaded:\n  "
                         + "\n  ".join(failures)
                         + "\nmove them away to start over, or resume from a copy of an older run folder")

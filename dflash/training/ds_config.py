@@ -15,21 +15,25 @@ from dflash.errors import UserError
 OWNED = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
 
 
-def load_ds_config(path: str | Path, *, world_size: int, grad_clip: float, bf16: bool) -> dict:
+def load_ds_config(path: str | Path, *, world_size: int, grad_clip: float, bf16: bool,
+                   flag: str = "--deepspeed_config") -> dict:
+    """The checked config with the trainer's sizes filled in; `flag` names the option in errors."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"--deepspeed_config {path}: no such file (see ds_configs/ for ready ones)")
+        raise UserError(f"{flag} {path}: no such file (see ds_configs/ for ready ones)")
     try:
         config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"--deepspeed_config {path}: invalid JSON at line {e.lineno} ({e.msg})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f"line {e.lineno} ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise UserError(f"{flag} {path}: invalid JSON at {where}") from None
     if not isinstance(config, dict):
-        raise UserError(f"--deepspeed_config {path}: expected a JSON object")
+        raise UserError(f"{flag} {path}: expected a JSON object")
+    named = f"{flag} {path}"
 
     def fill(key, value):
         if config.get(key, "auto") not in ("auto", value):
             raise UserError(
-                f"--deepspeed_config {path}: '{key}' is {config[key]!r}; the trainer sets it to {value} "
+                f"{named}: '{key}' is {config[key]!r}; the trainer sets it to {value} "
                 "(a micro-batch is a token budget, steps are counted in tokens): write \"auto\""
             )
         config[key] = value
@@ -38,7 +42,7 @@ def load_ds_config(path: str | Path, *, world_size: int, grad_clip: float, bf16:
         fill(key, value)
     fill("train_batch_size", world_size)
     if config.get("managed_gradient_accumulation", False) is not False:
-        raise UserError(f"--deepspeed_config {path}: 'managed_gradient_accumulation' must be false: the "
+        raise UserError(f"{named}: 'managed_gradient_accumulation' must be false: the "
                         "trainer runs a varying number of micro-batches per optimizer step")
     config["managed_gradient_accumulation"] = False
     if config.get("gradient_clipping", "auto") == "auto":
@@ -48,26 +52,35 @@ def load_ds_config(path: str | Path, *, world_size: int, grad_clip: float, bf16:
         if isinstance(sub, dict) and sub.get("enabled") == "auto":
             sub["enabled"] = enabled
     if "optimizer" in config or "scheduler" in config:
-        raise UserError(f"--deepspeed_config {path}: remove 'optimizer'/'scheduler'; they come from the training "
+        raise UserError(f"{named}: remove 'optimizer'/'scheduler'; they come from the training "
                         "options (--lr, --weight-decay, --warmup-ratio, --schedule)")
     leftover = [k for k, v in _walk(config) if v == "auto"]
     if leftover:
-        raise UserError(f"--deepspeed_config {path}: the trainer cannot fill 'auto' at {', '.join(leftover)}")
-    _check_with_deepspeed(config, path)
+        raise UserError(f"{named}: the trainer cannot fill 'auto' at {', '.join(leftover)}")
+    _check_with_deepspeed(config, named)
     zero = config.get("zero_optimization", {})
     if zero.get("stage", 0) == 0:
-        raise UserError(f"--deepspeed_config {path}: ZeRO stage 0 is not supported: the trainer relies on the ZeRO "
+        raise UserError(f"{named}: ZeRO stage 0 is not supported: the trainer relies on the ZeRO "
                         "optimizers to skip steps with non-finite gradients; use stage 1 (ds_configs/zero1.json), "
                         "which costs the same on one GPU")
     if zero.get("stage", 0) == 3 and zero.get("overlap_comm", True):
-        raise UserError(f"--deepspeed_config {path}: ZeRO-3 needs 'overlap_comm': false with a varying number of "
+        raise UserError(f"{named}: ZeRO-3 needs 'overlap_comm': false with a varying number of "
                         "micro-batches per step (DeepSpeed's unmanaged accumulation)")
     return config
 
 
+def precision(config: dict) -> str | None:
+    """"bf16" or "fp16" when the config switches one on (DeepSpeed then trains in it), else None."""
+    for section in ("bf16", "fp16"):
+        if isinstance(config.get(section), dict) and config[section].get("enabled") is True:
+            return section
+    return None
+
+
 # pydantic model of a config section -> its key, for error messages
-_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
-             "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param"}
+_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization",
+             "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+             "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param"}
 
 
 class _KeyRecorder(dict):
@@ -102,7 +115,7 @@ class _KeyRecorder(dict):
         return Keys()
 
 
-def _check_with_deepspeed(config: dict, path: Path) -> None:
+def _check_with_deepspeed(config: dict, named: str) -> None:
     """Parse the config with DeepSpeed itself, so that a typo fails here with the key named
     instead of being ignored: DeepSpeed silently skips unknown top-level keys, and its
     sections raise pydantic errors deep inside `deepspeed.initialize`."""
@@ -119,22 +132,22 @@ def _check_with_deepspeed(config: dict, path: Path) -> None:
         section = _SECTIONS.get(e.title, e.title)
         where = [f"{'.'.join([section, *map(str, err['loc'])])}: {err['msg']} (got {err.get('input')!r})"
                  for err in e.errors()]
-        raise UserError(f"--deepspeed_config {path}: DeepSpeed rejects\n  " + "\n  ".join(where)
+        raise UserError(f"{named}: DeepSpeed rejects\n  " + "\n  ".join(where)
                         + "\n(the keys and values: https://www.deepspeed.ai/docs/config-json/)") from None
     except (AssertionError, ValueError, TypeError, KeyError) as e:
-        raise UserError(f"--deepspeed_config {path}: DeepSpeed rejects it: {e}") from None
+        raise UserError(f"{named}: DeepSpeed rejects it: {e}") from None
     unknown = [k for k in config if k not in recorder.asked and k != "train_batch_size"]
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(recorder.asked), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "DeepSpeed would silently ignore it"
-        raise UserError(f"--deepspeed_config {path}: unknown key {unknown[0]!r} ({hint})")
+        raise UserError(f"{named}: unknown key {unknown[0]!r} ({hint})")
     clip = config.get("gradient_clipping", 0.0)
     if not isinstance(clip, (int, float)) or isinstance(clip, bool):
-        raise UserError(f"--deepspeed_config {path}: 'gradient_clipping' must be a number, got {clip!r}")
+        raise UserError(f"{named}: 'gradient_clipping' must be a number, got {clip!r}")
     for section in ("bf16", "fp16"):
         if section in config and not (isinstance(config[section], dict)
                                       and isinstance(config[section].get("enabled", False), bool)):
-            raise UserError(f"--deepspeed_config {path}: '{section}' must be an object with 'enabled': true/false")
+            raise UserError(f"{named}: '{section}' must be an object with 'enabled': true/false")
 
 
 def _walk(d, prefix=""):
