@@ -57,7 +57,8 @@ def test_store_holds_template_tokens_and_assistant_only_mask(tmp_path, tokenizer
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(mask, want_mask)
         assert store.lengths[i] == len(want_ids) and store.supervised[i] == want_mask.sum()
-    assert summary.tokens == store.total_tokens and summary.assistant_tokens == sum(int(store[i][1].sum()) for i in range(3))
+    assert summary.tokens == store.total_tokens
+    assert summary.assistant_tokens == sum(int(store[i][1].sum()) for i in range(3))
 
 
 @pytest.mark.parametrize("policy", ["truncate", "drop"])
@@ -158,3 +159,161 @@ def test_store_reads_memory_mapped_arrow(tmp_path, tokenizer):
 def test_not_a_store_is_explained(tmp_path):
     with pytest.raises(UserError, match="not a dflash token store"):
         TokenStore(tmp_path)
+
+
+# ---- data safety (issue 13) ------------------------------------------------------------------
+def test_overwrite_replaces_only_a_store_and_never_the_input(tmp_path, tokenizer):
+    data = tmp_path / "data"
+    data.mkdir()
+    src = write_jsonl(data / "train.jsonl", CONVERSATIONS)
+    (data / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"the input .*train\.jsonl lies inside it"):
+        prepare_jsonl(src, tokenizer, data, overwrite=True, progress=False)
+    other = write_jsonl(tmp_path / "other.jsonl", CONVERSATIONS)
+    with pytest.raises(UserError, match=r"exists and is not a dflash token store"):
+        prepare_jsonl(other, tokenizer, data, overwrite=True, progress=False)
+    assert sorted(p.name for p in data.iterdir()) == ["notes.txt", "train.jsonl"], "nothing deleted"
+    # a store made by dflash is replaced, atomically, and nothing temporary is left beside it
+    prepare_jsonl(src, tokenizer, tmp_path / "store", progress=False)
+    prepare_jsonl(other, tokenizer, tmp_path / "store", overwrite=True, max_length=20, progress=False)
+    assert TokenStore(tmp_path / "store").meta["max_length"] == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "other.jsonl", "store"]
+
+
+def chat_tokenizer_with(template):
+    tok = make_chat_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+RAISING = ("{% for m in messages %}{% if 'forbidden' in m['content'] %}{{ raise_exception('no forbidden words') }}"
+           "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+FAULTY_LINES = [
+    (b'{"messages": [{"role": "user", "content": "h\xff"}, {"role": "assistant", "content": "w1"}]}',
+     "invalid UTF-8", "invalid UTF-8 at byte"),
+    (json.dumps({"messages": [{"role": "assistant", "content": "w1"}, {"role": "user", "content": "w2"},
+                              {"role": "assistant", "content": "w3"}]}).encode(),
+     "assistant first", "the first turn after the system prompt must be the user's"),
+    (json.dumps({"messages": [{"role": "user", "content": "forbidden"}, {"role": "assistant", "content": "w1"}]})
+     .encode(), "template", "the chat template refuses this conversation: no forbidden words"),
+]
+
+
+@pytest.mark.parametrize("line,reason,message", FAULTY_LINES, ids=[r for _, r, _ in FAULTY_LINES])
+def test_data_faults_are_named_with_file_and_line_also_when_skipped(tmp_path, line, reason, message):
+    tok = chat_tokenizer_with(RAISING)
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(json.dumps(CONVERSATIONS[1]).encode() + b"\n" + line + b"\n")
+    with pytest.raises(UserError, match=rf"in\.jsonl:2: {message}"):
+        prepare_jsonl(src, tok, tmp_path / "store", progress=False)
+    summary = prepare_jsonl(src, tok, tmp_path / "store", skip_bad=True, progress=False)
+    assert summary.samples == 1 and summary.skipped == {reason: 1}
+
+
+def test_empty_or_all_skipped_input_is_one_clear_error_with_the_counts(tmp_path, tokenizer):
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(UserError, match=r"empty\.jsonl: no usable sample in 0 line"):
+        prepare_jsonl(empty, tokenizer, tmp_path / "store", progress=False)
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops", json.dumps({"text": 1})])
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(bad, tokenizer, tmp_path / "store", skip_bad=True, progress=False)
+    assert "no usable sample in 2 line(s)" in str(err.value) and "skipped 2 bad line(s)" in str(err.value)
+    assert "1  invalid JSON" in str(err.value) and "1  missing messages" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "empty.jsonl"], "nothing left behind"
+
+
+def test_store_records_fingerprints_and_notices_every_change(tmp_path, tokenizer, chat_tokenizer_dir):
+    import hashlib
+    import os
+
+    from dflash.data.prepare import load_tokenizer, settings_of, store_differences
+
+    src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
+    prepare_jsonl(src, tokenizer, tmp_path / "store", max_length=64, progress=False)
+    meta = TokenStore(tmp_path / "store").meta
+    assert meta["input_fingerprint"]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert meta["input_fingerprint"]["size"] == src.stat().st_size
+    assert meta["settings"] == settings_of(64, "truncate", False)
+    same = settings_of(64, "truncate", False)
+    reloaded = load_tokenizer(chat_tokenizer_dir)  # the same tokenizer, saved and loaded again
+    assert store_differences(tmp_path / "store", src, reloaded, same) == []
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, not changed
+    assert store_differences(tmp_path / "store", src, tokenizer, same) == []
+    assert store_differences(tmp_path / "store", src, tokenizer, settings_of(32, "truncate", False)) == [
+        "max_length: 64 -> 32"]
+    other = make_chat_tokenizer(["w1", "w2", "hello"])
+    assert [d.split(":")[0] for d in store_differences(tmp_path / "store", src, other, same)] == ["tokenizer"]
+    with pytest.raises(UserError, match="its tokenizer differs from the one"):
+        TokenStore(tmp_path / "store").check_tokenizer(other, "--target x")
+    TokenStore(tmp_path / "store").check_tokenizer(reloaded, "--target x")
+    size = src.stat().st_size
+    src.write_text(src.read_text().replace("w8", "w9"))  # same size, same path, other content
+    assert src.stat().st_size == size
+    assert store_differences(tmp_path / "store", src, tokenizer, same) == [f"input: {src} changed since the store "
+                                                                           "was made"]
+
+
+@pytest.mark.parametrize("damage", ["arrow file deleted", "arrow file truncated", "meta not JSON", "rows lost"])
+def test_damaged_store_is_a_clear_error(tmp_path, tokenizer, damage):
+    src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
+    store = tmp_path / "store"
+    prepare_jsonl(src, tokenizer, store, progress=False)
+    (arrow,) = store.glob("*.arrow")
+    meta = store / "dflash_store.json"
+    if damage == "arrow file deleted":
+        arrow.unlink()
+    elif damage == "arrow file truncated":
+        arrow.write_bytes(arrow.read_bytes()[:200])
+    elif damage == "meta not JSON":
+        meta.write_text("{")
+    else:
+        m = json.loads(meta.read_text())
+        m["summary"]["samples"] = 4
+        meta.write_text(json.dumps(m))
+    with pytest.raises(UserError) as err:
+        TokenStore(store)
+    expected = f"{meta}: damaged store description" if damage == "meta not JSON" else f"{store}: damaged token store"
+    assert str(err.value).startswith(expected) and "prepare it again" in str(err.value)
+
+
+def test_partial_folders_of_dead_runs_are_removed_and_no_other(tmp_path, tokenizer):
+    import os
+    import subprocess
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = __import__("socket").gethostname()
+    folders = {"dead": int(dead.stdout), "alive": os.getpid(), "unmarked": None}
+    for name, pid in folders.items():
+        (tmp_path / f".store.partial-{name}").mkdir()
+        if pid is not None:
+            (tmp_path / f".store.partial-{name}" / "dflash_partial.json").write_text(
+                json.dumps({"pid": pid, "host": host}))
+    src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
+    prepare_jsonl(src, tokenizer, tmp_path / "store", progress=False)
+    assert sorted(p.name for p in tmp_path.glob(".store.partial-*")) == [".store.partial-alive",
+                                                                         ".store.partial-unmarked"]
+
+
+def test_folder_without_tokenizer_files_is_refused(tmp_path):
+    from dflash.data.prepare import load_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(UserError, match=r"--target .*: no tokenizer files there"):
+        load_tokenizer(tmp_path, flag="--target")
+
+
+def test_full_disk_while_writing_the_store_is_a_clear_error(tmp_path, tokenizer, monkeypatch):
+    import errno
+
+    import datasets
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", full)
+    src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
+    with pytest.raises(UserError, match=r"store: the disk is full while writing the token store \(.* GiB free\)"):
+        prepare_jsonl(src, tokenizer, tmp_path / "store", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
