@@ -126,10 +126,10 @@ def test_output_loads_with_prepare_data(tmp_path, backend, tokenizer):
         assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(row["messages"], tokenize=False)
         # each supervised run is one regenerated answer and its end-of-turn marker
         edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-        runs = [tokenizer.decode(ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
+        runs = [tokenizer.decode(ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2], strict=True)]
         answers = [m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant"]
         assert len(runs) == len(answers)
-        assert all(r.startswith(a) and not r[len(a):].strip() for r, a in zip(runs, answers))
+        assert all(r.startswith(a) and not r[len(a):].strip() for r, a in zip(runs, answers, strict=True))
 
 
 def test_every_turn_is_the_targets_greedy_answer_to_its_own_history(tmp_path, backend, tokenizer):
@@ -141,7 +141,7 @@ def test_every_turn_is_the_targets_greedy_answer_to_its_own_history(tmp_path, ba
     cfg = cfg_for(tmp_path, prompts, max_new_tokens=60)
     regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
     out = read_jsonl(Path(cfg.output))
-    for src, row in zip(multi + prompt_only, out):
+    for src, row in zip(multi + prompt_only, out, strict=True):
         got = row["messages"]
         want_turns = len(src["messages"]) + (src["messages"][-1]["role"] == "user")
         assert len(got) == want_turns
@@ -161,7 +161,8 @@ def test_batched_generation_matches_one_at_a_time(tmp_path, backend, tokenizer):
     many = cfg_for(tmp_path, prompts, out="many.jsonl", batch_size=8)
     for cfg in (one, many):
         regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
-    assert [r["messages"] for r in read_jsonl(Path(one.output))] == [r["messages"] for r in read_jsonl(Path(many.output))]
+    one_by_one = [r["messages"] for r in read_jsonl(Path(one.output))]
+    assert one_by_one == [r["messages"] for r in read_jsonl(Path(many.output))]
 
 
 def test_meta_records_settings_and_the_length_limit(tmp_path, backend, tokenizer):
@@ -260,3 +261,32 @@ def test_user_mistakes_are_reported_without_traceback(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert "error: --temperature must be >= 0" in err and "Traceback" not in err
+
+
+def test_template_and_encoding_faults_are_named_by_line_also_when_skipped(tmp_path):
+    from .conftest import make_chat_tokenizer
+
+    tok = make_chat_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] == 'w13' %}{{ raise_exception('no w13') }}"
+                         "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"messages": [{"role": "user", "content": "w1"}]}\n'
+                    b'{"messages": [{"role": "user", "content": "w13"}]}\n'
+                    b'{"messages": [{"role": "user", "content": "w\xff"}]}\n')
+    backend = ScriptedBackend(tok, "w2 w3")
+    with pytest.raises(UserError, match=rf"{src}:2: the chat template refuses this conversation: no w13"):
+        regenerate(cfg_for(tmp_path, src), backend=backend, tokenizer=tok, progress=False)
+    stats = regenerate(cfg_for(tmp_path, src, out="skip.jsonl", skip_bad=True), backend=backend, tokenizer=tok,
+                       progress=False)
+    assert dict(stats["skipped"].counts) == {"template": 1, "invalid UTF-8": 1}
+    assert [r["meta"]["source_line"] for r in read_jsonl(tmp_path / "skip.jsonl")] == [1]
+
+
+def test_input_without_a_usable_conversation_is_an_error_and_leaves_no_output(tmp_path, tokenizer):
+    src = tmp_path / "in.jsonl"
+    src.write_text("{oops\n")
+    with pytest.raises(UserError, match=r"in\.jsonl: no usable conversation; skipped 1 bad line"):
+        regenerate(cfg_for(tmp_path, src, skip_bad=True), backend=ScriptedBackend(tokenizer, "x"),
+                   tokenizer=tokenizer, progress=False)
+    assert not (tmp_path / "out.jsonl").exists()
