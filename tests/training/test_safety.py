@@ -1,0 +1,164 @@
+"""Checkpoints, export and the DeepSpeed JSON under faults, in-process on one gloo rank: a lost
+or cut checkpoint file is named, a full disk is one clear error, the export is all or nothing."""
+import errno
+import json
+import os
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dflash.errors import UserError
+from dflash.training.checkpoint import Checkpointer
+from dflash.training.ds_config import load_ds_config, precision
+
+from ..conftest import ROOT
+from ..models.test_checkpoint import make_drafter
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo process group, as the trainer has under the launcher."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{29500 + random.randint(2001, 4000)}",
+                            rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class FileEngine:
+    """The two DeepSpeed engine calls the Checkpointer makes, on a file per rank and a shared one."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, fail=None):
+        self.fail, self.loaded = fail, None
+
+    def save_checkpoint(self, root, tag, save_latest):
+        os.makedirs(os.path.join(root, tag))
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            if self.fail == name:
+                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3776 vs 3664")
+            torch.save({"tag": tag}, os.path.join(root, tag, name))
+
+    def load_checkpoint(self, root, tag, **kwargs):
+        self.loaded = torch.load(os.path.join(root, tag, "mp_rank_00_model_states.pt"))["tag"]
+        return tag, {}
+
+
+def saved(tmp_path, steps):
+    ckpt = Checkpointer(tmp_path, keep=5)
+    for step in steps:
+        ckpt.save(FileEngine(), step, {"planner": {}})
+    return ckpt
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_lost_or_cut_checkpoint_file_is_named_and_the_previous_one_loaded(one_rank, tmp_path, damage):
+    ckpt = saved(tmp_path, [2, 4])
+    optim = ckpt.root / "step-00000004" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    size = optim.stat().st_size
+    if damage == "deleted":
+        optim.unlink()
+        reason = f"missing file {optim}"
+    else:
+        optim.write_bytes(optim.read_bytes()[:10])
+        reason = f"file {optim} has 10 bytes, {size} were written"
+    engine = FileEngine()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = ckpt.load_latest(engine, check=lambda state: None)
+    assert engine.loaded == "step-00000002" and state["step"] == 2 and "files" not in state
+    assert any(reason in str(w.message) and "falling back" in str(w.message) for w in caught)
+
+
+def test_full_disk_during_a_save_is_one_clear_error_and_keeps_the_previous_checkpoint(one_rank, tmp_path):
+    ckpt = saved(tmp_path, [2])
+    with pytest.raises(UserError) as err:
+        ckpt.save(FileEngine(fail="zero_pp_rank_0_mp_rank_00_optim_states.pt"), 4, {"planner": {}})
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {ckpt.root / 'step-00000004'}: the disk is full (")
+    assert "step-00000002 is the newest complete checkpoint" in message and "--resume" in message
+    assert sorted(p.name for p in ckpt.root.iterdir()) == ["step-00000002"], "the partial save is removed"
+
+
+def test_other_save_errors_are_not_taken_for_a_full_disk(one_rank, tmp_path):
+    class Broken(FileEngine):
+        def save_checkpoint(self, root, tag, save_latest):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        Checkpointer(tmp_path, keep=2).save(Broken(), 2, {"planner": {}})
+
+
+def test_export_refuses_non_finite_weights_and_leaves_nothing(tmp_path):
+    drafter = make_drafter(num_layers=1, taps=(1,))
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = float("nan")
+        drafter.norm.weight[0] = float("inf")
+    with pytest.raises(UserError, match=r"not exported: 2 of \d+ weight tensors hold NaN or inf \(fc.weight, norm"):
+        drafter.save_pretrained(tmp_path / "drafter")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_is_all_or_nothing_and_replaces_only_a_drafter(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from dflash.models import DFlashDrafter
+
+    out = tmp_path / "drafter"
+    first = make_drafter(num_layers=1, taps=(1,))
+    first.save_pretrained(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    second = make_drafter(num_layers=2, taps=(1, 3))
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", fail)
+        with pytest.raises(OSError):
+            second.save_pretrained(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the old export is intact"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"], "no temporary folder left"
+    second.save_pretrained(out)
+    assert DFlashDrafter.from_pretrained(out).config.num_hidden_layers == 2
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match="is not a DFlash drafter folder; not replaced"):
+        second.save_pretrained(mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_tuner_names_its_own_flag_for_a_bad_base(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_cli", ROOT / "launch" / "tune_ds_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"zero_optimization": {"stage": 2}, "wibble": 1}))
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--base", str(base), "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"error: --base {base}: unknown key 'wibble'" in err
+    assert "--deepspeed_config" not in err
+
+
+@pytest.mark.parametrize("config,expected", [({"bf16": {"enabled": True}}, "bf16"),
+                                             ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, "fp16"),
+                                             ({"bf16": {"enabled": False}}, None), ({}, None)])
+def test_precision_is_what_the_json_switches_on(config, expected):
+    assert precision(config) == expected
+
+
+def test_deepspeed_json_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_bytes(b'{"zero_optimization": {"stage": 2}, "x": "\xff"}')
+    with pytest.raises(UserError, match=rf"--deepspeed_config {path}: invalid JSON at"):
+        load_ds_config(path, world_size=1, grad_clip=1.0, bf16=False)
