@@ -340,3 +340,24 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return summary
+
+
+def ensure_store(input_path: Path, tokenizer, store_dir: Path, *, max_length: int, refuse_changes: bool = False,
+                 progress: bool = True, say=print) -> None:
+    """The token store of a run at `store_dir`, prepared from `input_path` unless the one there
+    was made of the same input content, tokenizer and settings. With `refuse_changes` (a resumed
+    run) a store of other data is an error instead of being rebuilt, so nothing is replaced."""
+    settings = settings_of(max_length, "truncate", False)
+    diffs = store_differences(store_dir, input_path, tokenizer, settings) if store_dir.exists() else ["none yet"]
+    if not diffs:
+        return
+    if refuse_changes and store_dir.exists():
+        raise UserError(f"--resume: the run's token store {store_dir} was made of other data or settings:\n  "
+                        + "\n  ".join(diffs) + "\nresume with the same --data, --target and --max-length, or "
+                        "start a new run (--overwrite or another --output-dir)")
+    if store_dir.exists():
+        say(f"rebuilding {store_dir}: " + "; ".join(diffs))
+    say(f"preparing {input_path} -> {store_dir}")
+    summary = prepare_jsonl(input_path, tokenizer, store_dir, max_length=max_length, overlong="truncate",
+                            overwrite=True, progress=progress, flag="the run's token store")
+    say(summary.text())

@@ -141,7 +141,7 @@ class DrafterOutput:
     num_skipped: int  # samples skipped for too few supervised tokens
 
 
-def _is_drafter_folder(path: Path) -> bool:
+def is_drafter_folder(path: Path) -> bool:
     """An empty folder, or one holding a DFlash drafter's config (and nothing but its files)."""
     names = {p.name for p in path.iterdir()} if path.is_dir() else {None}
     if not names:
@@ -352,7 +352,7 @@ class DFlashDrafter(nn.Module):
             raise UserError(f"{directory}: not exported: {len(bad)} of {len(tensors)} weight tensors hold NaN or inf "
                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the training diverged: "
                             "lower --lr, or resume from an earlier checkpoint")
-        if directory.exists() and not _is_drafter_folder(directory):
+        if directory.exists() and not is_drafter_folder(directory):
             raise UserError(f"{directory}: exists and is not a DFlash drafter folder; not replaced (move it away)")
         config = self.config.to_json_dict()
         config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")

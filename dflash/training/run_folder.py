@@ -1,0 +1,74 @@
+"""A run folder belongs to one run at a time, and dflash deletes in it only what it wrote.
+
+Rank 0 holds an exclusive lock on `<output_dir>/.dflash.lock` for the life of the run, so a
+second run into the same folder stops at once instead of overwriting the first one's files. A
+fresh run into a folder that holds a previous run is refused unless told: `--resume` continues
+it, `--overwrite` first deletes what a run writes (the entries below) and nothing else. The
+on-the-fly token store `data/` is kept: it carries fingerprints and is rebuilt if they differ.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from dflash.errors import UserError
+
+LOCK = ".dflash.lock"
+# what a run writes in its folder, and so what --overwrite may delete
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "drafter")
+RUN_PATTERNS = ("samples.rank*.jsonl",)
+
+
+def run_entries(output_dir: Path) -> list[Path]:
+    """The files and folders of a previous run in `output_dir`."""
+    found = [output_dir / name for name in RUN_ENTRIES if (output_dir / name).exists()]
+    for pattern in RUN_PATTERNS:
+        found += sorted(output_dir.glob(pattern))
+    return found
+
+
+class RunFolder:
+    """The lock on a run folder (rank 0 only), released when the process ends."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir)
+        self._fd = None
+
+    def lock(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UserError(f"--output-dir {self.path}: another run is using this folder (process {holder}); "
+                            "wait for it to end, or choose another --output-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}@{os.uname().nodename}\n".encode())
+        self._fd = fd  # held open: the lock lasts as long as the process
+
+    def claim(self, *, resume: bool, overwrite: bool) -> None:
+        """Lock the folder and refuse a fresh run over a previous one unless told; with
+        `overwrite`, delete the previous run's entries first (and only those)."""
+        if resume and overwrite:
+            raise UserError("--resume and --overwrite contradict each other: continue the run, or start it over")
+        self.lock()
+        previous = run_entries(self.path)
+        if not previous or resume:
+            return
+        names = ", ".join(p.name for p in previous)
+        if not overwrite:
+            raise UserError(f"--output-dir {self.path}: holds a previous run ({names}); continue it with --resume, "
+                            "start over with --overwrite (deletes these and nothing else), or choose another folder")
+        from dflash.models.drafter import is_drafter_folder
+
+        for p in previous:
+            if p.name == "drafter" and not is_drafter_folder(p):
+                continue  # not an export of ours: the export will refuse to replace it
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
