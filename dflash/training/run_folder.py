@@ -50,6 +50,11 @@ class RunFolder:
         os.write(fd, f"{os.getpid()}@{os.uname().nodename}\n".encode())
         self._fd = fd  # held open: the lock lasts as long as the process
 
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     def claim(self, *, resume: bool, overwrite: bool) -> None:
         """Lock the folder and refuse a fresh run over a previous one unless told; with
         `overwrite`, delete the previous run's entries first (and only those)."""
@@ -61,6 +66,7 @@ class RunFolder:
             return
         names = ", ".join(p.name for p in previous)
         if not overwrite:
+            self.release()
             raise UserError(f"--output-dir {self.path}: holds a previous run ({names}); continue it with --resume, "
                             "start over with --overwrite (deletes these and nothing else), or choose another folder")
         from dflash.models.drafter import is_drafter_folder

@@ -162,3 +162,60 @@ def test_deepspeed_json_that_is_not_utf8_names_the_file(tmp_path):
     path.write_bytes(b'{"zero_optimization": {"stage": 2}, "x": "\xff"}')
     with pytest.raises(UserError, match=rf"--deepspeed_config {path}: invalid JSON at"):
         load_ds_config(path, world_size=1, grad_clip=1.0, bf16=False)
+
+
+def test_a_run_folder_is_locked_and_a_used_one_refused_unless_resumed_or_overwritten(tmp_path):
+    from dflash.training.run_folder import RunFolder
+
+    run = tmp_path / "run"
+    first = RunFolder(run)
+    first.claim(resume=False, overwrite=False)
+    with pytest.raises(UserError, match=rf"another run is using this folder \(process {os.getpid()}@"):
+        RunFolder(run).claim(resume=False, overwrite=False)
+    first.release()  # the first run ends
+    for name in ("config.json", "metrics.jsonl", "samples.rank0.jsonl", "notes.txt"):
+        (run / name).write_text("x")
+    for name in ("checkpoints/step-00000006", "data", "drafter"):
+        (run / name).mkdir(parents=True)
+    (run / "drafter" / "mine.txt").write_text("not an export")
+    with pytest.raises(UserError, match=r"holds a previous run \(config.json, metrics.jsonl, checkpoints, drafter, "
+                                        r"samples.rank0.jsonl\); continue it with --resume"):
+        RunFolder(run).claim(resume=False, overwrite=False)
+    resumed = RunFolder(run)
+    resumed.claim(resume=True, overwrite=False)
+    resumed.release()
+    assert (run / "checkpoints" / "step-00000006").is_dir(), "a resume keeps everything"
+    with pytest.raises(UserError, match="contradict"):
+        RunFolder(run).claim(resume=True, overwrite=True)
+    RunFolder(run).claim(resume=False, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == [".dflash.lock", "data", "drafter", "notes.txt"]
+
+
+def test_run_store_is_rebuilt_when_its_input_changes_and_refused_on_resume(tmp_path):
+    from dflash.data.prepare import ensure_store
+    from dflash.data.token_store import TokenStore
+
+    from ..conftest import make_chat_tokenizer
+    from ..data.test_prepare import CONVERSATIONS, write_jsonl
+
+    tok = make_chat_tokenizer()
+    src = write_jsonl(tmp_path / "train.jsonl", CONVERSATIONS)
+    store, said = tmp_path / "run" / "data", []
+    ensure_store(src, tok, store, max_length=64, progress=False, say=said.append)
+    assert said[0].startswith("preparing") and len(TokenStore(store)) == 3
+    said.clear()
+    ensure_store(src, tok, store, max_length=64, progress=False, say=said.append)
+    assert said == [], "fresh: reused"
+    write_jsonl(src, CONVERSATIONS[:2])  # edited in place
+    with pytest.raises(UserError, match=r"--resume: the run's token store .* other data or settings:\n  input: "):
+        ensure_store(src, tok, store, max_length=64, refuse_changes=True, progress=False, say=said.append)
+    assert len(TokenStore(store)) == 3, "a refused resume replaces nothing"
+    ensure_store(src, tok, store, max_length=64, progress=False, say=said.append)
+    assert said[0].startswith(f"rebuilding {store}: input: ") and len(TokenStore(store)) == 2
+    # the input inside the run's store folder (e.g. --data S/data/train.jsonl --output-dir S) is never deleted
+    inside = tmp_path / "S" / "data"
+    inside.mkdir(parents=True)
+    user = write_jsonl(inside / "train.jsonl", CONVERSATIONS)
+    with pytest.raises(UserError, match=r"lies inside it and would be deleted"):
+        ensure_store(user, tok, inside, max_length=64, progress=False, say=said.append)
+    assert [p.name for p in inside.iterdir()] == ["train.jsonl"]
