@@ -31,13 +31,17 @@ PREPARE_AGAIN = "prepare it again with launch/prepare_data.py (or delete it: the
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of what decides token ids: vocabulary, merges, normalisation, special tokens and
     the chat template (padding and truncation settings left out: they change no id)."""
+    from dflash.models.target import MASK_TOKEN
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         spec = json.loads(backend.to_str())
         spec.pop("padding", None)
         spec.pop("truncation", None)
+        # the trainer adds the DFlash mask token to the target's tokenizer; it tokenizes no data
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("content") != MASK_TOKEN]
     else:
-        spec = {"vocab": sorted(tokenizer.get_vocab().items())}
+        spec = {"vocab": sorted((k, v) for k, v in tokenizer.get_vocab().items() if k != MASK_TOKEN)}
     spec["chat_template"] = tokenizer.chat_template
     text = json.dumps(spec, sort_keys=True, ensure_ascii=False)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
