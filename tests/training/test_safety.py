@@ -219,3 +219,16 @@ def test_run_store_is_rebuilt_when_its_input_changes_and_refused_on_resume(tmp_p
     with pytest.raises(UserError, match=r"lies inside it and would be deleted"):
         ensure_store(user, tok, inside, max_length=64, progress=False, say=said.append)
     assert [p.name for p in inside.iterdir()] == ["train.jsonl"]
+
+
+def test_without_the_launcher_one_process_runs_or_the_launcher_is_named():
+    from dflash.training.ranks import single_process_env
+
+    env = {}
+    single_process_env(env, num_gpus=1)
+    assert env["RANK"] == env["LOCAL_RANK"] == "0" and env["WORLD_SIZE"] == "1" and int(env["MASTER_PORT"]) > 0
+    launched = {"RANK": "3", "LOCAL_RANK": "1"}
+    single_process_env(launched, num_gpus=8)
+    assert launched == {"RANK": "3", "LOCAL_RANK": "1"}, "the launcher's variables are kept"
+    with pytest.raises(UserError, match=r"8 GPUs: start the run with the launcher .*deepspeed --num_gpus 8"):
+        single_process_env({}, num_gpus=8)
