@@ -17,7 +17,8 @@ from dflash.errors import exit_on_user_error
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="JSONL file of conversations")
-    p.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer (or model) folder with a chat template")
+    p.add_argument("--tokenizer", required=True,
+                   help="local Hugging Face tokenizer (or model) folder with a chat template")
     p.add_argument("--output", required=True, help="folder to create for the token store")
     p.add_argument("--max-length", type=int, default=None, help="longest sample in tokens (default: no limit)")
     p.add_argument("--overlong", choices=OVERLONG, default="truncate",

@@ -21,20 +21,25 @@ from dflash.regenerate import BACKENDS, DTYPES, RegenerateConfig, regenerate, su
 
 def parse_args(argv=None) -> RegenerateConfig:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="Hugging Face model directory of the target (with tokenizer and chat template)")
-    p.add_argument("--input", required=True, help="JSONL conversations ({'messages': [...]} or ShareGPT {'conversations': [...]})")
+    p.add_argument("--target", required=True,
+                   help="Hugging Face model directory of the target (with tokenizer and chat template)")
+    p.add_argument("--input", required=True,
+                   help="JSONL conversations ({'messages': [...]} or ShareGPT {'conversations': [...]})")
     p.add_argument("--output", required=True, help="output JSONL; if it exists, the run resumes and appends to it")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="limit per assistant turn (default: 2048)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples at this temperature")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples at this temperature")
     p.add_argument("--seed", type=int, default=None, help="sampling seed, recorded in meta (default: 0 when sampling)")
     p.add_argument("--batch-size", type=int, default=16, help="conversations per generation batch (default: 16)")
     p.add_argument("--keep-thinking", action="store_true",
-                   help="keep <think>...</think> in stored responses (default: strip it, as Qwen3 templates do for history)")
+                   help="keep <think>...</think> in stored responses "
+                        "(default: strip it, as Qwen3 templates do for history)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip unusable input lines and report counts and reasons, instead of stopping at the first")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="generation engine: auto = vllm if installed and a GPU is present, else hf (default: auto)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="model dtype: auto = bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="model dtype: auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--limit", type=int, default=None, help="regenerate only the first N valid conversations")
     a = p.parse_args(argv)
     return RegenerateConfig(
