@@ -2,6 +2,7 @@
 """Train a DFlash drafter against a frozen Hugging Face target with DeepSpeed ZeRO.
 
   deepspeed [--num_gpus N] launch/train.py [--config FILE.yaml] [options]
+  python launch/train.py [options]          # one process on the CPU or the one GPU
 
 With neither --target nor --data it trains the built-in demo: a tiny drafter against the
 bundled demo target on the dataset that target regenerated, on a laptop CPU in minutes.
@@ -24,11 +25,14 @@ if not torch.cuda.is_available():
 
 from dflash.errors import exit_on_user_error  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
+from dflash.training.ranks import peer_failures_are_one_line, single_process_env  # noqa: E402
 
 
 @exit_on_user_error
+@peer_failures_are_one_line
 def main(argv=None):
     config = load_config(argv, description=__doc__)
+    single_process_env(os.environ, torch.cuda.device_count())  # `python launch/train.py`: one rank, no launcher
     from dflash.training.trainer import Trainer
 
     result = Trainer(config).train()

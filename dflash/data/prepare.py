@@ -26,19 +26,24 @@ from dflash.errors import UserError, disk_full, free_space
 
 OVERLONG = ("truncate", "drop", "error")
 OWNER = "dflash_partial.json"  # in a temporary folder: which process writes it, so that a dead one's is removed
-# files one of which a tokenizer folder must hold; without them transformers loads an empty tokenizer
+# files one of which a tokenizer folder must hold
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_tokenizer_files(path: str | Path, flag: str) -> None:
+    """A folder with tokenizer files: without them transformers loads an empty tokenizer."""
+    if not Path(path).is_dir():
+        raise UserError(f"{flag} {path}: no such directory (give a local Hugging Face tokenizer or model folder)")
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{flag} {path}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}); "
+                        "copy the model's tokenizer into that folder")
 
 
 def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
     """A fast tokenizer with a chat template from a local folder; `flag` names the option in errors."""
     from transformers import AutoTokenizer
 
-    if not Path(path).is_dir():
-        raise UserError(f"{flag} {path}: no such directory (give a local Hugging Face tokenizer or model folder)")
-    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(f"{flag} {path}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}); "
-                        "copy the model's tokenizer into that folder")
+    check_tokenizer_files(path, flag)
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:

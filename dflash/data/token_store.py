@@ -160,7 +160,7 @@ class TokenStore:
         made, now = self.meta.get("tokenizer_fingerprint"), tokenizer_fingerprint(tokenizer)
         if made != now:
             raise UserError(f"{flag}: its tokenizer differs from the one {self.path} was made with "
-                            f"({self.meta.get('tokenizer')}); prepare the data with this tokenizer")
+                            f"({self.meta.get('tokenizer')}); prepare the data with the target's tokenizer")
 
     @property
     def vocab_size(self) -> int | None:

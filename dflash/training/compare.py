@@ -68,7 +68,7 @@ def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, sa
     for mode in modes:
         order, layout = mode.split("-")
         mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
-                                       max_steps=max_steps, export=False, progress=False, resume=False,
+                                       max_steps=max_steps, export=False, progress=False, resume=False, overwrite=True,
                                        stop_at_step=0, log_every=1)
         trainer = Trainer(mode_cfg, target=target)
         if target is None:

@@ -96,6 +96,11 @@ class TrainConfig:
         False,
         "resume even if data, world size or planner settings changed (prints what changes)",
     )
+    overwrite: bool = _opt(
+        False,
+        "start over in a run folder that holds a previous run: delete that run's files (config, metrics, "
+        "checkpoints, TensorBoard, export, sample logs) and nothing else",
+    )
     eval_every: int = _opt(0, "evaluate loss and tau every N steps (0: once per epoch and at the end)")
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: at the end of each epoch)")
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
@@ -271,3 +276,5 @@ def validate(c: TrainConfig) -> None:
         bad("grad_clip", f"must be >= 0 (0: no clipping), got {c.grad_clip}")
     if c.force_resume and not c.resume:
         bad("force_resume", "only makes sense with --resume")
+    if c.overwrite and c.resume:
+        bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")

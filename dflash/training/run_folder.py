@@ -58,8 +58,6 @@ class RunFolder:
     def claim(self, *, resume: bool, overwrite: bool) -> None:
         """Lock the folder and refuse a fresh run over a previous one unless told; with
         `overwrite`, delete the previous run's entries first (and only those)."""
-        if resume and overwrite:
-            raise UserError("--resume and --overwrite contradict each other: continue the run, or start it over")
         self.lock()
         previous = run_entries(self.path)
         if not previous or resume:

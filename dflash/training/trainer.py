@@ -23,8 +23,10 @@ from dflash.data.planner import BatchPlanner, PlannerConfig, plan_batches
 from dflash.errors import UserError
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
-from dflash.training.ds_config import load_ds_config, offloads_optimizer, zero_stage
+from dflash.training.ds_config import load_ds_config, offloads_optimizer, precision, zero_stage
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
+from dflash.training.ranks import on_rank0
+from dflash.training.run_folder import RunFolder
 from dflash.training.steps import MicroBatchMaker, micro_batches, step_ranges
 
 
@@ -106,11 +108,13 @@ class LoadedTarget(NamedTuple):
 def load_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.data.prepare import check_tokenizer_files
     from dflash.models import TargetModel, ensure_mask_token
 
     target_path = Path(cfg.target)
     if not (target_path / "config.json").is_file():
         raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+    check_tokenizer_files(target_path, "--target")
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
     try:
@@ -138,8 +142,15 @@ class Trainer:
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
         on_gpu = self.device.type == "cuda"
-        self.dtype = torch.bfloat16 if cfg.dtype == "bf16" or (cfg.dtype == "auto" and on_gpu) else torch.float32
         self.output_dir = Path(cfg.output_dir)
+
+        # everything that can be refused is refused before the target loads
+        ds_config, self.dtype = self._ds_config(on_gpu)
+        data = Path(cfg.data)
+        if not data.exists():
+            raise UserError(f"--data {data}: no such file or folder")
+        self.run_folder = RunFolder(self.output_dir)
+        on_rank0(lambda: self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite), "claiming the run folder")
 
         # target: frozen, features only
         self.loaded = target or load_target(cfg, self.device, self.dtype)
@@ -147,10 +158,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
 
         # data: token store -> held-out split -> planner
-        store_path = self._token_store(Path(cfg.data), tokenizer)
+        store_path = self._token_store(data, tokenizer)
         from dflash.data.token_store import TokenStore
 
         store = TokenStore(store_path)
+        store.check_tokenizer(tokenizer, f"--target {cfg.target}")
         self._check_vocab(store, store_path)
         self._check_lengths(store, store_path)
         usable = int((store.supervised >= 2 * cfg.block_size).sum())
@@ -184,8 +196,6 @@ class Trainer:
         self.maker = MicroBatchMaker(str(store_path), cfg.layout, pad_id=tokenizer.pad_token_id or 0,
                                      mask_token_id=mask_id, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                                      gamma=drafter.gamma, seed=cfg.seed)
-        ds_config = load_ds_config(cfg.deepspeed_config, world_size=self.world_size, grad_clip=cfg.grad_clip,
-                                   bf16=self.dtype == torch.bfloat16)
         self.zero_stage = zero_stage(ds_config)
         if offloads_optimizer(ds_config):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -205,13 +215,13 @@ class Trainer:
         self.step = 0
         self.nonfinite_in_row = self.nonfinite_total = 0
         if self.rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
             self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, ZeRO-{self.zero_stage}; "
                       f"{len(self.train_idx):,} train / {len(self.eval_idx):,} eval samples "
                       f"({len(store) - usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
                       f"budget {cfg.token_budget:,}, {cfg.step_tokens:,} tokens/rank/step, {self.total_steps} steps")
         resumed = cfg.resume and self._resume()
+        if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
+            (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         # a resumed run's logs end at its checkpoint: what a crash wrote after it is redone
         self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0,
                                      resume_step=self.step if resumed else None)
@@ -224,28 +234,33 @@ class Trainer:
         if self.rank == 0:
             print(text, flush=True)
 
+    def _ds_config(self, on_gpu: bool) -> tuple[dict, torch.dtype]:
+        """The checked DeepSpeed config and the dtype the run trains in: --dtype, or what the
+        JSON switches on (DeepSpeed trains in it whatever the trainer was told)."""
+        cfg = self.cfg
+        dtype = torch.bfloat16 if cfg.dtype == "bf16" or (cfg.dtype == "auto" and on_gpu) else torch.float32
+        ds_config = load_ds_config(cfg.deepspeed_config, world_size=self.world_size, grad_clip=cfg.grad_clip,
+                                   bf16=dtype == torch.bfloat16)
+        chosen = precision(ds_config)
+        if chosen == "fp16":
+            raise UserError(f"--deepspeed_config {cfg.deepspeed_config}: fp16 is not supported (the drafter trains in "
+                            "bf16 or fp32); use \"bf16\": {\"enabled\": \"auto\"} with --dtype bf16")
+        if chosen == "bf16" and cfg.dtype == "fp32":
+            raise UserError(f"--deepspeed_config {cfg.deepspeed_config}: enables bf16, but --dtype is fp32; "
+                            "write \"bf16\": {\"enabled\": \"auto\"} to follow --dtype")
+        return ds_config, torch.bfloat16 if chosen == "bf16" else dtype
+
     def _token_store(self, data: Path, tokenizer) -> Path:
-        """A token store folder as is, or a JSONL file prepared (by rank 0) into the run folder."""
+        """A token store folder as is, or a JSONL file prepared (by rank 0) into the run folder,
+        reused while its fingerprints match; a resume refuses one of other data."""
         if data.is_dir():
             return data
-        if not data.is_file():
-            raise UserError(f"--data {data}: no such file or folder")
-        store = self.output_dir / "data"
-        max_length = self.cfg.max_length
-        meta = store / "dflash_store.json"
-        from dflash.data.token_store import STORE_VERSION
+        from dflash.data.prepare import ensure_store
 
-        made = json.loads(meta.read_text()) if meta.is_file() else {}
-        fresh = (made.get("version") == STORE_VERSION and made["summary"]["input"] == str(data)
-                 and made["max_length"] == max_length)
-        if self.rank == 0 and not fresh:
-            from dflash.data.prepare import prepare_jsonl
-
-            self._say(f"preparing {data} -> {store}")
-            summary = prepare_jsonl(data, tokenizer, store, max_length=max_length, overlong="truncate",
-                                    overwrite=True, progress=self.cfg.progress)
-            self._say(summary.text())
-        dist.barrier()
+        cfg, store = self.cfg, self.output_dir / "data"
+        on_rank0(lambda: ensure_store(data, tokenizer, store, max_length=cfg.max_length,
+                                      refuse_changes=cfg.resume and not cfg.force_resume, progress=cfg.progress,
+                                      say=self._say), "preparing the data")
         return store
 
     def _check_vocab(self, store, path) -> None:
@@ -372,6 +387,7 @@ class Trainer:
         if self.rank == 0 and self.metrics.path.is_file():
             plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
             self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
+        self.run_folder.release()
         return {"step": self.step, "eval": last_eval}
 
     def train_step(self) -> dict | None:
@@ -487,7 +503,5 @@ class Trainer:
 
         params = list(self.drafter.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3):
-            if self.rank == 0:
-                self.drafter.save_pretrained(directory)
-        dist.barrier()
+            on_rank0(lambda: self.drafter.save_pretrained(directory), "exporting the drafter")
         self._say(f"exported the drafter to {directory}")

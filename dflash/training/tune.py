@@ -78,7 +78,8 @@ def run_trial(trial: Trial, train_args: list[str], workdir: Path, *, num_ranks: 
            str(ROOT / "launch" / "train.py"), *train_args, "--output-dir", str(folder / "run"),
            "--token-budget", str(trial.token_budget), "--step-tokens", str(trial.micro_batches * trial.token_budget),
            "--deepspeed_config", str(folder / "ds_config.json"), "--max-steps", str(steps + warmup),
-           "--no-export", "--no-progress", "--checkpoint-every", str(10 ** 9), "--eval-every", str(10 ** 9),
+           "--no-export", "--no-progress", "--overwrite",  # a trial folder is the tuner's own: reruns start over
+           "--checkpoint-every", str(10 ** 9), "--eval-every", str(10 ** 9),
            "--activation-checkpointing" if trial.activation_checkpointing else "--no-activation-checkpointing"]
     log = folder / "log.txt"
     with open(log, "w") as f:
