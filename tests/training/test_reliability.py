@@ -185,14 +185,15 @@ def test_bad_deepspeed_config_names_the_key(tmp_path, change, message):
 
 
 def train_one_rank(*args):
-    """launch/train.py as a single rank without the launcher (its env, set by hand)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 2000)}
+    """`python launch/train.py`, without the launcher: one rank on the CPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *map(str, args)], capture_output=True,
                           text=True, timeout=300, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("case", ["missing data", "missing target", "layers", "vocabulary", "over budget"])
+@pytest.mark.parametrize("case", ["missing data", "missing target", "layers", "vocabulary", "over budget",
+                                  "no tokenizer"])
 def test_bad_training_input_is_a_clear_error_without_traceback(case, tiny_run_inputs, tiny_store, tmp_path):
     target, data = tiny_run_inputs
     flags = {"--target": target, "--data": tiny_store, "--output-dir": tmp_path / "run"}
@@ -200,6 +201,10 @@ def test_bad_training_input_is_a_clear_error_without_traceback(case, tiny_run_in
         flags["--data"], message = tmp_path / "nope.jsonl", f"--data {tmp_path / 'nope.jsonl'}: no such file"
     elif case == "missing target":
         flags["--target"], message = tmp_path / "nope", f"--target {tmp_path / 'nope'}: not a Hugging Face model"
+    elif case == "no tokenizer":  # transformers would load an empty tokenizer, and the mask token get id 1
+        flags["--target"] = tmp_path / "bare"
+        shutil.copytree(target, flags["--target"], ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+        message = f"--target {tmp_path / 'bare'}: no tokenizer files there"
     elif case == "layers":
         flags["--target-layer-ids"], message = "1,9", "out of range"
     elif case == "over budget":
@@ -221,3 +226,45 @@ def test_bad_training_input_is_a_clear_error_without_traceback(case, tiny_run_in
     proc = train_one_rank(*[x for kv in flags.items() for x in kv], "--no-progress", "--num-workers", 0)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- a run folder and its data belong to one run (issue 13) -----------------------------------------
+def test_a_used_run_folder_is_refused_a_changed_resume_touches_nothing_and_overwrite_starts_over(
+        tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    mine = tmp_path / "data.jsonl"
+    shutil.copy(data, mine)
+    args = ["--target", target, "--data", mine, "--output-dir", out, "--token-budget", 1024, "--step-tokens", 1500,
+            "--num-anchors", 8, "--draft-layers", 1, "--num-target-features", 2, "--max-steps", 2,
+            "--no-progress", "--num-workers", 0, "--dtype", "fp32", "--no-export"]
+    ok(train_one_rank(*args))  # without the launcher: one rank on the CPU
+    state = {p: p.read_bytes() for p in [out / "config.json", out / "metrics.jsonl", *(out / "data").iterdir()]}
+
+    fresh = train_one_rank(*args)
+    assert fresh.returncode == 2 and "Traceback" not in fresh.stderr
+    assert f"--output-dir {out}: holds a previous run (config.json, metrics.jsonl, " in fresh.stderr
+    # the data file edited in place: a resume must not train on the old store, nor replace it
+    lines = mine.read_text().splitlines()
+    mine.write_text("\n".join(lines[:-5]) + "\n")
+    resume = train_one_rank(*args, "--resume", "--max-steps", 3)
+    assert resume.returncode == 2 and "Traceback" not in resume.stderr
+    assert "--resume: the run's token store" in resume.stderr and f"input: {mine} changed" in resume.stderr
+    assert {p: p.read_bytes() for p in state} == state, "config, metrics and the store are untouched"
+
+    over = ok(train_one_rank(*args, "--overwrite"))
+    assert f"rebuilding {out / 'data'}: input: {mine} changed" in over.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2], "the old run's records are gone, not mixed in"
+    assert complete_checkpoints(out) == ["step-00000002"]
+
+
+def test_an_error_in_rank_0_preparation_is_one_line_on_every_rank(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(data.read_text().splitlines()[0] + "\n{oops\n")
+    proc = run_deepspeed(tiny_train_args(target, bad, tmp_path / "run", "--no-export"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 2, proc.stderr[-3000:]
+    assert any(f"error: {bad}:2: invalid JSON" in line for line in errors)
+    assert any("error: rank 1: stopped because rank 0 failed while preparing the data" in line for line in errors)
