@@ -230,3 +230,33 @@ def test_without_the_launcher_one_process_runs_or_the_launcher_is_named():
     assert launched == {"RANK": "3", "LOCAL_RANK": "1"}, "the launcher's variables are kept"
     with pytest.raises(UserError, match=r"8 GPUs: start the run with the launcher .*deepspeed --num_gpus 8"):
         single_process_env({}, num_gpus=8)
+
+
+@pytest.mark.parametrize("dtype,bf16,expected", [("auto", "auto", torch.float32), ("auto", True, torch.bfloat16),
+                                                  ("bf16", "auto", torch.bfloat16), ("fp32", True, "enables bf16"),
+                                                  ("auto", "fp16", "fp16 is not supported")])
+def test_the_run_trains_in_what_the_deepspeed_json_switches_on(tmp_path, dtype, bf16, expected):
+    from types import SimpleNamespace
+
+    from dflash.training.config import load_config
+    from dflash.training.trainer import Trainer
+
+    config = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    config.pop("bf16", None)
+    config["fp16" if bf16 == "fp16" else "bf16"] = {"enabled": True if bf16 == "fp16" else bf16}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    cfg = load_config(["--deepspeed_config", str(path), "--dtype", dtype])
+    trainer = SimpleNamespace(cfg=cfg, world_size=1)  # what _ds_config reads, before anything loads
+    if isinstance(expected, str):
+        with pytest.raises(UserError, match=expected):
+            Trainer._ds_config(trainer, on_gpu=False)
+    else:
+        assert Trainer._ds_config(trainer, on_gpu=False)[1] == expected
+
+
+def test_resume_and_overwrite_contradict():
+    from dflash.training.config import load_config
+
+    with pytest.raises(UserError, match="--overwrite: contradicts --resume"):
+        load_config(["--resume", "--overwrite"])
