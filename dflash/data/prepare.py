@@ -5,8 +5,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,9 +21,9 @@ from dflash.data.token_store import (
     tokenizer_fingerprint,
 )
 from dflash.errors import UserError, disk_full, free_space
+from dflash.partial import partial_folder
 
 OVERLONG = ("truncate", "drop", "error")
-OWNER = "dflash_partial.json"  # in a temporary folder: which process writes it, so that a dead one's is removed
 # files one of which a tokenizer folder must hold
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -192,35 +190,6 @@ def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag:
         raise UserError(f"{flag} {output_dir} already exists; choose another folder or pass --overwrite")
 
 
-def _make_work_dir(output_dir: Path) -> Path:
-    """A temporary folder beside `output_dir`, marked with its owner; those of dead owners (a
-    killed run) are removed first. Unmarked folders are not ours and are left alone."""
-    prefix = f".{output_dir.name}.partial-"
-    host = socket.gethostname()
-    for old in output_dir.parent.glob(prefix + "*"):
-        try:
-            owner = json.loads((old / OWNER).read_text())
-        except (OSError, ValueError):
-            continue
-        if owner.get("host") == host and not _alive(int(owner.get("pid", 0))):
-            shutil.rmtree(old, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(prefix=prefix, dir=output_dir.parent))
-    (work / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": host}) + "\n")
-    return work
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None = None,
                   overlong: str = "truncate", skip_bad: bool = False, overwrite: bool = False,
                   progress: bool = True, flag: str = "--output") -> PrepareSummary:
@@ -302,7 +271,7 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
         "source_line": datasets.Value("int64"),
     })
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = _make_work_dir(output_dir)
+    work = partial_folder(output_dir)
     try:
         try:
             ds = datasets.Dataset.from_generator(samples, features=features, cache_dir=str(work / "cache"))

@@ -341,9 +341,10 @@ class DFlashDrafter(nn.Module):
         replaced only if it is empty or a DFlash drafter (what this writes).
         """
         import shutil
-        import tempfile
 
         from safetensors.torch import save_file
+
+        from dflash.partial import partial_folder
 
         directory = Path(directory)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
@@ -357,7 +358,7 @@ class DFlashDrafter(nn.Module):
         config = self.config.to_json_dict()
         config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
         directory.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+        work = partial_folder(directory)
         try:
             staged = work / "drafter"
             staged.mkdir()

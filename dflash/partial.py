@@ -1,0 +1,45 @@
+"""Temporary folders beside what is being written, renamed into place when complete.
+
+`.NAME.partial-XXXX` beside `NAME` is marked with its owner (pid and host). A process killed
+while writing leaves it behind; the next writer of `NAME` removes the folders of dead owners on
+this host, and leaves alone unmarked ones (not ours) and those of live processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+OWNER = "dflash_partial.json"
+
+
+def partial_folder(output_dir: Path) -> Path:
+    """A temporary folder beside `output_dir`, marked with its owner; those of dead owners (a
+    killed run) are removed first. Unmarked folders are not ours and are left alone."""
+    prefix = f".{output_dir.name}.partial-"
+    host = socket.gethostname()
+    for old in output_dir.parent.glob(prefix + "*"):
+        try:
+            owner = json.loads((old / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("host") == host and not _alive(int(owner.get("pid", 0))):
+            shutil.rmtree(old, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=output_dir.parent))
+    (work / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": host}) + "\n")
+    return work
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
