@@ -180,17 +180,17 @@ def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str,
 def _deal(batches: list, batch_costs: np.ndarray, batch_tokens: np.ndarray, batch_sizes: np.ndarray,
           world_size: int, mix: int, rng: np.random.Generator) -> list:
     """Reorder micro-batches so that global index i * W + r is rank r's i-th micro-batch, with
-    similar costs at every index i and mixed costs over consecutive indices.
+    similar costs at every index i and mixed lengths over consecutive indices.
 
     Windows of W x mix x DEAL_DEPTH consecutive micro-batches (of the already random order) are
-    sorted by cost and cut into groups of W: one group per index, so the ranks of an index wait
-    little for each other. Costs are compared in steps of COST_TOLERANCE, and micro-batches of
-    one step keep their random order: cost-alike micro-batches of different lengths (the drafter's
-    rows and the target's tokens trade off) then share an index instead of lining up by length. The groups are split into `mix` strata (cheap .. costly) and every run
-    of `mix` indices takes one random group of each stratum in random order: a step of `mix`
-    micro-batches per rank sees all cost (hence length) classes, not one. Inside a run the
-    costliest micro-batch of each group goes to the rank with the least work so far in the run,
-    so that ranks also finish the step together (ZeRO-1/2 wait once per step).
+    sorted by cost, compared in steps of COST_TOLERANCE (inside a step the random order stays,
+    so cost-alike micro-batches of different lengths share an index), and cut into groups of W:
+    one group per index, so the ranks of an index wait little for each other. The groups are
+    split into `mix` strata by their mean sample length and every run of `mix` indices takes one
+    random group of each stratum in random order, so that a step does not see one length class
+    only. Inside a run the costliest micro-batch of each group goes to the rank with the least
+    work so far in the run, so that ranks also finish the step together (ZeRO-1/2 wait once per
+    step).
     """
     order = []
     size = world_size * mix * DEAL_DEPTH
