@@ -145,10 +145,12 @@ def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str,
     batches = list(batches)
     splits = -len(batches) % world_size
     if int(lengths.size) - len(batches) >= splits:  # each split needs a batch of >= 2 samples
+        sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
         for _ in range(splits):
-            j = max(range(len(batches)), key=lambda i: len(batches[i]))
+            j = int(np.argmax(sizes))  # the first batch with the most samples
             half = len(batches[j]) // 2
             batches[j : j + 1] = [batches[j][:half], batches[j][half:]]
+            sizes = np.concatenate([sizes[:j], [half, sizes[j] - half], sizes[j + 1 :]])
         return batches
     for _ in range(len(batches) % world_size):
         merged, best = None, token_budget + 1
@@ -177,39 +179,66 @@ def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str,
     return batches
 
 
-def _deal(batches: list, batch_costs: np.ndarray, batch_tokens: np.ndarray, batch_sizes: np.ndarray,
-          world_size: int, mix: int, rng: np.random.Generator) -> list:
+def _deal(batches: list, batch_costs: np.ndarray, batch_sizes: np.ndarray, world_size: int, mix: int,
+          rng: np.random.Generator) -> list:
     """Reorder micro-batches so that global index i * W + r is rank r's i-th micro-batch, with
     similar costs at every index i and mixed lengths over consecutive indices.
 
     Windows of W x mix x DEAL_DEPTH consecutive micro-batches (of the already random order) are
     sorted by cost, compared in steps of COST_TOLERANCE (inside a step the random order stays,
     so cost-alike micro-batches of different lengths share an index), and cut into groups of W:
-    one group per index, so the ranks of an index wait little for each other. The groups are
-    split into `mix` strata by their mean sample length and every run of `mix` indices takes one
-    random group of each stratum in random order, so that a step does not see one length class
-    only. Inside a run the costliest micro-batch of each group goes to the rank with the least
-    work so far in the run, so that ranks also finish the step together (ZeRO-1/2 wait once per
-    step).
+    one group per index, so the ranks of an index wait little for each other. The groups of a
+    window are then drafted into runs of `mix` indices (about one step each) so that every run
+    holds about as many samples as the others: a step's mean length then stays near the epoch's
+    instead of following one cost (hence length) class. Runs, and groups inside a run, come in
+    random order. Inside a run the costliest micro-batch of each group goes to the rank with the
+    least work so far in the run, so that ranks also finish the step together (ZeRO-1/2 wait once
+    per step).
     """
-    order = []
-    size = world_size * mix * DEAL_DEPTH
-    for start in range(0, len(batches), size):
-        idx = np.arange(start, min(start + size, len(batches)))
-        level = np.floor(np.log(np.maximum(batch_costs[idx], 1e-300)) / np.log1p(COST_TOLERANCE))
-        groups = idx[np.argsort(level, kind="stable")].reshape(-1, world_size)
-        mean_length = batch_tokens[groups].sum(axis=1) / batch_sizes[groups].sum(axis=1)
-        by_length = np.argsort(mean_length, kind="stable")
-        strata = [s[rng.permutation(s.size)] for s in np.array_split(by_length, min(mix, len(groups)))]
-        for j in range(len(strata[0])):
-            run = [s[j] for s in strata if j < s.size]
-            load = np.zeros(world_size)
-            for g in (run[k] for k in rng.permutation(len(run))):
-                members = groups[g][np.argsort(-batch_costs[groups[g]], kind="stable")]
-                slots = np.empty(world_size, dtype=np.int64)
-                slots[np.argsort(load, kind="stable")] = members
-                load += batch_costs[slots]
-                order.extend(slots.tolist())
+    n = len(batches)
+    window = np.arange(n) // (world_size * mix * DEAL_DEPTH)
+    level = np.floor(np.log(np.maximum(batch_costs, 1e-300)) / np.log1p(COST_TOLERANCE))
+    groups = np.lexsort((level, window)).reshape(-1, world_size)  # windows hold whole groups: n % W == 0
+    g_window = window[groups[:, 0]]
+    # Steps differ in mean length mostly by how many (short) samples they hold: inside a window,
+    # the groups, fullest first, each join the run (of mix) with the fewest samples so far.
+    g_samples = batch_sizes[groups].sum(axis=1)
+    by_samples = np.lexsort((-g_samples, g_window))
+    counts = np.bincount(g_window)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    runs_in = -(-counts // mix)
+    run_samples = np.zeros((counts.size, int(runs_in.max())))
+    run_samples[np.arange(run_samples.shape[1]) >= runs_in[:, None]] = np.inf  # windows with fewer runs
+    run_size = np.zeros(run_samples.shape, dtype=np.int64)
+    run_local = np.empty(len(groups), dtype=np.int64)
+    for p in range(int(counts.max())):
+        win = np.flatnonzero(counts > p)
+        g = by_samples[first[win] + p]
+        r = np.argmin(run_samples[win], axis=1)
+        run_local[g] = r
+        run_samples[win, r] += g_samples[g]
+        run_size[win, r] += 1
+        run_samples[win[run_size[win, r] == mix], r[run_size[win, r] == mix]] = np.inf  # full
+    run = np.concatenate([[0], np.cumsum(runs_in)[:-1]])[g_window] + run_local
+    # runs in random order inside their window, groups in random order inside their run
+    run_key = rng.random(int(runs_in.sum()))
+    seq = np.lexsort((rng.random(len(groups)), run_key[run], g_window))
+    run, groups = run[seq], groups[seq]
+    # Inside a run, the costliest micro-batch of each group goes to the rank with the least work so far.
+    starts = np.flatnonzero(np.concatenate([[True], run[1:] != run[:-1]]))
+    run_index = np.repeat(np.arange(len(starts)), np.diff(np.concatenate([starts, [len(groups)]])))
+    slot = np.arange(len(groups)) - starts[run_index]
+    load = np.zeros((len(starts), world_size))
+    dealt = np.empty_like(groups)
+    for j in range(int(slot.max()) + 1):
+        at = np.flatnonzero(slot == j)
+        members = np.take_along_axis(groups[at], np.argsort(-batch_costs[groups[at]], axis=1, kind="stable"), axis=1)
+        ranks = np.argsort(load[run_index[at]], axis=1, kind="stable")
+        placed = np.empty_like(members)
+        np.put_along_axis(placed, ranks, members, axis=1)
+        dealt[at] = placed
+        load[run_index[at]] += batch_costs[placed]
+    order = dealt.reshape(-1)
     return [batches[i] for i in order]
 
 
@@ -250,7 +279,7 @@ def plan_epoch(lengths, token_budget: int, order: str, layout: str, *, boundarie
     sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
     flat, starts = np.concatenate(batches), np.concatenate([[0], np.cumsum(sizes)[:-1]])
     batch_costs = np.add.reduceat(costs[flat], starts)
-    return _deal(batches, batch_costs, np.add.reduceat(lengths[flat], starts), sizes, world_size, mix, rng)
+    return _deal(batches, batch_costs, sizes, world_size, mix, rng)
 
 
 def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
