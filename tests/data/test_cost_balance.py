@@ -14,7 +14,7 @@ from dflash.data.planner import LAYOUTS, ORDERS
 from dflash.errors import UserError
 from dflash.models.flops import flop_cost_model, load_target_config
 
-MODES = [pytest.param(o, l, id=f"{o}-{l}") for o in ORDERS for l in LAYOUTS]
+MODES = [pytest.param(o, lay, id=f"{o}-{lay}") for o in ORDERS for lay in LAYOUTS]
 BLOCK, ANCHORS = 4, 8
 MODEL = CostModel(per_token=1.0, per_pair=0.002, per_row=6.0)
 

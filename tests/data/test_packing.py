@@ -15,7 +15,7 @@ requires_native = pytest.mark.skipif(not packing.native_available(), reason="dfl
 
 
 def split_bins(items, offsets):
-    return [items[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    return [items[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
 @requires_native
@@ -31,7 +31,8 @@ def test_native_packer_matches_python_twin(lengths, window):
 @settings(max_examples=200, deadline=None)
 @given(streams)
 def test_native_padded_greedy_matches_python_twin(lengths):
-    assert packing.pad_greedy(lengths, BUDGET).tolist() == packing.pad_greedy(lengths, BUDGET, force_python=True).tolist()
+    python = packing.pad_greedy(lengths, BUDGET, force_python=True)
+    assert packing.pad_greedy(lengths, BUDGET).tolist() == python.tolist()
 
 
 @requires_native
@@ -93,7 +94,7 @@ def test_window_one_is_next_fit_and_unbounded_window_is_best_fit(lengths):
 def test_padded_batches_are_greedy_and_within_budget(lengths):
     offsets = packing.pad_greedy(lengths, BUDGET)
     assert offsets[0] == 0 and offsets[-1] == len(lengths)
-    for a, b in zip(offsets[:-1], offsets[1:]):
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
         batch = lengths[a:b]
         assert len(batch) * max(batch) <= BUDGET
         if b < len(lengths):  # greedy: the next item would not have fitted
