@@ -1,4 +1,5 @@
 """The cost model of a sample and the cost-balanced planner (drafter row budget, dealing to ranks)."""
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -160,3 +161,42 @@ def test_balanced_planner_resumes_exactly_and_fingerprints_its_settings(data):
     other = BatchPlanner(lengths, config, rows=rows, costs=costs * 2)
     with pytest.raises(UserError, match="costs_crc32"):
         other.load_state_dict(run.state_dict())
+
+
+def _plan_cli():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "plan_batches.py"
+    spec = importlib.util.spec_from_file_location("plan_batches_cli", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_batches_saves_every_mode_as_dealt(tmp_path, data, capsys):
+    lengths, rows, _ = data
+    supervised = np.clip((lengths * 0.7).astype(np.int64), 1, lengths)
+    np.save(tmp_path / "l.npy", lengths)
+    np.save(tmp_path / "s.npy", supervised)
+    cli = _plan_cli()
+    args = ["--lengths", str(tmp_path / "l.npy"), "--supervised", str(tmp_path / "s.npy"), "--token-budget", "4096",
+            "--world-size", "4", "--block-size", "4", "--anchors", "8", "--row-budget", "400", "--json"]
+    cli.main([*args, "--save-plan", str(tmp_path / "plan.npz")])
+    report = json.loads(capsys.readouterr().out)
+    saved = np.load(tmp_path / "plan.npz")
+    assert len(saved.files) == 3 * len(ORDERS) * len(LAYOUTS)
+    cand_rows = drafter_rows(supervised - 1, supervised, 4, 8)
+    costs = CostModel(**report["cost_model"]).sample_costs(lengths, cand_rows)
+    for order in ORDERS:
+        samples, offsets, ranks = (saved[f"{order}-packed/{k}"] for k in ("samples", "offsets", "ranks"))
+        assert sorted(samples.tolist()) == list(range(lengths.size))
+        expected = plan_batches(lengths, 4096, order, "packed", world_size=4, rows=cand_rows, row_budget=400,
+                                costs=costs, balance=True)
+        for r in range(4):
+            mine = [samples[offsets[i] : offsets[i + 1]].tolist() for i in np.flatnonzero(ranks == r)]
+            assert mine == [b.tolist() for b in expected[r]]
+        assert report[f"{order}-packed"]["balanced"]["rows_max"] <= 400
+    with pytest.raises(SystemExit):
+        cli.main(args[:2])  # --lengths without --supervised
+    assert "--lengths needs --supervised" in capsys.readouterr().err
