@@ -43,6 +43,17 @@ class CostModel:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def load(cls, path) -> CostModel:
+        """A model saved as JSON (`to_dict`, e.g. compare_modes.py's cost_model.json); errors name the file."""
+        import json
+
+        try:
+            fields = json.loads(open(path).read())
+            return cls(**{k: (str(v) if k == "unit" else float(v)) for k, v in fields.items()})
+        except (OSError, ValueError, TypeError) as e:
+            raise UserError(f"{path}: not a cost model JSON of {', '.join(asdict(cls()))} ({e})") from None
+
     def sample_costs(self, lengths, rows) -> np.ndarray:
         """`(N,)` cost of every sample (without the per-micro-batch term)."""
         return sample_features(lengths, rows)[:, :5] @ self.coefficients()[:5]
