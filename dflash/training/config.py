@@ -278,10 +278,13 @@ def validate(c: TrainConfig) -> None:
     if 0 < c.row_budget < c.block_size * c.num_anchors:
         bad("row_budget", f"must be 0 or at least block size x anchors ({c.block_size * c.num_anchors}) so that "
                           f"every sample fits, got {c.row_budget}")
-    if c.cost_model and not Path(c.cost_model).is_file():
-        bad("cost_model", f"no such file: {c.cost_model}")
-    if c.cost_model and not c.balance:
-        bad("cost_model", "is used only with --balance")
+    if c.cost_model:
+        from dflash.data.cost import CostModel
+
+        try:
+            CostModel.load(c.cost_model)  # read again by the trainer; checked here before anything loads
+        except UserError as e:
+            bad("cost_model", str(e))
     if c.gamma < 0:
         bad("gamma", f"must be positive (0: the default for the block size), got {c.gamma}")
     if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:

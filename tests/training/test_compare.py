@@ -120,7 +120,7 @@ def test_cost_dealing_runs_beside_token_dealing_with_waits_and_a_calibrated_cost
     target, _ = tiny_run_inputs
     out = tmp_path / "out"
     proc = run_deepspeed([*compare_args(target, tiny_store, out), "--modes", "shuffle-packed,shuffle-packed+cost",
-                          "--row-budget", 256], script=ROOT / "launch" / "compare_modes.py")
+                          "--row-budget", "256"], script=ROOT / "launch" / "compare_modes.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert sorted(result) == ["shuffle-packed", "shuffle-packed+cost"]
