@@ -333,6 +333,10 @@ class PlannerConfig:
     mix: int = DEFAULT_MIX
 
 
+_UNBALANCED_FINGERPRINT = {"row_budget": None, "balance": False, "mix": DEFAULT_MIX, "rows_crc32": None,
+                           "costs_crc32": None}
+
+
 class BatchPlanner:
     """Plans epoch after epoch and remembers where the run is: `(epoch, position)`, the number
     of micro-batches every rank has consumed in the current epoch. Checkpoints save
@@ -391,7 +395,9 @@ class BatchPlanner:
     def load_state_dict(self, state: dict, *, force: bool = False) -> list[str]:
         """Restore (epoch, position). A checkpoint planned with other settings or data is refused
         unless `force`; returns the list of differences (empty when identical)."""
-        saved, now = state["fingerprint"], self.fingerprint()
+        # checkpoints from before cost balancing lack its settings: they planned with the defaults
+        saved = {**_UNBALANCED_FINGERPRINT, **state["fingerprint"]}
+        now = self.fingerprint()
         diffs = [f"{k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}"
                  for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
         if diffs and not force:

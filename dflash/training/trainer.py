@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash.data.planner import BatchPlanner, PlannerConfig, plan_batches
+from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, plan_batches
 from dflash.errors import UserError
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
@@ -189,7 +189,8 @@ class Trainer:
         self.planner = BatchPlanner(self.lengths, PlannerConfig(
             token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout, boundaries=boundaries, seed=cfg.seed,
             world_size=self.world_size, window=cfg.packing_window, row_budget=cfg.row_budget or None,
-            balance=cfg.balance, mix=max(1, round(cfg.step_tokens / cfg.token_budget))), rows=rows, costs=costs)
+            balance=cfg.balance, mix=max(1, round(cfg.step_tokens / cfg.token_budget)) if cfg.balance else DEFAULT_MIX),
+            rows=rows, costs=costs)
         self.steps = [step_ranges(self.planner.plan(e), self.lengths, cfg.step_tokens) for e in range(cfg.epochs)]
         self.total_steps = sum(len(s) for s in self.steps)
         if cfg.max_steps:

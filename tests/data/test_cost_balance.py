@@ -200,3 +200,15 @@ def test_plan_batches_saves_every_mode_as_dealt(tmp_path, data, capsys):
     with pytest.raises(SystemExit):
         cli.main(args[:2])  # --lengths without --supervised
     assert "--lengths needs --supervised" in capsys.readouterr().err
+
+
+def test_checkpoints_from_before_cost_balancing_resume_into_an_unbalanced_planner(data):
+    lengths = data[0]
+    planner = BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2))
+    planner.advance(3)
+    state = planner.state_dict()
+    for key in ("row_budget", "balance", "mix", "rows_crc32", "costs_crc32"):
+        del state["fingerprint"][key]
+    assert BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2)).load_state_dict(state) == []
+    with pytest.raises(UserError, match="balance: checkpoint False -> now True"):
+        BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2, balance=True)).load_state_dict(state)
