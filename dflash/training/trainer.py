@@ -407,7 +407,8 @@ class Trainer:
         sums, slot, skipped = accumulate_gradients(self.engine, self.target, micro, self.device, cfg.block_size,
                                                    timings)
         # The ranks meet before the step's collectives: time spent in this barrier is time spent
-        # waiting for the slowest rank (busy: everything before it).
+        # waiting for the slowest rank (busy: everything before it; under ZeRO-3, or ZeRO-2 with
+        # overlap_comm, ranks also meet inside each backward, and that wait counts as busy).
         self.accelerator.synchronize()
         busy = time.perf_counter() - t0
         dist.barrier()
