@@ -118,9 +118,9 @@ def summarize_throughput(records: list[dict], warmup: int) -> dict:
         # spread across steps: coefficient of variation and the range
         "step_seconds_cv": float(seconds.std() / seconds.mean()),
         "step_seconds_min": float(seconds.min()), "step_seconds_max": float(seconds.max()),
-        # spread across ranks, per step then averaged: (slowest - fastest) / mean of the ranks' own
-        # seconds (collectives inside the step make ranks wait for each other, so also the work)
-        "rank_seconds_spread": float(np.mean((rank_s.max(1) - rank_s.min(1)) / rank_s.mean(1))),
+        # spread across ranks, per step then averaged: (slowest - fastest) / mean of the ranks' busy
+        # seconds (before the step's barrier; collectives inside the step make ranks wait there too)
+        "rank_seconds_spread": float(np.mean((busy.max(1) - busy.min(1)) / busy.mean(1))),
         "rank_work_imbalance": float(np.mean(rank_work.max(1) / rank_work.mean(1))),
         # time the ranks spent waiting for the slowest one at the steps' collectives, as a share of
         # all ranks' step time, and each rank's totals

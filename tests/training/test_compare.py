@@ -100,12 +100,12 @@ def test_throughput_statistics_leave_out_the_warmup_and_weigh_steps_by_time():
                 "rank_busy_seconds": [t - w for t, w in zip(rank_seconds, waited, strict=True)],
                 "rank_wait_seconds": list(waited)}
 
-    records = [rec(100.0, 10, 10, [1.0, 1.0], (50.0, 0.0)), rec(1.0, 100, 200, [1.0, 0.5], (0.0, 0.5)),
-               rec(3.0, 300, 300, [3.0, 3.0], (0.25, 0.0))]
+    records = [rec(100.0, 10, 10, [100.0, 100.0], (50.0, 0.0)), rec(1.0, 100, 200, [1.0, 1.0], (0.0, 0.5)),
+               rec(3.0, 300, 300, [3.0, 3.0])]
     s = summarize_throughput(records, warmup=1)
-    # waiting: (0.5 + 0.25) seconds of 2 ranks x (1 + 3) seconds; the warm-up step's 50 s left out
-    assert s["wait_fraction"] == pytest.approx(0.75 / 8)
-    assert s["rank_wait_seconds"] == [0.25, 0.5] and s["rank_busy_seconds"] == [3.75, 3.0]
+    # waiting: 0.5 seconds of 2 ranks x (1 + 3) seconds; the warm-up step's 50 s left out
+    assert s["wait_fraction"] == pytest.approx(0.5 / 8)
+    assert s["rank_wait_seconds"] == [0.0, 0.5] and s["rank_busy_seconds"] == [4.0, 3.5]
     assert s["tokens_per_s"] == 400 / 4 and s["computed_tokens_per_s"] == 500 / 4
     assert s["efficiency"] == 400 / 500 and s["steps"] == 2
     assert s["rank_seconds_spread"] == pytest.approx((0.5 / 0.75 + 0) / 2)
