@@ -12,9 +12,10 @@ rows per micro-batch (p50 / max) and planning seconds.
 
 The cost of a sample comes from the target's and drafter's sizes (--model: a preset or a
 config.json) and its drafter rows, block_size x min(anchors, candidates), from the supervised
-token counts (--supervised with --lengths; the store's loss masks with --data). Without --lengths
-or --data it plans the built-in seed-like distribution (902,000 samples shaped like the seed
-run's data set) with supervised shares drawn from Beta(4, 2) (as shared/data/make_seed_supervised.py).
+token counts (--supervised with --lengths, else every token counts as supervised; the store's
+loss masks with --data). Without --lengths or --data it plans the built-in seed-like
+distribution (902,000 samples shaped like the seed run's data set) with supervised shares drawn
+from Beta(4, 2) (as shared/data/make_seed_supervised.py).
 
 --save-plan PLAN.npz writes every mode's plan: `<order>-<layout>/samples` (all sample indices),
 `/offsets` (micro-batch boundaries into samples), `/ranks` (each micro-batch's rank); micro-batches
@@ -102,9 +103,13 @@ def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     if args.supervised and not args.lengths:
         raise UserError("--supervised goes with --lengths (a store has its own; the built-in lengths draw theirs)")
     if args.lengths:
-        if not args.supervised:
-            raise UserError("--lengths needs --supervised S.npy: the drafter's rows per sample follow from it")
-        lengths, supervised = _load_npy("--lengths", args.lengths), _load_npy("--supervised", args.supervised)
+        lengths = _load_npy("--lengths", args.lengths)
+        if not args.supervised:  # the drafter's rows follow from the supervised tokens: assume all of them
+            print("plan_batches: no --supervised; every token counted as supervised (drafter rows are upper bounds)",
+                  file=sys.stderr)
+            supervised = np.asarray(lengths, dtype=np.int64)
+            return lengths, supervised, candidates_from_supervised(supervised), args.lengths
+        supervised = _load_npy("--supervised", args.supervised)
         if supervised.shape != lengths.shape:
             raise UserError(f"--supervised {args.supervised}: {supervised.size} counts for {lengths.size} lengths")
         if (supervised < 0).any() or (supervised > lengths).any():

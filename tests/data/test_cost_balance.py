@@ -197,9 +197,12 @@ def test_plan_batches_saves_every_mode_as_dealt(tmp_path, data, capsys):
             mine = [samples[offsets[i] : offsets[i + 1]].tolist() for i in np.flatnonzero(ranks == r)]
             assert mine == [b.tolist() for b in expected[r]]
         assert report[f"{order}-packed"]["balanced"]["rows_max"] <= 400
+    np.save(tmp_path / "bad.npy", supervised[:-1])
     with pytest.raises(SystemExit):
-        cli.main(args[:2])  # --lengths without --supervised
-    assert "--lengths needs --supervised" in capsys.readouterr().err
+        cli.main([*args, "--supervised", str(tmp_path / "bad.npy")])
+    assert f"{lengths.size - 1} counts for {lengths.size} lengths" in capsys.readouterr().err
+    cli.main(args[:2] + args[4:])  # no --supervised: every token counts as supervised
+    assert "every token counted as supervised" in capsys.readouterr().err
 
 
 def test_checkpoints_from_before_cost_balancing_resume_into_an_unbalanced_planner(data):
