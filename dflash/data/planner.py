@@ -18,9 +18,8 @@ with rows, the frozen target's with tokens).
 
 Dealing to ranks: round robin, or with `balance` by cost (`costs` per sample, from
 `dflash.data.cost`): ZeRO-3 waits for the slowest rank at every forward, so the ranks of one
-micro-batch index get micro-batches of similar cost, and the indices of a step are drawn from
-`mix` different cost strata so that a step still sees every length class (see
-docs/ARCHITECTURE.md).
+micro-batch index get micro-batches of similar cost, and runs of `mix` indices (about a step)
+hold about as many samples each, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
 
 Every sample is used exactly once per epoch, every rank gets the same number of
 micro-batches, and the plan is a pure function of (lengths, rows, costs, settings, seed,
@@ -42,8 +41,8 @@ ORDERS = ("sorted", "shuffle", "bucketed")
 LAYOUTS = ("padded", "packed")
 DEFAULT_WINDOW = 8  # open bins of the packer; 8 already fills > 99.9% on the seed lengths
 DEFAULT_BUCKETS = 6
-DEFAULT_MIX = 4  # cost strata interleaved over consecutive micro-batch indices (~ micro-batches per step)
-DEAL_DEPTH = 8  # micro-batch groups per stratum in one dealing window: wider windows match costs closer
+DEFAULT_MIX = 4  # micro-batch indices per run of the dealer (set it to the micro-batches per step)
+DEAL_DEPTH = 8  # runs per dealing window: wider windows match costs closer but line steps up by length
 COST_TOLERANCE = 0.02  # micro-batches whose costs differ by less are interchangeable when dealing
 
 
@@ -253,7 +252,7 @@ def plan_epoch(lengths, token_budget: int, order: str, layout: str, *, boundarie
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
     if mix < 1:
-        raise UserError(f"mix (cost strata per run of micro-batch indices) must be >= 1, got {mix}")
+        raise UserError(f"mix (micro-batch indices per run of the dealer) must be >= 1, got {mix}")
     lengths = check_lengths(lengths, token_budget)
     rows = check_rows(rows, lengths, row_budget)
     costs = lengths.astype(np.float64) if costs is None else check_costs(costs, lengths)
@@ -302,8 +301,8 @@ def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundar
         costs: `(N,)` cost per sample (`CostModel.sample_costs`) for `balance`; None: tokens.
         balance: deal micro-batches of similar cost to the ranks of each index (`_deal`);
             False: round robin in plan order.
-        mix: cost strata interleaved over consecutive indices when balancing; set it to the
-            micro-batches per step so that every step sees every cost class.
+        mix: indices per run when balancing (runs hold about equal samples); set it to the
+            micro-batches per rank and step, so that steps keep mixing lengths.
 
     Returns:
         `plan[rank][i]` is the i-th micro-batch of `rank`; all ranks have the same count.
