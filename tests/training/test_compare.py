@@ -84,13 +84,32 @@ def test_compare_modes_on_one_rank_prints_only_json_on_stdout(tiny_run_inputs, t
 
 
 @pytest.mark.slow
-def test_compare_modes_on_two_ranks_gathers_every_rank(tiny_run_inputs, tiny_store, tmp_path):
+def test_compare_modes_on_two_ranks_gathers_every_rank_and_calibrates_the_cost_model(tiny_run_inputs, tiny_store,
+                                                                                      tmp_path):
+    from dflash.data.cost import CostModel
+
     target, _ = tiny_run_inputs
-    proc = run_deepspeed(compare_args(target, tiny_store, tmp_path / "out"),
+    out = tmp_path / "out"
+    proc = run_deepspeed([*compare_args(target, tiny_store, out), "--modes", ",".join([*MODES, "shuffle-packed+cost"])],
                          script=ROOT / "launch" / "compare_modes.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    cost = result.pop("shuffle-packed+cost")
     check_result(result, tiny_store, world_size=2)
+    for mode, s in [*result.items(), ("shuffle-packed+cost", cost)]:
+        assert len(s["rank_wait_seconds"]) == 2 and 0 <= s["wait_fraction"] < 1 and min(s["rank_busy_seconds"]) > 0
+        for r in s["steps_log"]:
+            # every rank's micro-batches: 6 cost features and the measured seconds
+            assert len(r["micro_batch_costs"]) == 2 * r["micro_batches"]
+            assert all(len(row) == 7 and row[-1] > 0 for row in r["micro_batch_costs"])
+        assert json.loads((out / "seed0" / mode / "config.json").read_text())["balance"] == mode.endswith("+cost")
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert calibration["measurements"] == sum(2 * r["micro_batches"] for s in [*result.values(), cost]
+                                              for r in s["steps_log"][WARMUP:])
+    assert np.isfinite(calibration["least_squares"]["r2"])
+    model = CostModel.load(out / "cost_model.json")
+    assert model.unit == "s" and model.coefficients().sum() > 0
+    assert "waiting" in proc.stderr and "cost model, least_squares: R^2" in proc.stderr
 
 
 def test_throughput_statistics_leave_out_the_warmup_and_weigh_steps_by_time():
@@ -110,32 +129,3 @@ def test_throughput_statistics_leave_out_the_warmup_and_weigh_steps_by_time():
     assert s["efficiency"] == 400 / 500 and s["steps"] == 2
     assert s["rank_seconds_spread"] == pytest.approx((0.5 / 0.75 + 0) / 2)
     assert s["step_seconds_cv"] == pytest.approx(np.std([1.0, 3.0]) / 2.0)
-
-
-@pytest.mark.slow
-def test_cost_dealing_runs_beside_token_dealing_with_waits_and_a_calibrated_cost_model(tiny_run_inputs, tiny_store,
-                                                                                         tmp_path):
-    from dflash.data.cost import CostModel
-
-    target, _ = tiny_run_inputs
-    out = tmp_path / "out"
-    proc = run_deepspeed([*compare_args(target, tiny_store, out), "--modes", "shuffle-packed,shuffle-packed+cost",
-                          "--row-budget", "256"], script=ROOT / "launch" / "compare_modes.py")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    assert sorted(result) == ["shuffle-packed", "shuffle-packed+cost"]
-    for mode, s in result.items():
-        assert len(s["rank_wait_seconds"]) == 2 and 0 <= s["wait_fraction"] < 1 and min(s["rank_busy_seconds"]) > 0
-        for r in s["steps_log"]:
-            # every rank's micro-batches: 6 cost features and the measured seconds
-            assert len(r["micro_batch_costs"]) == 2 * r["micro_batches"]
-            assert all(len(row) == 7 and row[-1] > 0 for row in r["micro_batch_costs"])
-        saved = json.loads((out / "seed0" / mode / "config.json").read_text())
-        assert saved["balance"] == mode.endswith("+cost") and saved["row_budget"] == 256
-    calibration = json.loads((out / "calibration.json").read_text())
-    assert calibration["measurements"] == sum(2 * r["micro_batches"] for s in result.values()
-                                              for r in s["steps_log"][WARMUP:])
-    assert np.isfinite(calibration["least_squares"]["r2"])
-    model = CostModel.load(out / "cost_model.json")
-    assert model.unit == "s" and model.coefficients().sum() > 0
-    assert "waiting" in proc.stderr and "cost model, least_squares: R^2" in proc.stderr
