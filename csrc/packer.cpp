@@ -17,58 +17,80 @@ void check_lengths(const torch::Tensor& lengths, int64_t budget) {
   TORCH_CHECK(budget > 0, "token budget must be positive, got ", budget);
 }
 
-// Returns offsets (num_batches + 1) splitting the stream into consecutive batches.
-torch::Tensor pad_greedy(torch::Tensor lengths, int64_t budget) {
+// Drafter rows of each stream item: same shape as lengths, each in [0, row_budget].
+void check_rows(const torch::Tensor& rows, const torch::Tensor& lengths, int64_t row_budget) {
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == lengths.size(0), "rows must match lengths");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && rows.device().is_cpu(),
+              "rows must be a contiguous int64 CPU tensor");
+  TORCH_CHECK(row_budget > 0, "row budget must be positive, got ", row_budget);
+}
+
+// Returns offsets (num_batches + 1) splitting the stream into consecutive batches: a batch is
+// cut when count x longest would pass `budget` or its rows would pass `row_budget`.
+torch::Tensor pad_greedy(torch::Tensor lengths, int64_t budget, torch::Tensor rows, int64_t row_budget) {
   check_lengths(lengths, budget);
+  check_rows(rows, lengths, row_budget);
   const int64_t n = lengths.size(0);
   const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
   std::vector<int64_t> offsets{0};
-  int64_t count = 0, longest = 0;
+  int64_t count = 0, longest = 0, used_rows = 0;
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(len[i] > 0 && len[i] <= budget, "stream item ", i, " has length ", len[i],
                 " outside [1, budget=", budget, "]");
+    TORCH_CHECK(row[i] >= 0 && row[i] <= row_budget, "stream item ", i, " has ", row[i],
+                " rows, outside [0, row budget=", row_budget, "]");
     const int64_t new_longest = std::max(longest, len[i]);
-    if (count > 0 && (count + 1) * new_longest > budget) {
+    if (count > 0 && ((count + 1) * new_longest > budget || used_rows + row[i] > row_budget)) {
       offsets.push_back(i);
       count = 0;
       longest = len[i];
+      used_rows = 0;
     } else {
       longest = new_longest;
     }
     ++count;
+    used_rows += row[i];
   }
   if (count > 0) offsets.push_back(n);
   return torch::tensor(offsets, torch::kInt64);
 }
 
 // Best fit among at most `window` open bins, fed in stream order. An item goes to the open
-// bin with the least room that still fits it (earliest opened on ties); if none fits, a new
-// bin opens, and when `window` bins are already open the fullest one (earliest on ties) is
-// closed first. Returns (items, offsets): stream positions grouped by bin, bins in the
-// order they closed (the leftovers close in opening order at the end).
-std::vector<torch::Tensor> pack_best_fit(torch::Tensor lengths, int64_t budget, int64_t window) {
+// bin with the least token room that still fits its tokens and its rows (earliest opened on
+// ties); if none fits, a new bin opens, and when `window` bins are already open the fullest
+// one by tokens (earliest on ties) is closed first. Returns (items, offsets): stream
+// positions grouped by bin, bins in the order they closed (the leftovers close in opening
+// order at the end).
+std::vector<torch::Tensor> pack_best_fit(torch::Tensor lengths, int64_t budget, int64_t window,
+                                         torch::Tensor rows, int64_t row_budget) {
   check_lengths(lengths, budget);
+  check_rows(rows, lengths, row_budget);
   TORCH_CHECK(window >= 1, "window must be >= 1, got ", window);
   const int64_t n = lengths.size(0);
   const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
 
-  std::vector<std::vector<int64_t>> bins;   // items of every bin ever opened
-  std::vector<int64_t> open_ids, open_room;  // open bins, in opening order
-  std::vector<int64_t> closed;               // bin ids in closing order
+  std::vector<std::vector<int64_t>> bins;                  // items of every bin ever opened
+  std::vector<int64_t> open_ids, open_room, open_rows;  // open bins, in opening order
+  std::vector<int64_t> closed;                              // bin ids in closing order
 
   auto close_at = [&](size_t slot) {
     closed.push_back(open_ids[slot]);
     open_ids.erase(open_ids.begin() + slot);
     open_room.erase(open_room.begin() + slot);
+    open_rows.erase(open_rows.begin() + slot);
   };
 
   for (int64_t i = 0; i < n; ++i) {
     const int64_t x = len[i];
     TORCH_CHECK(x > 0 && x <= budget, "stream item ", i, " has length ", x,
                 " outside [1, budget=", budget, "]");
+    TORCH_CHECK(row[i] >= 0 && row[i] <= row_budget, "stream item ", i, " has ", row[i],
+                " rows, outside [0, row budget=", row_budget, "]");
     int64_t best = -1;
     for (size_t s = 0; s < open_room.size(); ++s) {
-      if (open_room[s] >= x && (best < 0 || open_room[s] < open_room[best])) best = s;
+      if (open_room[s] >= x && open_rows[s] >= row[i] && (best < 0 || open_room[s] < open_room[best])) best = s;
     }
     if (best < 0) {
       if (static_cast<int64_t>(open_ids.size()) == window) {
@@ -80,11 +102,13 @@ std::vector<torch::Tensor> pack_best_fit(torch::Tensor lengths, int64_t budget, 
       }
       open_ids.push_back(static_cast<int64_t>(bins.size()));
       open_room.push_back(budget);
+      open_rows.push_back(row_budget);
       bins.emplace_back();
       best = static_cast<int64_t>(open_ids.size()) - 1;
     }
     bins[open_ids[best]].push_back(i);
     open_room[best] -= x;
+    open_rows[best] -= row[i];
   }
   for (int64_t id : open_ids) closed.push_back(id);
 
@@ -164,9 +188,9 @@ torch::Tensor optimal_partition(torch::Tensor values, torch::Tensor counts, int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dflash batch-planner hot loops (twins of dflash/data/packing.py)";
   m.def("pad_greedy", &pad_greedy, "Greedy padded batching of a stream (count x longest <= budget)",
-        py::arg("lengths"), py::arg("budget"));
+        py::arg("lengths"), py::arg("budget"), py::arg("rows"), py::arg("row_budget"));
   m.def("pack_best_fit", &pack_best_fit, "Best-fit packing inside a window of open bins",
-        py::arg("lengths"), py::arg("budget"), py::arg("window"));
+        py::arg("lengths"), py::arg("budget"), py::arg("window"), py::arg("rows"), py::arg("row_budget"));
   m.def("optimal_partition", &optimal_partition, "Exact padded-cost bucket partition",
         py::arg("values"), py::arg("counts"), py::arg("k"));
 }

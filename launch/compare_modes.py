@@ -14,6 +14,12 @@ a table, a PNG chart and, with --json, a JSON document on stdout keyed "<order>-
 --convergence trains every mode on the same number of real tokens and plots loss and offline
 tau on the held-out split against tokens seen and training seconds, for --repeats seeds.
 
+Modes may carry "+cost" (e.g. --modes shuffle-packed,shuffle-packed+cost): the same mode with
+cost-balanced dealing to the ranks (--balance), so before and after are measured in one run; the
+report gives the share of step time ranks wait for each other. Every micro-batch is timed, and
+the cost model is fitted to the times (R^2, median error; calibration.json, and cost_model.json
+for `train.py --balance --cost-model`).
+
 With neither --target nor --data it runs the built-in CPU demo. All training options apply
 (--token-budget, --step-tokens, --deepspeed_config, ...); --order and --layout are ignored.
 Output goes to --output-dir (default runs/compare): <name>.png, <name>.json, one folder per mode.

@@ -50,62 +50,93 @@ def _as_lengths(lengths, budget: int) -> np.ndarray:
     return lengths
 
 
-def pad_greedy(lengths, budget: int, *, force_python: bool = False) -> np.ndarray:
-    """Split a stream into consecutive padded batches (count x longest <= budget).
+ROW_BUDGET_NONE = int(np.iinfo(np.int64).max)  # no cap on drafter rows
+
+
+def _as_rows(rows, lengths: np.ndarray, row_budget: int | None) -> tuple[np.ndarray, int]:
+    """Drafter rows per stream item and the row budget; no rows means no row cap."""
+    if rows is None:
+        return np.zeros_like(lengths), ROW_BUDGET_NONE
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if rows.shape != lengths.shape:
+        raise ValueError(f"rows {rows.shape} must match lengths {lengths.shape}")
+    row_budget = ROW_BUDGET_NONE if row_budget is None else int(row_budget)
+    bad = np.flatnonzero((rows < 0) | (rows > row_budget))
+    if bad.size:
+        raise UserError(
+            f"stream item {int(bad[0])} has {int(rows[bad[0]])} drafter rows, outside [0, row budget={row_budget}]"
+        )
+    return rows, row_budget
+
+
+def pad_greedy(lengths, budget: int, *, rows=None, row_budget: int | None = None,
+               force_python: bool = False) -> np.ndarray:
+    """Split a stream into consecutive padded batches (count x longest <= budget, and the sum
+    of `rows` <= `row_budget` when rows are given).
 
     Returns offsets `(num_batches + 1,)`: batch b is stream positions [off[b], off[b+1]).
     """
     lengths = _as_lengths(lengths, budget)
+    rows, row_budget = _as_rows(rows, lengths, row_budget)
     if _use_native(force_python):
-        return _C.pad_greedy(torch.from_numpy(lengths), int(budget)).numpy()
-    offsets, count, longest = [0], 0, 0
-    for i, x in enumerate(lengths.tolist()):
+        return _C.pad_greedy(torch.from_numpy(lengths), int(budget), torch.from_numpy(rows), row_budget).numpy()
+    offsets, count, longest, used = [0], 0, 0, 0
+    for i, (x, r) in enumerate(zip(lengths.tolist(), rows.tolist(), strict=True)):
         new_longest = max(longest, x)
-        if count > 0 and (count + 1) * new_longest > budget:
+        if count > 0 and ((count + 1) * new_longest > budget or used + r > row_budget):
             offsets.append(i)
-            count, longest = 0, x
+            count, longest, used = 0, x, 0
         else:
             longest = new_longest
         count += 1
+        used += r
     if count:
         offsets.append(len(lengths))
     return np.asarray(offsets, dtype=np.int64)
 
 
-def pack_best_fit(lengths, budget: int, window: int, *, force_python: bool = False):
-    """Pack a stream into bins of at most `budget` tokens, best fit among `window` open bins.
+def pack_best_fit(lengths, budget: int, window: int, *, rows=None, row_budget: int | None = None,
+                  force_python: bool = False):
+    """Pack a stream into bins of at most `budget` tokens (and at most `row_budget` drafter
+    rows when `rows` are given), best fit among `window` open bins.
 
-    An item goes to the open bin with the least room that still fits it (earliest opened on
-    ties); if none fits a new bin opens, closing the fullest open bin (earliest on ties) when
-    `window` are open. Returns `(items, offsets)`: stream positions grouped by bin, bins in
-    closing order (leftovers close in opening order at the end).
+    An item goes to the open bin with the least token room that still fits its tokens and rows
+    (earliest opened on ties); if none fits a new bin opens, closing the fullest open bin by
+    tokens (earliest on ties) when `window` are open. Returns `(items, offsets)`: stream
+    positions grouped by bin, bins in closing order (leftovers close in opening order at the end).
     """
     lengths = _as_lengths(lengths, budget)
+    rows, row_budget = _as_rows(rows, lengths, row_budget)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if _use_native(force_python):
-        items, offsets = _C.pack_best_fit(torch.from_numpy(lengths), int(budget), int(window))
+        items, offsets = _C.pack_best_fit(torch.from_numpy(lengths), int(budget), int(window),
+                                          torch.from_numpy(rows), row_budget)
         return items.numpy(), offsets.numpy()
     bins: list[list[int]] = []
     open_ids: list[int] = []
     open_room: list[int] = []
+    open_rows: list[int] = []
     closed: list[int] = []
-    for i, x in enumerate(lengths.tolist()):
+    for i, (x, r) in enumerate(zip(lengths.tolist(), rows.tolist(), strict=True)):
         best = -1
         for s, room in enumerate(open_room):
-            if room >= x and (best < 0 or room < open_room[best]):
+            if room >= x and open_rows[s] >= r and (best < 0 or room < open_room[best]):
                 best = s
         if best < 0:
             if len(open_ids) == window:
                 fullest = min(range(len(open_room)), key=open_room.__getitem__)
                 closed.append(open_ids.pop(fullest))
                 open_room.pop(fullest)
+                open_rows.pop(fullest)
             open_ids.append(len(bins))
             open_room.append(budget)
+            open_rows.append(row_budget)
             bins.append([])
             best = len(open_ids) - 1
         bins[open_ids[best]].append(i)
         open_room[best] -= x
+        open_rows[best] -= r
     closed.extend(open_ids)
     items = np.fromiter((i for b in closed for i in bins[b]), dtype=np.int64, count=len(lengths))
     offsets = np.zeros(len(closed) + 1, dtype=np.int64)

@@ -12,8 +12,18 @@ Layouts (what fits in one micro-batch of `token_budget` tokens):
             order, so the random order survives (see docs/ARCHITECTURE.md for how the window
             changes which samples meet).
 
+Memory caps: besides the token budget, an optional drafter row budget caps the block rows of
+every micro-batch (`rows` per sample: block_size x its anchors; the drafter's activations grow
+with rows, the frozen target's with tokens).
+
+Dealing to ranks: round robin, or with `balance` by cost (`costs` per sample, from
+`dflash.data.cost`): ZeRO-3 waits for the slowest rank at every forward, so the ranks of one
+micro-batch index get micro-batches of similar cost, and runs of `mix` indices (about a step)
+hold about as many samples each, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
+
 Every sample is used exactly once per epoch, every rank gets the same number of
-micro-batches, and the plan is a pure function of (lengths, settings, seed, epoch, world_size).
+micro-batches, and the plan is a pure function of (lengths, rows, costs, settings, seed,
+epoch, world_size).
 """
 from __future__ import annotations
 
@@ -31,6 +41,9 @@ ORDERS = ("sorted", "shuffle", "bucketed")
 LAYOUTS = ("padded", "packed")
 DEFAULT_WINDOW = 8  # open bins of the packer; 8 already fills > 99.9% on the seed lengths
 DEFAULT_BUCKETS = 6
+DEFAULT_MIX = 4  # micro-batch indices per run of the dealer (set it to the micro-batches per step)
+DEAL_DEPTH = 8  # runs per dealing window: wider windows match costs closer but line steps up by length
+COST_TOLERANCE = 0.02  # micro-batches whose costs differ by less are interchangeable when dealing
 
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:
@@ -70,14 +83,49 @@ def bucket_edges(lengths: np.ndarray, boundaries, token_budget: int) -> np.ndarr
     return np.concatenate([[0], inner, [longest]]).astype(np.int64)
 
 
-def _group(lengths: np.ndarray, stream: np.ndarray, token_budget: int, layout: str, window: int):
+def check_rows(rows, lengths: np.ndarray, row_budget: int | None) -> np.ndarray | None:
+    """Drafter rows per sample (None: not known); each must fit the row budget."""
+    if rows is None:
+        if row_budget is not None:
+            raise UserError("a drafter row budget needs the drafter rows of every sample")
+        return None
+    rows = np.asarray(rows)
+    if rows.shape != lengths.shape or not np.issubdtype(rows.dtype, np.integer):
+        raise UserError(f"drafter rows must be {lengths.size} integers (one per sample), got {rows.dtype} "
+                        f"of shape {rows.shape}")
+    rows = rows.astype(np.int64)
+    if row_budget is not None:
+        if row_budget < 1:
+            raise UserError(f"drafter row budget must be positive, got {row_budget}")
+        over = np.flatnonzero(rows > row_budget)
+        if over.size:
+            i = int(over[0])
+            raise UserError(f"sample {i} has {int(rows[i])} drafter rows, more than the row budget {row_budget} "
+                            f"({over.size} sample(s) do); raise the row budget to at least block_size x anchors "
+                            "per sample")
+    return rows
+
+
+def check_costs(costs, lengths: np.ndarray) -> np.ndarray:
+    costs = np.asarray(costs, dtype=np.float64)
+    if costs.shape != lengths.shape:
+        raise UserError(f"costs must be one per sample ({lengths.size}), got shape {costs.shape}")
+    if not np.isfinite(costs).all() or (costs < 0).any():
+        i = int(np.flatnonzero(~np.isfinite(costs) | (costs < 0))[0])
+        raise UserError(f"sample {i} has cost {costs[i]}; costs must be finite and >= 0")
+    return costs
+
+
+def _group(lengths: np.ndarray, stream: np.ndarray, token_budget: int, layout: str, window: int,
+           rows: np.ndarray | None, row_budget: int | None):
     """Cut a stream of sample indices into micro-batches."""
     if stream.size == 0:
         return []
+    caps = {} if rows is None else {"rows": rows[stream], "row_budget": row_budget}
     if layout == "padded":
-        offsets = packing.pad_greedy(lengths[stream], token_budget)
+        offsets = packing.pad_greedy(lengths[stream], token_budget, **caps)
         return np.split(stream, offsets[1:-1])
-    items, offsets = packing.pack_best_fit(lengths[stream], token_budget, window)
+    items, offsets = packing.pack_best_fit(lengths[stream], token_budget, window, **caps)
     return np.split(stream[items], offsets[1:-1])
 
 
@@ -85,7 +133,8 @@ def _cost(lengths: np.ndarray, batch: np.ndarray, layout: str) -> int:
     return int(len(batch) * lengths[batch].max() if layout == "padded" else lengths[batch].sum())
 
 
-def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str, world_size: int) -> list:
+def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str, world_size: int,
+             rows: np.ndarray | None = None, row_budget: int | None = None) -> list:
     """Make the batch count divisible by world_size without dropping or repeating a sample.
 
     ZeRO-3 needs every rank to run the same number of forward passes. The batches with the
@@ -95,10 +144,12 @@ def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str,
     batches = list(batches)
     splits = -len(batches) % world_size
     if int(lengths.size) - len(batches) >= splits:  # each split needs a batch of >= 2 samples
+        sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
         for _ in range(splits):
-            j = max(range(len(batches)), key=lambda i: len(batches[i]))
+            j = int(np.argmax(sizes))  # the first batch with the most samples
             half = len(batches[j]) // 2
             batches[j : j + 1] = [batches[j][:half], batches[j][half:]]
+            sizes = np.concatenate([sizes[:j], [half, sizes[j] - half], sizes[j + 1 :]])
         return batches
     for _ in range(len(batches) % world_size):
         merged, best = None, token_budget + 1
@@ -110,50 +161,129 @@ def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str,
             for i, j in itertools.combinations(sorted(cheapest), 2):
                 union = np.concatenate([batches[i], batches[j]])
                 cost = _cost(lengths, union, layout)
+                if row_budget is not None and int(rows[union].sum()) > row_budget:
+                    continue
                 if cost < best:
                     merged, best, first, second = union, cost, i, j
         if merged is None:
             raise UserError(
                 f"cannot give {world_size} ranks the same number of micro-batches without dropping or "
                 f"repeating samples: {int(lengths.size)} samples in {len(batches)} micro-batches, and no "
-                f"two of them fit together in the token budget {token_budget}; use fewer ranks, a larger "
-                "budget or more data"
+                f"two of them fit together in the token budget {token_budget}"
+                + ("" if row_budget is None else f" and the row budget {row_budget}")
+                + "; use fewer ranks, a larger budget or more data"
             )
         batches[first] = merged
         del batches[second]
     return batches
 
 
+def _deal(batches: list, batch_costs: np.ndarray, batch_sizes: np.ndarray, world_size: int, mix: int,
+          rng: np.random.Generator) -> list:
+    """Reorder micro-batches so that global index i * W + r is rank r's i-th micro-batch, with
+    similar costs at every index i and mixed lengths over consecutive indices.
+
+    Windows of W x mix x DEAL_DEPTH consecutive micro-batches (of the already random order) are
+    sorted by cost, compared in steps of COST_TOLERANCE (inside a step the random order stays,
+    so cost-alike micro-batches of different lengths share an index), and cut into groups of W:
+    one group per index, so the ranks of an index wait little for each other. The groups of a
+    window are then drafted into runs of `mix` indices (about one step each) so that every run
+    holds about as many samples as the others: a step's mean length then stays near the epoch's
+    instead of following one cost (hence length) class. Runs, and groups inside a run, come in
+    random order. Inside a run the costliest micro-batch of each group goes to the rank with the
+    least work so far in the run, so that ranks also finish the step together (ZeRO-1/2 wait once
+    per step).
+    """
+    n = len(batches)
+    window = np.arange(n) // (world_size * mix * DEAL_DEPTH)
+    level = np.floor(np.log(np.maximum(batch_costs, 1e-300)) / np.log1p(COST_TOLERANCE))
+    groups = np.lexsort((level, window)).reshape(-1, world_size)  # windows hold whole groups: n % W == 0
+    g_window = window[groups[:, 0]]
+    # Steps differ in mean length mostly by how many (short) samples they hold: inside a window,
+    # the groups, fullest first, each join the run (of mix) with the fewest samples so far.
+    g_samples = batch_sizes[groups].sum(axis=1)
+    by_samples = np.lexsort((-g_samples, g_window))
+    counts = np.bincount(g_window)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    runs_in = -(-counts // mix)
+    run_samples = np.zeros((counts.size, int(runs_in.max())))
+    run_samples[np.arange(run_samples.shape[1]) >= runs_in[:, None]] = np.inf  # windows with fewer runs
+    run_size = np.zeros(run_samples.shape, dtype=np.int64)
+    run_local = np.empty(len(groups), dtype=np.int64)
+    for p in range(int(counts.max())):
+        win = np.flatnonzero(counts > p)
+        g = by_samples[first[win] + p]
+        r = np.argmin(run_samples[win], axis=1)
+        run_local[g] = r
+        run_samples[win, r] += g_samples[g]
+        run_size[win, r] += 1
+        run_samples[win[run_size[win, r] == mix], r[run_size[win, r] == mix]] = np.inf  # full
+    run = np.concatenate([[0], np.cumsum(runs_in)[:-1]])[g_window] + run_local
+    # runs in random order inside their window, groups in random order inside their run
+    run_key = rng.random(int(runs_in.sum()))
+    seq = np.lexsort((rng.random(len(groups)), run_key[run], g_window))
+    run, groups = run[seq], groups[seq]
+    # Inside a run, the costliest micro-batch of each group goes to the rank with the least work so far.
+    starts = np.flatnonzero(np.concatenate([[True], run[1:] != run[:-1]]))
+    run_index = np.repeat(np.arange(len(starts)), np.diff(np.concatenate([starts, [len(groups)]])))
+    slot = np.arange(len(groups)) - starts[run_index]
+    load = np.zeros((len(starts), world_size))
+    dealt = np.empty_like(groups)
+    for j in range(int(slot.max()) + 1):
+        at = np.flatnonzero(slot == j)
+        members = np.take_along_axis(groups[at], np.argsort(-batch_costs[groups[at]], axis=1, kind="stable"), axis=1)
+        ranks = np.argsort(load[run_index[at]], axis=1, kind="stable")
+        placed = np.empty_like(members)
+        np.put_along_axis(placed, ranks, members, axis=1)
+        dealt[at] = placed
+        load[run_index[at]] += batch_costs[placed]
+    order = dealt.reshape(-1)
+    return [batches[i] for i in order]
+
+
 def plan_epoch(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
-               epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW) -> list:
-    """All micro-batches of one epoch in global order (before dealing them to ranks)."""
+               epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW, rows=None,
+               row_budget: int | None = None, costs=None, balance: bool = False, mix: int = DEFAULT_MIX) -> list:
+    """All micro-batches of one epoch in global order: rank r runs global micro-batches r, r + W, ..."""
     if order not in ORDERS:
         raise UserError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
     if layout not in LAYOUTS:
         raise UserError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
+    if mix < 1:
+        raise UserError(f"mix (micro-batch indices per run of the dealer) must be >= 1, got {mix}")
     lengths = check_lengths(lengths, token_budget)
+    rows = check_rows(rows, lengths, row_budget)
+    costs = lengths.astype(np.float64) if costs is None else check_costs(costs, lengths)
     rng = _rng(seed, epoch)
+    caps = (rows, row_budget)
     if order == "sorted":
         stream = np.argsort(lengths, kind="stable")
-        batches = _group(lengths, stream, token_budget, layout, window)
+        batches = _group(lengths, stream, token_budget, layout, window, *caps)
         batches = [batches[i] for i in rng.permutation(len(batches))]
     elif order == "shuffle":
-        batches = _group(lengths, rng.permutation(lengths.size), token_budget, layout, window)
+        batches = _group(lengths, rng.permutation(lengths.size), token_budget, layout, window, *caps)
     else:
         edges = bucket_edges(lengths, boundaries, token_budget)
         bucket = np.searchsorted(edges[1:-1], lengths, side="left")
         batches = []
         for b in range(len(edges) - 1):
             members = np.flatnonzero(bucket == b)
-            batches += _group(lengths, members[rng.permutation(members.size)], token_budget, layout, window)
+            batches += _group(lengths, members[rng.permutation(members.size)], token_budget, layout, window, *caps)
         batches = [batches[i] for i in rng.permutation(len(batches))]
-    return _balance(batches, lengths, token_budget, layout, world_size)
+    batches = _balance(batches, lengths, token_budget, layout, world_size, *caps)
+    if not balance:
+        return batches
+    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    flat, starts = np.concatenate(batches), np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    batch_costs = np.add.reduceat(costs[flat], starts)
+    return _deal(batches, batch_costs, sizes, world_size, mix, rng)
 
 
 def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
-                 epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW) -> list:
+                 epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW, rows=None,
+                 row_budget: int | None = None, costs=None, balance: bool = False, mix: int = DEFAULT_MIX) -> list:
     """Plan one epoch: for each rank, the list of its micro-batches (int64 arrays of sample indices).
 
     Args:
@@ -166,6 +296,13 @@ def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundar
         seed, epoch: the plan is a pure function of these and the other arguments.
         world_size: number of ranks; rank r gets global micro-batches r, r + W, r + 2W, ...
         window: open bins of the packed layout's best-fit packer.
+        rows: `(N,)` drafter block rows per sample (`dflash.data.cost.drafter_rows`), or None.
+        row_budget: at most this many rows per micro-batch (needs `rows`); None: no cap.
+        costs: `(N,)` cost per sample (`CostModel.sample_costs`) for `balance`; None: tokens.
+        balance: deal micro-batches of similar cost to the ranks of each index (`_deal`);
+            False: round robin in plan order.
+        mix: indices per run when balancing (runs hold about equal samples); set it to the
+            micro-batches per rank and step, so that steps keep mixing lengths.
 
     Returns:
         `plan[rank][i]` is the i-th micro-batch of `rank`; all ranks have the same count.
@@ -176,7 +313,8 @@ def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundar
         [0, 1, 2, 3]
     """
     batches = plan_epoch(lengths, token_budget, order, layout, boundaries=boundaries, seed=seed,
-                         epoch=epoch, world_size=world_size, window=window)
+                         epoch=epoch, world_size=world_size, window=window, rows=rows, row_budget=row_budget,
+                         costs=costs, balance=balance, mix=mix)
     return [batches[r::world_size] for r in range(world_size)]
 
 
@@ -189,16 +327,27 @@ class PlannerConfig:
     seed: int = 0
     world_size: int = 1
     window: int = DEFAULT_WINDOW
+    row_budget: int | None = None
+    balance: bool = False
+    mix: int = DEFAULT_MIX
+
+
+_UNBALANCED_FINGERPRINT = {"row_budget": None, "balance": False, "mix": DEFAULT_MIX, "rows_crc32": None,
+                           "costs_crc32": None}
 
 
 class BatchPlanner:
     """Plans epoch after epoch and remembers where the run is: `(epoch, position)`, the number
     of micro-batches every rank has consumed in the current epoch. Checkpoints save
     `state_dict()`; a resume restores it and continues with exactly the next micro-batch.
+    `rows` (drafter rows per sample) and `costs` (cost per sample) are data like the lengths:
+    the fingerprint holds their checksums.
     """
 
-    def __init__(self, lengths, config: PlannerConfig):
+    def __init__(self, lengths, config: PlannerConfig, *, rows=None, costs=None):
         self.lengths = check_lengths(lengths, config.token_budget)
+        self.rows = check_rows(rows, self.lengths, config.row_budget)
+        self.costs = None if costs is None else check_costs(costs, self.lengths)
         self.config = config
         if config.order == "bucketed":
             edges = bucket_edges(self.lengths, config.boundaries, config.token_budget)
@@ -211,7 +360,9 @@ class BatchPlanner:
             c = self.config
             self._cached = (epoch, plan_batches(self.lengths, c.token_budget, c.order, c.layout,
                                                 boundaries=c.boundaries, seed=c.seed, epoch=epoch,
-                                                world_size=c.world_size, window=c.window))
+                                                world_size=c.world_size, window=c.window, rows=self.rows,
+                                                row_budget=c.row_budget, costs=self.costs, balance=c.balance,
+                                                mix=c.mix))
         return self._cached[1]
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -233,6 +384,8 @@ class BatchPlanner:
             "num_samples": int(self.lengths.size),
             "total_tokens": int(self.lengths.sum()),
             "lengths_crc32": zlib.crc32(self.lengths.tobytes()),
+            "rows_crc32": None if self.rows is None else zlib.crc32(self.rows.tobytes()),
+            "costs_crc32": None if self.costs is None else zlib.crc32(self.costs.tobytes()),
         }
 
     def state_dict(self) -> dict:
@@ -241,7 +394,9 @@ class BatchPlanner:
     def load_state_dict(self, state: dict, *, force: bool = False) -> list[str]:
         """Restore (epoch, position). A checkpoint planned with other settings or data is refused
         unless `force`; returns the list of differences (empty when identical)."""
-        saved, now = state["fingerprint"], self.fingerprint()
+        # checkpoints from before cost balancing lack its settings: they planned with the defaults
+        saved = {**_UNBALANCED_FINGERPRINT, **state["fingerprint"]}
+        now = self.fingerprint()
         diffs = [f"{k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}"
                  for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
         if diffs and not force:

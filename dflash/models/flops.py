@@ -8,7 +8,39 @@ Norms, RoPE, softmax and activations are not matmuls and are not counted.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+from dflash.errors import UserError
+
+# Sizes of named targets for the cost model (their Hugging Face config.json fields).
+PRESETS = {
+    "qwen3-8b": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "intermediate_size": 12288, "num_hidden_layers": 36, "vocab_size": 151936},
+}
+
+
+def load_target_config(model: str) -> SimpleNamespace:
+    """A named preset (e.g. "qwen3-8b") or the path of a target's config.json (or its folder)."""
+    if model in PRESETS:
+        return SimpleNamespace(**PRESETS[model])
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UserError(f"--model {model}: neither a preset ({', '.join(PRESETS)}) nor a config.json")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read a JSON config ({e})") from None
+    fields = fields.get("text_config", fields)  # multimodal configs nest the language model's
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
+                           "vocab_size") if k not in fields]
+    if missing:
+        raise UserError(f"{path}: missing {', '.join(missing)}; the cost model needs the model's sizes")
+    return SimpleNamespace(**fields)
 
 
 def _per_layer(config) -> tuple[int, int]:
@@ -98,3 +130,33 @@ def measure_peak_tensor_bytes(fn, *args, **kwargs) -> tuple[int, object]:
     with _Peak() as mode:
         result = fn(*args, **kwargs)
     return mode.peak, result
+
+
+def flop_cost_model(target, *, num_target_layers: int, drafter_layers: int = 5, num_features: int = 5,
+                    block_size: int = 16):
+    """FLOP cost model of one training sample (`dflash.data.cost.CostModel`, unit FLOP).
+
+    Target, frozen, forward only through `num_target_layers` layers: linear per token, causal
+    attention n^2/2 pairs per sample. Drafter (its layers sized like the target's, as DFlash
+    builds it), per block row: its layers forward and backward (3x a forward) and the frozen
+    lm_head forward plus the gradient of its input (2x); per context token: the feature
+    projection (num_features x hidden -> hidden) and every layer's K/V projections, trained
+    (3x); per row x context token: block attention to the context, about n/2 keys per row
+    when anchors are spread over the sample (3x).
+    """
+    from dflash.data.cost import CostModel
+
+    linear, pair = _per_layer(target)
+    H = target.hidden_size
+    Hq = target.num_attention_heads
+    Hkv = getattr(target, "num_key_value_heads", None) or Hq
+    D = getattr(target, "head_dim", None) or H // Hq
+    per_row = 3 * drafter_layers * linear + 2 * 2 * H * target.vocab_size
+    context = 3 * (2 * num_features * H * H + drafter_layers * 2 * H * 2 * Hkv * D)
+    return CostModel(
+        per_token=float(num_target_layers * linear + context),
+        per_pair=float(num_target_layers * pair / 2),
+        per_row=float(per_row),
+        per_row_key=float(3 * drafter_layers * pair / 2),
+        unit="FLOP",
+    )

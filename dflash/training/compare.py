@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import time
 from pathlib import Path
 
@@ -33,11 +34,15 @@ BASELINE = "sorted-padded"
 SEED_SHUFFLE_PADDED_RATIO = 0.37  # the seed's padded full shuffle vs its sorted batches (2.7x slower)
 
 
+COST = "+cost"  # a mode planned with cost-balanced dealing (--balance), e.g. shuffle-packed+cost
+
+
 def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()] if text else list(MODES)
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m.removesuffix(COST) not in MODES]
     if bad or not modes:
-        raise UserError(f"--modes: unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}")
+        raise UserError(f"--modes: unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}, "
+                        f"each optionally with {COST} (cost-balanced dealing to the ranks)")
     return modes
 
 
@@ -66,10 +71,11 @@ def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, sa
     """A trainer per mode, all sharing one loaded target and one token store."""
     runs, target = [], None
     for mode in modes:
-        order, layout = mode.split("-")
+        order, layout = mode.removesuffix(COST).split("-")
         mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
                                        max_steps=max_steps, export=False, progress=False, resume=False, overwrite=True,
-                                       stop_at_step=0, log_every=1)
+                                       stop_at_step=0, log_every=1, balance=cfg.balance or mode.endswith(COST),
+                                       time_micro_batches=True)
         trainer = Trainer(mode_cfg, target=target)
         if target is None:
             target = trainer.loaded
@@ -100,6 +106,8 @@ def summarize_throughput(records: list[dict], warmup: int) -> dict:
     computed = sum(r["computed_tokens"] for r in measured)
     rank_s = np.array([r["rank_seconds"] for r in measured])
     rank_work = np.array([r["rank_computed_tokens"] for r in measured], dtype=np.float64)
+    busy = np.array([r["rank_busy_seconds"] for r in measured])
+    waited = np.array([r["rank_wait_seconds"] for r in measured])
     return {
         "tokens_per_s": real / seconds.sum(),
         "computed_tokens_per_s": computed / seconds.sum(),
@@ -110,11 +118,34 @@ def summarize_throughput(records: list[dict], warmup: int) -> dict:
         # spread across steps: coefficient of variation and the range
         "step_seconds_cv": float(seconds.std() / seconds.mean()),
         "step_seconds_min": float(seconds.min()), "step_seconds_max": float(seconds.max()),
-        # spread across ranks, per step then averaged: (slowest - fastest) / mean of the ranks' own
-        # seconds (collectives inside the step make ranks wait for each other, so also the work)
-        "rank_seconds_spread": float(np.mean((rank_s.max(1) - rank_s.min(1)) / rank_s.mean(1))),
+        # spread across ranks, per step then averaged: (slowest - fastest) / mean of the ranks' busy
+        # seconds (before the step's barrier; collectives inside the step make ranks wait there too)
+        "rank_seconds_spread": float(np.mean((busy.max(1) - busy.min(1)) / busy.mean(1))),
         "rank_work_imbalance": float(np.mean(rank_work.max(1) / rank_work.mean(1))),
+        # time the ranks spent waiting for the slowest one at the steps' collectives, as a share of
+        # all ranks' step time, and each rank's totals
+        "wait_fraction": float(waited.sum() / (rank_s.shape[1] * seconds.sum())),
+        "rank_busy_seconds": busy.sum(0).tolist(), "rank_wait_seconds": waited.sum(0).tolist(),
     }
+
+
+def calibrate(runs: list[ModeRun], warmup: int) -> dict:
+    """Fit the cost model to every measured micro-batch of every mode and rank (after the warm-up).
+
+    Two fits: the FLOP model of the target and drafter sizes scaled by one factor, plus per-sample
+    and per-micro-batch overheads ("flops_scaled"), and all six coefficients free, non-negative
+    ("least_squares"). Each reports R^2 and the median relative error on the micro-batches it was fit on.
+    """
+    from dflash.data.cost import fit
+
+    rows = np.array([row for r in runs for rec in r.records[warmup:] for row in rec.get("micro_batch_costs", [])])
+    if len(rows) < 3:
+        return {"measurements": len(rows)}
+    features, seconds = rows[:, :-1], rows[:, -1]
+    scaled, scaled_quality = fit(features, seconds, prior=runs[0].trainer.flop_model)
+    free, free_quality = fit(features, seconds)
+    return {"measurements": len(rows), "flops_scaled": {**scaled_quality, "model": scaled.to_dict()},
+            "least_squares": {**free_quality, "model": free.to_dict()}}
 
 
 def measure_throughput(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, warmup: int, say) -> dict:
@@ -132,7 +163,26 @@ def measure_throughput(cfg: TrainConfig, modes: list[str], out: Path, *, steps: 
         for stats in result.values():
             stats["ratio_to_sorted_padded"] = stats["tokens_per_s"] / base["tokens_per_s"]
             stats["computed_ratio_to_sorted_padded"] = stats["computed_tokens_per_s"] / base["computed_tokens_per_s"]
+    report_calibration(calibrate(runs, warmup), out, say)
     return result
+
+
+def report_calibration(calibration: dict, out: Path, say) -> None:
+    """Say how well the cost model predicts the measured micro-batch times; on rank 0 write
+    calibration.json and cost_model.json (the free fit, for --balance --cost-model)."""
+    import torch.distributed as dist
+
+    if "least_squares" not in calibration:
+        say(f"cost model: only {calibration['measurements']} timed micro-batches, no calibration")
+        return
+    for name in ("flops_scaled", "least_squares"):
+        fit = calibration[name]
+        say(f"cost model, {name}: R^2 {fit['r2']:.3f}, median error {fit['median_rel_error']:.1%} over "
+            f"{fit['measurements']} micro-batches")
+    if dist.get_rank() == 0:
+        (out / "calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
+        (out / "cost_model.json").write_text(json.dumps(calibration["least_squares"]["model"], indent=1) + "\n")
+        say(f"wrote {out / 'calibration.json'} and {out / 'cost_model.json'}")
 
 
 def step_tokens_of_plan(trainer: Trainer) -> list[int]:
@@ -201,14 +251,14 @@ def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps:
 
 # ---- reports -------------------------------------------------------------------------------
 def throughput_table(result: dict) -> str:
-    head = (f"{'mode':<17} {'tokens/s':>9} {'computed/s':>10} {'effic.':>7} {'ratio':>6} {'step s':>7} "
-            f"{'step cv':>7} {'rank spread':>11} {'mb/step':>7}")
+    head = (f"{'mode':<22} {'tokens/s':>9} {'computed/s':>10} {'effic.':>7} {'ratio':>6} {'step s':>7} "
+            f"{'step cv':>7} {'rank spread':>11} {'waiting':>7} {'mb/step':>7}")
     lines = [head, "-" * len(head)]
     for mode, s in result.items():
-        lines.append(f"{mode:<17} {s['tokens_per_s']:>9,.0f} {s['computed_tokens_per_s']:>10,.0f} "
+        lines.append(f"{mode:<22} {s['tokens_per_s']:>9,.0f} {s['computed_tokens_per_s']:>10,.0f} "
                      f"{s['efficiency']:>7.1%} {s.get('ratio_to_sorted_padded', float('nan')):>5.2f}x "
                      f"{s['step_seconds_median']:>7.3f} {s['step_seconds_cv']:>7.1%} {s['rank_seconds_spread']:>11.1%} "
-                     f"{s['micro_batches_per_step']:>7.1f}")
+                     f"{s['wait_fraction']:>7.1%} {s['micro_batches_per_step']:>7.1f}")
     notes = []
     if "shuffle-padded" in result and "ratio_to_sorted_padded" in result["shuffle-padded"]:
         notes.append(f"shuffle-padded: {result['shuffle-padded']['ratio_to_sorted_padded']:.2f}x sorted-padded "
@@ -235,7 +285,7 @@ def _colors(modes):
     import matplotlib.pyplot as plt
 
     cmap = plt.get_cmap("tab10")
-    return {m: cmap(MODES.index(m)) for m in modes}
+    return {m: cmap(MODES.index(m.removesuffix(COST))) for m in modes}
 
 
 def plot_throughput(result: dict, path: Path, title: str) -> None:

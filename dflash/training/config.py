@@ -59,6 +59,26 @@ class TrainConfig:
         list_options={"increasing": True, "minimum": 1},
     )
     packing_window: int = _opt(DEFAULT_WINDOW, "open bins of the best-fit packer")
+    row_budget: int = _opt(
+        0,
+        "drafter block rows per micro-batch at most (block size x anchors per sample, summed; the drafter's "
+        "activations grow with them); 0: no cap",
+    )
+    balance: bool = _opt(
+        False,
+        "deal micro-batches of similar cost (target tokens and attention, drafter rows) to the ranks of each "
+        "micro-step, so that ranks wait less for each other",
+    )
+    cost_model: str = _opt(
+        "",
+        "JSON cost model for --balance (coefficients as written by compare_modes.py's calibration, "
+        "cost_model.json); empty: FLOPs from the target's and drafter's sizes",
+    )
+    time_micro_batches: bool = _opt(
+        False,
+        "time every micro-batch (a device sync after each) and log the times with their cost features, to "
+        "calibrate the cost model",
+    )
     # optimisation (the paper's recipe)
     epochs: int = _opt(6, "passes over the training split")
     max_steps: int = _opt(0, "train this many optimizer steps in all (0: all epochs); the schedule spans them")
@@ -252,7 +272,7 @@ def validate(c: TrainConfig) -> None:
         if getattr(c, name) < 1:
             bad(name, f"must be >= 1, got {getattr(c, name)}")
     for name in ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "checkpoint_every", "seed"):
+                 "checkpoint_every", "seed", "row_budget"):
         if getattr(c, name) < 0:
             bad(name, f"must be >= 0, got {getattr(c, name)}")
     for name in ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction"):
@@ -260,6 +280,16 @@ def validate(c: TrainConfig) -> None:
             bad(name, f"must be a finite number, got {getattr(c, name)}")
     if c.block_size < 2:
         bad("block_size", "must be >= 2 (slot 0 holds the anchor)")
+    if 0 < c.row_budget < c.block_size * c.num_anchors:
+        bad("row_budget", f"must be 0 or at least block size x anchors ({c.block_size * c.num_anchors}) so that "
+                          f"every sample fits, got {c.row_budget}")
+    if c.cost_model:
+        from dflash.data.cost import CostModel
+
+        try:
+            CostModel.load(c.cost_model)  # read again by the trainer; checked here before anything loads
+        except UserError as e:
+            bad("cost_model", str(e))
     if c.gamma < 0:
         bad("gamma", f"must be positive (0: the default for the block size), got {c.gamma}")
     if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:

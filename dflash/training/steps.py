@@ -8,6 +8,7 @@ boundaries come from the plan alone, so every rank computes the same ones withou
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.data.collate import collate
+from dflash.data.cost import batch_features
 from dflash.models.anchors import BlockPlan, block_tensors, sample_anchors, to_packed
 from dflash.models.loss import slot_weights
 
@@ -49,9 +51,10 @@ class MicroBatch:
     weight_sum: float  # sum of loss weights of its scored slots (for the step's normaliser)
     real_tokens: int
     computed_tokens: int
+    cost_features: np.ndarray  # (6,) `dflash.data.cost.batch_features`: what the cost model prices
 
     def pin_memory(self) -> MicroBatch:
-        return MicroBatch(self.batch.pin_memory(), self.plan, self.weight_sum, self.real_tokens, self.computed_tokens)
+        return dataclasses.replace(self, batch=self.batch.pin_memory())
 
 
 class MicroBatchMaker:
@@ -83,7 +86,12 @@ class MicroBatchMaker:
                               num_anchors=self.num_anchors, seed=self.seed, epoch=epoch)
         valid = block_tensors(plan, packed, self.mask_token_id).label_valid
         weight_sum = float((valid * self.weights).sum())
-        return MicroBatch(batch, plan, weight_sum, batch.num_tokens, batch.computed_tokens)
+        lengths = np.diff(packed.cu_seqlens_cpu.numpy()).astype(np.int64)
+        if self.layout == "padded":  # the target runs every sample at the longest length
+            lengths = np.full_like(lengths, lengths.max())
+        rows = np.bincount(plan.block_seq.numpy(), minlength=lengths.size) * self.block_size
+        features = batch_features(lengths, rows, [np.arange(lengths.size)])[0]
+        return MicroBatch(batch, plan, weight_sum, batch.num_tokens, batch.computed_tokens, features)
 
 
 class _EpochItems(torch.utils.data.Dataset):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash.data.planner import BatchPlanner, PlannerConfig, plan_batches
+from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, plan_batches
 from dflash.errors import UserError
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
@@ -51,14 +51,17 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-def accumulate_gradients(engine, target, micro: list, device, block_size: int):
+def accumulate_gradients(engine, target, micro: list, device, block_size: int, timings: list | None = None):
     """Forward and backward of one step's micro-batches on this rank.
 
     Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
     micro-batches on all ranks), so the accumulated gradient is that of one big batch.
     Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), and the
-    number of skipped samples; nothing here waits for the device.
+    number of skipped samples; nothing here waits for the device, unless `timings` is a list:
+    then each micro-batch's seconds (forward and backward, the device synchronised) are appended.
     """
+    if timings is not None:
+        from deepspeed.accelerator import get_accelerator
     world_size = dist.get_world_size()
     total = torch.tensor(sum(m.weight_sum for m in micro), dtype=torch.float64, device=device)
     dist.all_reduce(total)  # the step's only collective of ours; the result stays on the device
@@ -68,9 +71,13 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int):
     slot = torch.zeros(2, block_size - 1, dtype=torch.float64, device=device)
     skipped = 0
     for mb in micro:
+        start = time.perf_counter()
         batch = mb.batch.to(device, non_blocking=True)
         out = engine(batch, target.features(batch), plan=mb.plan)
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
+        if timings is not None:
+            get_accelerator().synchronize()
+            timings.append(time.perf_counter() - start)
         sums += torch.stack([out.loss_sum.detach().double(), out.weight_sum.double(), out.tau_sum.double(),
                              torch.tensor(float(out.num_blocks), dtype=torch.float64, device=device)])
         slot += torch.stack([out.slot_correct, out.slot_count]).double()
@@ -177,9 +184,25 @@ class Trainer:
             from dflash.data.buckets import optimal_buckets
 
             boundaries = tuple(optimal_buckets(self.lengths, cfg.buckets, cfg.token_budget).tolist())
+        # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes
+        from dflash.data.cost import CostModel, drafter_rows, store_candidates
+        from dflash.models.flops import flop_cost_model
+
+        taps = self.target.target_layer_ids
+        self.flop_model = flop_cost_model(hf.config, num_target_layers=max(taps) + 1, drafter_layers=cfg.draft_layers,
+                                          num_features=len(taps), block_size=cfg.block_size)
+        rows = costs = None
+        if cfg.balance or cfg.row_budget:
+            rows = drafter_rows(store_candidates(store)[self.train_idx], store.supervised[self.train_idx],
+                                cfg.block_size, cfg.num_anchors)
+        if cfg.balance:
+            model = CostModel.load(cfg.cost_model) if cfg.cost_model else self.flop_model
+            costs = model.sample_costs(self.lengths, rows)
         self.planner = BatchPlanner(self.lengths, PlannerConfig(
             token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout, boundaries=boundaries, seed=cfg.seed,
-            world_size=self.world_size, window=cfg.packing_window))
+            world_size=self.world_size, window=cfg.packing_window, row_budget=cfg.row_budget or None,
+            balance=cfg.balance, mix=max(1, round(cfg.step_tokens / cfg.token_budget)) if cfg.balance else DEFAULT_MIX),
+            rows=rows, costs=costs)
         self.steps = [step_ranges(self.planner.plan(e), self.lengths, cfg.step_tokens) for e in range(cfg.epochs)]
         self.total_steps = sum(len(s) for s in self.steps)
         if cfg.max_steps:
@@ -396,7 +419,16 @@ class Trainer:
         one big batch. Returns the step's metrics (the same on every rank) on logged steps."""
         cfg, t0 = self.cfg, time.perf_counter()
         epoch, first, micro = next(self._stream)  # waiting for data is part of the step
-        sums, slot, skipped = accumulate_gradients(self.engine, self.target, micro, self.device, cfg.block_size)
+        timings = [] if cfg.time_micro_batches else None
+        sums, slot, skipped = accumulate_gradients(self.engine, self.target, micro, self.device, cfg.block_size,
+                                                   timings)
+        # The ranks meet before the step's collectives: time spent in this barrier is time spent
+        # waiting for the slowest rank (busy: everything before it; under ZeRO-3, or ZeRO-2 with
+        # overlap_comm, ranks also meet inside each backward, and that wait counts as busy).
+        self.accelerator.synchronize()
+        busy = time.perf_counter() - t0
+        dist.barrier()
+        waited = time.perf_counter() - t0 - busy
         self.engine.step()
         # The ZeRO optimizers skip the update when the global gradient norm is not finite.
         applied = self.engine.was_step_applied()
@@ -415,14 +447,15 @@ class Trainer:
         # device work included) and work in its slot, so one all_reduce gathers them all
         self.accelerator.synchronize()
         own = time.perf_counter() - t0
-        per_rank = torch.zeros(3, self.world_size, dtype=torch.float64, device=self.device)
+        per_rank = torch.zeros(5, self.world_size, dtype=torch.float64, device=self.device)
         per_rank[:, self.rank] = torch.tensor([own, sum(m.real_tokens for m in micro),
-                                               sum(m.computed_tokens for m in micro)], dtype=torch.float64)
+                                               sum(m.computed_tokens for m in micro), busy, waited],
+                                              dtype=torch.float64)
         counts = torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device)
         for t in (sums, slot, per_rank, counts):
             dist.all_reduce(t)
         seconds = time.perf_counter() - t0
-        rank_seconds, rank_real, rank_computed = per_rank.tolist()
+        rank_seconds, rank_real, rank_computed, rank_busy, rank_waited = per_rank.tolist()
         real, computed = sum(rank_real), sum(rank_computed)
         grad_norm = self.engine.get_global_grad_norm()
         metrics = step_metrics(sums.tolist(), slot)
@@ -435,7 +468,15 @@ class Trainer:
             "skipped_samples": int(counts[0]), "step_applied": applied, "nonfinite_steps": self.nonfinite_total,
             "slot_accuracy": metrics["slot_accuracy"],
             "rank_seconds": rank_seconds, "rank_computed_tokens": [int(c) for c in rank_computed],
+            # per rank: seconds of work before the step's collectives, and seconds waited there for the slowest
+            "rank_busy_seconds": rank_busy, "rank_wait_seconds": rank_waited,
+            "wait_fraction": sum(rank_waited) / (self.world_size * seconds),
         }
+        if timings is not None:  # every rank's micro-batches: cost features and measured seconds
+            mine = [[*m.cost_features.tolist(), t] for m, t in zip(micro, timings, strict=True)]
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+            record["micro_batch_costs"] = [row for rank_rows in gathered for row in rank_rows]
         if self.device.type == "cuda":  # for the config tuner: what this rank's step needed at most
             record["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.metrics.write("train", self.step, record)

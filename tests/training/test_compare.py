@@ -84,22 +84,47 @@ def test_compare_modes_on_one_rank_prints_only_json_on_stdout(tiny_run_inputs, t
 
 
 @pytest.mark.slow
-def test_compare_modes_on_two_ranks_gathers_every_rank(tiny_run_inputs, tiny_store, tmp_path):
+def test_compare_modes_on_two_ranks_gathers_every_rank_and_calibrates_the_cost_model(tiny_run_inputs, tiny_store,
+                                                                                      tmp_path):
+    from dflash.data.cost import CostModel
+
     target, _ = tiny_run_inputs
-    proc = run_deepspeed(compare_args(target, tiny_store, tmp_path / "out"),
+    out = tmp_path / "out"
+    proc = run_deepspeed([*compare_args(target, tiny_store, out), "--modes", ",".join([*MODES, "shuffle-packed+cost"])],
                          script=ROOT / "launch" / "compare_modes.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    cost = result.pop("shuffle-packed+cost")
     check_result(result, tiny_store, world_size=2)
+    for mode, s in [*result.items(), ("shuffle-packed+cost", cost)]:
+        assert len(s["rank_wait_seconds"]) == 2 and 0 <= s["wait_fraction"] < 1 and min(s["rank_busy_seconds"]) > 0
+        for r in s["steps_log"]:
+            # every rank's micro-batches: 6 cost features and the measured seconds
+            assert len(r["micro_batch_costs"]) == 2 * r["micro_batches"]
+            assert all(len(row) == 7 and row[-1] > 0 for row in r["micro_batch_costs"])
+        assert json.loads((out / "seed0" / mode / "config.json").read_text())["balance"] == mode.endswith("+cost")
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert calibration["measurements"] == sum(2 * r["micro_batches"] for s in [*result.values(), cost]
+                                              for r in s["steps_log"][WARMUP:])
+    assert np.isfinite(calibration["least_squares"]["r2"])
+    model = CostModel.load(out / "cost_model.json")
+    assert model.unit == "s" and model.coefficients().sum() > 0
+    assert "waiting" in proc.stderr and "cost model, least_squares: R^2" in proc.stderr
 
 
 def test_throughput_statistics_leave_out_the_warmup_and_weigh_steps_by_time():
-    def rec(seconds, real, computed, rank_seconds):
+    def rec(seconds, real, computed, rank_seconds, waited=(0.0, 0.0)):
         return {"seconds": seconds, "real_tokens": real, "computed_tokens": computed, "micro_batches": 1,
-                "rank_seconds": rank_seconds, "rank_computed_tokens": [computed // 2, computed - computed // 2]}
+                "rank_seconds": rank_seconds, "rank_computed_tokens": [computed // 2, computed - computed // 2],
+                "rank_busy_seconds": [t - w for t, w in zip(rank_seconds, waited, strict=True)],
+                "rank_wait_seconds": list(waited)}
 
-    records = [rec(100.0, 10, 10, [1.0, 1.0]), rec(1.0, 100, 200, [1.0, 0.5]), rec(3.0, 300, 300, [3.0, 3.0])]
+    records = [rec(100.0, 10, 10, [100.0, 100.0], (50.0, 0.0)), rec(1.0, 100, 200, [1.0, 1.0], (0.0, 0.5)),
+               rec(3.0, 300, 300, [3.0, 3.0])]
     s = summarize_throughput(records, warmup=1)
+    # waiting: 0.5 seconds of 2 ranks x (1 + 3) seconds; the warm-up step's 50 s left out
+    assert s["wait_fraction"] == pytest.approx(0.5 / 8)
+    assert s["rank_wait_seconds"] == [0.0, 0.5] and s["rank_busy_seconds"] == [4.0, 3.5]
     assert s["tokens_per_s"] == 400 / 4 and s["computed_tokens_per_s"] == 500 / 4
     assert s["efficiency"] == 400 / 500 and s["steps"] == 2
     assert s["rank_seconds_spread"] == pytest.approx((0.5 / 0.75 + 0) / 2)

@@ -111,6 +111,10 @@ BAD_OPTIONS = [
     (["--target-layer-ids", "1,x"], "--target-layer-ids: 'x' is not an integer (expected a comma-separated list, "
                                     "got '1,x')"),
     (["--boundaries", "900,300"], "--boundaries: values must be strictly increasing, got '900,300'"),
+    (["--row-budget", "100"], "--row-budget: must be 0 or at least block size x anchors (1024) so that every sample "
+                              "fits, got 100"),
+    (["--balance", "--cost-model", "nope.json"], "--cost-model: nope.json: not a cost model JSON of per_token, "
+     "per_pair, per_row, per_row_key, per_sample, per_batch, unit ([Errno 2] No such file or directory: 'nope.json')"),
 ]
 
 

@@ -1,0 +1,170 @@
+"""What a sample costs to train on: the planner balances this, not tokens.
+
+A sample of `n` tokens with `r` drafter rows (block_size x its anchors) costs
+
+    per_token * n  +  per_pair * n^2  +  per_row * r  +  per_row_key * r * n  +  per_sample
+
+and a micro-batch the sum over its samples plus `per_batch`. The terms: the frozen target's
+linear layers (tokens) and causal attention (n^2), the drafter's layers and lm_head forward and
+backward (rows, the same for every sample with enough anchor candidates whatever its length),
+the drafter's attention of every block row to the sample's context (rows x n), and fixed
+overheads (per sample: anchor drawing and Python work; per micro-batch: launches, the step's
+collectives). `dflash.models.flops.flop_cost_model` derives the coefficients from the target's
+and drafter's configs; `fit` calibrates them from measured micro-batch times, because on a CPU
+the per-sample Python work matters and on an accelerator the GEMMs do.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dflash.errors import UserError
+
+FEATURES = ("tokens", "pairs", "rows", "row_keys", "samples", "batches")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Linear cost of a micro-batch in its features (see the module docstring); any unit."""
+
+    per_token: float = 0.0
+    per_pair: float = 0.0
+    per_row: float = 0.0
+    per_row_key: float = 0.0
+    per_sample: float = 0.0
+    per_batch: float = 0.0
+    unit: str = "FLOP"
+
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.per_token, self.per_pair, self.per_row, self.per_row_key, self.per_sample,
+                         self.per_batch], dtype=np.float64)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def load(cls, path) -> CostModel:
+        """A model saved as JSON (`to_dict`, e.g. compare_modes.py's cost_model.json); errors name the file."""
+        import json
+
+        try:
+            fields = json.loads(open(path).read())
+            return cls(**{k: (str(v) if k == "unit" else float(v)) for k, v in fields.items()})
+        except (OSError, ValueError, TypeError) as e:
+            raise UserError(f"{path}: not a cost model JSON of {', '.join(asdict(cls()))} ({e})") from None
+
+    def sample_costs(self, lengths, rows) -> np.ndarray:
+        """`(N,)` cost of every sample (without the per-micro-batch term)."""
+        return sample_features(lengths, rows)[:, :5] @ self.coefficients()[:5]
+
+    def batch_costs(self, lengths, rows, batches) -> np.ndarray:
+        """`(M,)` cost of every micro-batch (lists of sample indices), per-batch term included."""
+        return batch_features(lengths, rows, batches) @ self.coefficients()
+
+
+def drafter_rows(candidates, supervised, block_size: int, num_anchors: int) -> np.ndarray:
+    """Block rows the drafter scores per sample: block_size x min(num_anchors, candidates),
+    0 for a sample the anchor sampler skips (fewer than 2 x block_size supervised tokens)."""
+    candidates = np.asarray(candidates, dtype=np.int64)
+    supervised = np.asarray(supervised, dtype=np.int64)
+    if block_size < 1 or num_anchors < 1:
+        raise UserError(f"block size and anchors per sample must be >= 1, got {block_size} and {num_anchors}")
+    anchors = np.minimum(num_anchors, np.maximum(candidates, 0))
+    return np.where(supervised >= 2 * block_size, block_size * anchors, 0).astype(np.int64)
+
+
+def candidates_from_supervised(supervised) -> np.ndarray:
+    """Anchor candidates (supervised tokens followed by a supervised token) of samples with one
+    supervised span: supervised - 1. An upper bound with several spans; use `store_candidates`
+    when the loss masks are at hand."""
+    return np.maximum(np.asarray(supervised, dtype=np.int64) - 1, 0)
+
+
+def store_candidates(store) -> np.ndarray:
+    """Exact anchor candidates of every sample of a token store, read from its loss masks:
+    positions p with mask[p] and mask[p + 1] inside the sample (what `sample_anchors` draws from).
+    One vectorised pass over the memory-mapped mask column, chunk by chunk."""
+    column = store.dataset.data.table.column("loss_mask")
+    counts = []
+    for chunk in column.chunks:
+        mask = chunk.values.to_numpy(zero_copy_only=True).astype(bool)
+        offsets = chunk.offsets.to_numpy(zero_copy_only=True).astype(np.int64)
+        # prefix[k]: adjacent supervised pairs (p, p + 1) with p < k; sample [s, e) has prefix[e-1] - prefix[s]
+        prefix = np.concatenate([[0], np.cumsum(mask[:-1] & mask[1:])])
+        ends = np.maximum(offsets[1:] - 1, offsets[:-1])
+        counts.append(prefix[ends] - prefix[offsets[:-1]] if mask.size else np.zeros(offsets.size - 1, np.int64))
+    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+
+
+def sample_features(lengths, rows) -> np.ndarray:
+    """`(N, 6)` features of every sample in the order of FEATURES (the batch column is 0)."""
+    n = np.asarray(lengths, dtype=np.float64)
+    r = np.asarray(rows, dtype=np.float64)
+    if n.shape != r.shape:
+        raise UserError(f"{r.size} drafter row counts for {n.size} samples")
+    return np.stack([n, n * n, r, r * n, np.ones_like(n), np.zeros_like(n)], axis=1)
+
+
+def batch_features(lengths, rows, batches) -> np.ndarray:
+    """`(M, 6)` features of every micro-batch: sums over its samples, and 1 in the batch column."""
+    per_sample = sample_features(lengths, rows)
+    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    if (sizes == 0).any():
+        raise UserError("a micro-batch without samples has no cost")
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    sums = np.add.reduceat(per_sample[np.concatenate(batches)], starts, axis=0)
+    sums[:, 5] = 1.0
+    return sums
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat (a
+    negative time per token or per sample is noise, never a saving)."""
+    active = np.ones(a.shape[1], dtype=bool)
+    solution = np.zeros(a.shape[1])
+    while active.any():
+        solution[:] = 0.0
+        solution[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        if (solution >= 0).all():
+            break
+        active[np.argmin(solution)] = False
+    return np.maximum(solution, 0.0)
+
+
+def fit(features, seconds, *, prior: CostModel | None = None) -> tuple[CostModel, dict]:
+    """Least-squares calibration of the cost model from measured micro-batch times.
+
+    Args:
+        features: `(M, 6)` `batch_features` of the measured micro-batches.
+        seconds: `(M,)` their measured times.
+        prior: when given, only scale its FLOP terms (one coefficient for the FLOPs of each
+            micro-batch) and fit the per-sample and per-batch overheads beside it: 3 unknowns,
+            stable with few measurements; without it, all six coefficients (non-negative).
+
+    Returns:
+        (model in seconds, {"r2", "median_rel_error", "measurements"}) of the fit on its data.
+    """
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != len(FEATURES) or y.shape != (x.shape[0],):
+        raise UserError(f"need (M, {len(FEATURES)}) features and (M,) times, got {x.shape} and {y.shape}")
+    if x.shape[0] < 3:
+        raise UserError(f"calibration needs at least 3 measured micro-batches, got {x.shape[0]}")
+    if prior is not None:
+        flops = x[:, :4] @ prior.coefficients()[:4]
+        design = np.stack([flops, x[:, 4], x[:, 5]], axis=1)
+    else:
+        design = x
+    scale = np.maximum(np.abs(design).max(axis=0), 1e-30)  # conditioning: columns span 1 .. 1e12
+    solution = _nonnegative_lstsq(design / scale, y) / scale
+    if prior is not None:
+        c = prior.coefficients()[:4] * solution[0]
+        model = CostModel(*c.tolist(), per_sample=float(solution[1]), per_batch=float(solution[2]), unit="s")
+    else:
+        model = CostModel(*solution.tolist(), unit="s")
+    predicted = x @ model.coefficients()
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((y - predicted) ** 2).sum()) / total if total > 0 else 1.0
+    rel = np.abs(predicted - y) / np.maximum(y, 1e-12)
+    return model, {"r2": r2, "median_rel_error": float(np.median(rel)), "measurements": int(y.size)}

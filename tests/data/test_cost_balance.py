@@ -1,0 +1,217 @@
+"""The cost model of a sample and the cost-balanced planner (drafter row budget, dealing to ranks)."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.data import BatchPlanner, PlannerConfig, plan_batches
+from dflash.data.cost import CostModel, batch_features, drafter_rows, fit, store_candidates
+from dflash.data.plan_stats import dealing_stats, length_r2
+from dflash.data.planner import LAYOUTS, ORDERS
+from dflash.errors import UserError
+from dflash.models.flops import flop_cost_model, load_target_config
+
+MODES = [pytest.param(o, lay, id=f"{o}-{lay}") for o in ORDERS for lay in LAYOUTS]
+BLOCK, ANCHORS = 4, 8
+MODEL = CostModel(per_token=1.0, per_pair=0.002, per_row=6.0)
+
+
+@pytest.fixture(scope="module")
+def data():
+    """Lengths with a heavy short tail, supervised shares from Beta(4, 2), as in the seed-like data."""
+    rng = np.random.default_rng(0)
+    lengths = np.exp(rng.uniform(np.log(8), np.log(2000), size=6000)).astype(np.int64)
+    supervised = np.clip((lengths * rng.beta(4, 2, lengths.size)).astype(np.int64), 1, lengths)
+    rows = drafter_rows(supervised - 1, supervised, BLOCK, ANCHORS)
+    return lengths, rows, MODEL.sample_costs(lengths, rows)
+
+
+def test_flop_coefficients_of_qwen3_8b_by_hand():
+    m = flop_cost_model(load_target_config("qwen3-8b"), num_target_layers=34, drafter_layers=5)
+    layer = 2 * 4096 * (32 * 128 + 2 * 8 * 128) + 2 * 32 * 128 * 4096 + 3 * 2 * 4096 * 12288  # 385.9 MFLOP/token
+    assert m.per_row == 3 * 5 * layer + 4 * 4096 * 151936  # ~8.3 GFLOP: drafter fwd+bwd, lm_head fwd+input grad
+    assert m.per_pair == 34 * 4 * 32 * 128 / 2  # causal: n^2/2 query-key pairs, QK^T and PV
+    assert m.per_token == 34 * layer + 3 * (2 * 5 * 4096 * 4096 + 5 * 2 * 4096 * 2 * 8 * 128)
+    assert 13e9 < m.per_token < 14.5e9 and 8.2e9 < m.per_row < 8.4e9
+
+
+def test_model_config_is_read_from_a_file_and_bad_names_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, '
+                                          '"num_hidden_layers": 2, "vocab_size": 32}')
+    assert load_target_config(str(tmp_path)).hidden_size == 8
+    with pytest.raises(UserError, match="neither a preset"):
+        load_target_config(str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(UserError, match="missing num_attention_heads"):
+        load_target_config(str(tmp_path / "bad.json"))
+
+
+def test_drafter_rows_follow_the_anchor_sampler():
+    # 2*B supervised tokens are needed; anchors are capped at num_anchors
+    rows = drafter_rows([3, 7, 100, 0], [7, 8, 200, 8], BLOCK, ANCHORS)
+    assert rows.tolist() == [0, BLOCK * 7, BLOCK * ANCHORS, 0]
+
+
+def test_store_candidates_count_adjacent_supervised_pairs_per_sample():
+    rng = np.random.default_rng(3)
+    masks = [rng.random(rng.integers(1, 30)) < 0.6 for _ in range(40)]
+    chunks = [pa.array([m.astype(np.uint8).tolist() for m in masks[:25]], pa.list_(pa.uint8())),
+              pa.array([m.astype(np.uint8).tolist() for m in masks[20:]], pa.list_(pa.uint8())).slice(5)]
+    store = SimpleNamespace(dataset=SimpleNamespace(data=SimpleNamespace(table=pa.table(
+        {"loss_mask": pa.chunked_array(chunks)}))))
+    expected = [int(np.sum(m[:-1] & m[1:])) for m in masks]
+    assert store_candidates(store).tolist() == expected
+
+
+def test_fit_recovers_a_known_model_and_reports_r2():
+    rng = np.random.default_rng(1)
+    lengths, rows = rng.integers(10, 500, 400), rng.integers(0, 80, 400)
+    batches = np.split(rng.permutation(400), np.sort(rng.choice(np.arange(1, 400), 59, replace=False)))
+    truth = CostModel(per_token=2e-6, per_pair=1e-9, per_row=5e-6, per_row_key=1e-9, per_sample=3e-4,
+                      per_batch=2e-2, unit="s")
+    x = batch_features(lengths, rows, batches)
+    seconds = x @ truth.coefficients() * rng.normal(1, 0.01, len(batches))
+    model, quality = fit(x, seconds)
+    assert quality["r2"] > 0.99 and quality["median_rel_error"] < 0.02
+    assert model.per_batch == pytest.approx(2e-2, rel=0.2) and model.per_row == pytest.approx(5e-6, rel=0.2)
+    prior = CostModel(per_token=2.0, per_pair=1e-3, per_row=5.0, per_row_key=1e-3)  # FLOPs, right shape
+    scaled, quality = fit(x, seconds, prior=prior)
+    assert scaled.per_token == pytest.approx(2e-6, rel=0.05) and quality["r2"] > 0.99
+    with pytest.raises(UserError, match="at least 3"):
+        fit(x[:2], seconds[:2])
+
+
+@pytest.mark.parametrize("order,layout", MODES)
+@settings(max_examples=25, deadline=None)
+@given(items=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 40)), min_size=1, max_size=300),
+       world_size=st.integers(1, 5), seed=st.integers(0, 3), mix=st.integers(1, 5))
+def test_balanced_plans_keep_every_invariant_under_both_budgets(order, layout, items, world_size, seed, mix):
+    lengths, rows = np.array([x for x, _ in items]), np.array([r for _, r in items])
+    kw = dict(seed=seed, world_size=world_size, rows=rows, row_budget=64, costs=MODEL.sample_costs(lengths, rows),
+              balance=True, mix=mix)
+    if len(lengths) < world_size:
+        with pytest.raises(UserError, match="same number of micro-batches"):
+            plan_batches(lengths, 128, order, layout, **kw)
+        return
+    plan = plan_batches(lengths, 128, order, layout, **kw)
+    assert len({len(rank) for rank in plan}) == 1
+    flat = np.concatenate([b for rank in plan for b in rank])
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    for b in (b for rank in plan for b in rank):
+        assert len(b) and rows[b].sum() <= 64
+        assert (len(b) * lengths[b].max() if layout == "padded" else lengths[b].sum()) <= 128
+    again = plan_batches(lengths, 128, order, layout, **kw)
+    assert [[b.tolist() for b in r] for r in plan] == [[b.tolist() for b in r] for r in again]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_balancing_only_deals_the_same_micro_batches_and_evens_out_ranks(data, order):
+    lengths, rows, costs = data
+    kw = dict(world_size=8, rows=rows, row_budget=400, costs=costs)
+    before = plan_batches(lengths, 4096, order, "packed", **kw)
+    after = plan_batches(lengths, 4096, order, "packed", balance=True, **kw)
+    compositions = [{tuple(b.tolist()) for rank in plan for b in rank} for plan in (before, after)]
+    assert compositions[0] == compositions[1]  # the order's randomness is the order's, not the dealer's
+    stats = [dealing_stats(plan, MODEL, rows, "packed", lengths, 4) for plan in (before, after)]
+    assert stats[1]["balance_micro"] > 0.95 and stats[1]["balance_micro"] > stats[0]["balance_micro"] + 0.05
+    assert stats[1]["balance_step"] > 0.98
+    # steps stay at least as mixed in length as the round-robin plan's (equal samples per step)
+    assert stats[1]["step_length_r2"] <= stats[0]["step_length_r2"] * 1.1
+
+
+def test_length_r2_against_a_direct_computation():
+    lengths = np.array([1, 2, 3, 10, 20, 30])
+    groups = [np.array([0, 3]), np.array([1, 2, 4, 5])]
+    means = [lengths[g].mean() for g in groups]
+    between = sum(len(g) * (m - lengths.mean()) ** 2 for g, m in zip(groups, means, strict=True)) / len(lengths)
+    assert length_r2(lengths, groups) == pytest.approx(between / lengths.var())
+
+
+def test_row_budget_errors_name_the_sample():
+    with pytest.raises(UserError, match="sample 1 has 90 drafter rows, more than the row budget 64"):
+        plan_batches(np.array([5, 6]), 128, "shuffle", "packed", rows=np.array([1, 90]), row_budget=64)
+    with pytest.raises(UserError, match="row budget needs the drafter rows"):
+        plan_batches(np.array([5, 6]), 128, "shuffle", "packed", row_budget=64)
+    with pytest.raises(UserError, match="sample 0 has cost -1"):
+        plan_batches(np.array([5, 6]), 128, "shuffle", "packed", costs=np.array([-1.0, 1.0]), balance=True)
+
+
+def test_balanced_planner_resumes_exactly_and_fingerprints_its_settings(data):
+    lengths, rows, costs = data
+    config = PlannerConfig(token_budget=4096, order="bucketed", world_size=4, row_budget=400, balance=True)
+    ref = BatchPlanner(lengths, config, rows=rows, costs=costs)
+    seen = []
+    for _ in range(ref.steps_in_epoch(0) + 3):
+        seen.append([ref.batch(r, ref.epoch, ref.position).tolist() for r in range(4)])
+        ref.advance()
+    run = BatchPlanner(lengths, config, rows=rows, costs=costs)
+    run.advance(5)
+    resumed = BatchPlanner(lengths, config, rows=rows, costs=costs)
+    resumed.load_state_dict(run.state_dict())
+    for expected in seen[5:]:
+        assert [resumed.batch(r, resumed.epoch, resumed.position).tolist() for r in range(4)] == expected
+        resumed.advance()
+    off = BatchPlanner(lengths, PlannerConfig(**{**config.__dict__, "balance": False}), rows=rows, costs=costs)
+    with pytest.raises(UserError, match="balance: checkpoint True -> now False"):
+        off.load_state_dict(run.state_dict())
+    other = BatchPlanner(lengths, config, rows=rows, costs=costs * 2)
+    with pytest.raises(UserError, match="costs_crc32"):
+        other.load_state_dict(run.state_dict())
+
+
+def _plan_cli():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "plan_batches.py"
+    spec = importlib.util.spec_from_file_location("plan_batches_cli", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_batches_saves_every_mode_as_dealt(tmp_path, data, capsys):
+    lengths, rows, _ = data
+    supervised = np.clip((lengths * 0.7).astype(np.int64), 1, lengths)
+    np.save(tmp_path / "l.npy", lengths)
+    np.save(tmp_path / "s.npy", supervised)
+    cli = _plan_cli()
+    args = ["--lengths", str(tmp_path / "l.npy"), "--supervised", str(tmp_path / "s.npy"), "--token-budget", "4096",
+            "--world-size", "4", "--block-size", "4", "--anchors", "8", "--row-budget", "400", "--json"]
+    cli.main([*args, "--save-plan", str(tmp_path / "plan.npz")])
+    report = json.loads(capsys.readouterr().out)
+    saved = np.load(tmp_path / "plan.npz")
+    assert len(saved.files) == 3 * len(ORDERS) * len(LAYOUTS)
+    cand_rows = drafter_rows(supervised - 1, supervised, 4, 8)
+    costs = CostModel(**report["cost_model"]).sample_costs(lengths, cand_rows)
+    for order in ORDERS:
+        samples, offsets, ranks = (saved[f"{order}-packed/{k}"] for k in ("samples", "offsets", "ranks"))
+        assert sorted(samples.tolist()) == list(range(lengths.size))
+        expected = plan_batches(lengths, 4096, order, "packed", world_size=4, rows=cand_rows, row_budget=400,
+                                costs=costs, balance=True)
+        for r in range(4):
+            mine = [samples[offsets[i] : offsets[i + 1]].tolist() for i in np.flatnonzero(ranks == r)]
+            assert mine == [b.tolist() for b in expected[r]]
+        assert report[f"{order}-packed"]["balanced"]["rows_max"] <= 400
+    np.save(tmp_path / "bad.npy", supervised[:-1])
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--supervised", str(tmp_path / "bad.npy")])
+    assert f"{lengths.size - 1} counts for {lengths.size} lengths" in capsys.readouterr().err
+    cli.main(args[:2] + args[4:])  # no --supervised: every token counts as supervised
+    assert "every token counted as supervised" in capsys.readouterr().err
+
+
+def test_checkpoints_from_before_cost_balancing_resume_into_an_unbalanced_planner(data):
+    lengths = data[0]
+    planner = BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2))
+    planner.advance(3)
+    state = planner.state_dict()
+    for key in ("row_budget", "balance", "mix", "rows_crc32", "costs_crc32"):
+        del state["fingerprint"][key]
+    assert BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2)).load_state_dict(state) == []
+    with pytest.raises(UserError, match="balance: checkpoint False -> now True"):
+        BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2, balance=True)).load_state_dict(state)
