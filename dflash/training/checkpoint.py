@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,20 @@ def _remove(path: Path) -> None:
     """Marker first: a folder half-deleted by a crash must not look complete."""
     (path / COMPLETE).unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _load(engine, root: Path, tag: str, module_only: bool):
+    """`engine.load_checkpoint` of `root/tag`; `module_only`: the weights alone."""
+    if not module_only:
+        return engine.load_checkpoint(str(root), tag=tag, load_module_strict=True)[0]
+    # Under ZeRO-3 DeepSpeed rebuilds the weights alone from the shards of `root/latest`, whatever the
+    # tag. dflash writes no `latest` (it could name a partial save), so DeepSpeed gets a private
+    # folder in which `latest` names this checkpoint.
+    with tempfile.TemporaryDirectory(prefix="dflash-load-") as view:
+        os.symlink(os.path.abspath(root / tag), os.path.join(view, tag))
+        Path(view, "latest").write_text(tag)
+        return engine.load_checkpoint(view, tag=tag, load_module_strict=True, load_module_only=True,
+                                      load_optimizer_states=False, load_lr_scheduler_states=False)[0]
 
 
 class Checkpointer:
@@ -96,9 +111,7 @@ class Checkpointer:
                 check(state)
                 only = module_only(state)
                 try:
-                    loaded, _ = engine.load_checkpoint(str(self.root), tag=path.name, load_module_strict=True,
-                                                       load_module_only=only, load_optimizer_states=not only,
-                                                       load_lr_scheduler_states=not only)
+                    loaded = _load(engine, self.root, path.name, only)
                     reason = None if loaded is not None else "DeepSpeed found nothing to load"
                 except Exception as err:  # noqa: BLE001 - any unreadable file means: fall back
                     reason = f"{type(err).__name__}: {err}"

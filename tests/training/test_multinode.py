@@ -8,6 +8,7 @@ stop both nodes at once with a message that names the path.
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,7 +76,7 @@ def history(out):
         return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
 
 
-def test_two_nodes_checkpoint_resume_and_export_like_one_node(tiny_run_inputs, tmp_path):
+def test_two_nodes_checkpoint_resume_and_export_like_one_node_then_resume_on_one_rank(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     one = tmp_path / "one"
     proc = run_deepspeed(tiny_train_args(target, data, one, *COMMON))
@@ -100,6 +101,15 @@ def test_two_nodes_checkpoint_resume_and_export_like_one_node(tiny_run_inputs, t
     mine, theirs = load_file(two / "drafter" / "model.safetensors"), load_file(one / "drafter" / "model.safetensors")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert (two / "drafter" / "config.json").read_text() == (one / "drafter" / "config.json").read_text()
+
+    # the same run on one node with one rank: ZeRO-3 shards cannot be re-partitioned, the weights alone load
+    fewer = tmp_path / "fewer"
+    shutil.copytree(two, fewer, ignore=shutil.ignore_patterns("drafter"))
+    proc = run_deepspeed(tiny_train_args(target, data, fewer, *COMMON, "--resume", "--force-resume"), num_ranks=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 -> 1 ranks: the weights are loaded" in proc.stdout and "at step 5 " in proc.stdout
+    loaded = load_file(fewer / "drafter" / "model.safetensors")  # no step left to train: exported as loaded
+    assert loaded.keys() == mine.keys() and all(torch.equal(loaded[k], mine[k]) for k in mine)
 
 
 def _check_from(rank, folders, port, results):
