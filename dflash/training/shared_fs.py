@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -34,6 +35,20 @@ def _looks(path: Path) -> str | None:
     except OSError as err:
         return f"unreadable ({err})"
     return None
+
+
+def _sees(probe: Path, token: str, tries: int = 10) -> bool:
+    """Whether `probe` holds `token`, given a few seconds: a network filesystem may show a new file
+    to other nodes only after its attribute cache expires."""
+    for attempt in range(tries):
+        try:
+            if probe.read_text() == token:
+                return True
+        except OSError:
+            pass
+        if attempt + 1 < tries:
+            time.sleep(0.5)
+    return False
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -76,11 +91,8 @@ def check_shared_paths(output_dir: Path, inputs: dict[str, Path]) -> None:
     sent = [token, written]
     dist.broadcast_object_list(sent, src=0)  # after rank 0 wrote the probe
     token, written = sent
-    try:
-        sees_run = token is not None and (output_dir / PROBE).read_text() == token
-    except OSError:
-        sees_run = False
-    view = {"run": sees_run, **{flag: _looks(path) for flag, path in inputs.items()}}
+    view = {flag: _looks(path) for flag, path in inputs.items()}
+    view["run"] = token is not None and _sees(output_dir / PROBE, token)
     views: list = [None] * world_size
     dist.all_gather_object(views, (socket.gethostname(), view))
     if rank == 0 and token is not None:
