@@ -122,7 +122,8 @@ class Checkpointer:
                 return state
             failures.append(f"{path.name}: {reason or 'another rank could not load its part'}")
             if path != candidates[0]:
-                warnings.warn(f"checkpoint {path} cannot be loaded ({failures[-1]}); falling back to the previous one")
-        raise UserError(f"--resume: none of the {len(candidates)} complete checkpoints in {self.root} can be loaded:\n  "
-                        + "\n  ".join(failures)
+                warnings.warn(f"checkpoint {path} cannot be loaded ({failures[-1]}); falling back to the previous one",
+                              stacklevel=2)
+        raise UserError(f"--resume: none of the {len(candidates)} complete checkpoints in {self.root} can be "
+                        "loaded:\n  " + "\n  ".join(failures)
                         + "\nmove them away to start over, or resume from a copy of an older run folder")

@@ -25,6 +25,7 @@ from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
 from dflash.training.ds_config import load_ds_config, offloads_optimizer, zero_stage
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
+from dflash.training.shared_fs import check_shared_paths
 from dflash.training.steps import MicroBatchMaker, micro_batches, step_ranges
 
 
@@ -77,14 +78,18 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int):
 
 
 def init_distributed() -> None:
-    """`deepspeed.init_distributed()`, minus the shared memory it leaks on CPU ranks.
+    """`deepspeed.init_distributed()` on this rank's device, minus the shared memory it leaks on CPU ranks.
 
+    The device comes first: DeepSpeed selects it only inside `deepspeed.initialize`, after the
+    target is loaded and the first collectives ran, so every rank of a node would use GPU 0.
     DeepSpeed's CPU all-reduce maps one 66 MB buffer per rank in /dev/shm and never unlinks it,
     so every CPU run (and every killed one) leaves that much RAM behind until reboot. Once all
     ranks have mapped each other's buffers (the barrier), the names can go: mappings outlive them.
     """
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed()
     if dist.get_backend() != "gloo":
         return
@@ -135,11 +140,13 @@ class Trainer:
         self.cfg = cfg
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.output_dir = Path(cfg.output_dir)
+        check_shared_paths(self.output_dir, {"--target": Path(cfg.target), "--data": Path(cfg.data),
+                                             "--deepspeed_config": Path(cfg.deepspeed_config)})
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
         on_gpu = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" or (cfg.dtype == "auto" and on_gpu) else torch.float32
-        self.output_dir = Path(cfg.output_dir)
 
         # target: frozen, features only
         self.loaded = target or load_target(cfg, self.device, self.dtype)

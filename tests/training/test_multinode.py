@@ -22,12 +22,10 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from dflash.errors import UserError
-from dflash.training.shared_fs import check_shared_paths
+from dflash.training.shared_fs import PROBE, check_shared_paths
 
 from ..conftest import ROOT
 from .conftest import read_metrics, run_deepspeed, tiny_train_args
-
-pytestmark = pytest.mark.slow
 
 # ZeRO-3, 4 steps per epoch; the multi-node run stops after step 3 (inside epoch 0) and resumes
 COMMON = ("--step-tokens", 600, "--max-steps", 5, "--deepspeed_config", ROOT / "ds_configs" / "zero3.json")
@@ -76,6 +74,7 @@ def history(out):
         return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
 
 
+@pytest.mark.slow
 def test_two_nodes_checkpoint_resume_and_export_like_one_node_then_resume_on_one_rank(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     one = tmp_path / "one"
@@ -112,6 +111,27 @@ def test_two_nodes_checkpoint_resume_and_export_like_one_node_then_resume_on_one
     assert loaded.keys() == mine.keys() and all(torch.equal(loaded[k], mine[k]) for k in mine)
 
 
+@pytest.mark.slow
+def test_a_node_that_does_not_see_the_run_folder_or_data_stops_every_node_at_once(tiny_run_inputs, tmp_path):
+    """Relative paths from two working folders: the same path names different folders on the two
+    'nodes', as on nodes without a shared filesystem."""
+    target, data = tiny_run_inputs
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in nodes:
+        folder.mkdir()
+    shutil.copy(data, nodes[0] / "data.jsonl")  # only node 0 has the data
+    args = tiny_train_args(target, "data.jsonl", "run", "--deepspeed_config", ROOT / "ds_configs" / "zero3.json")
+    results = two_nodes(args, tmp_path, cwds=nodes, timeout=300)
+    host = socket.gethostname()
+    for node, (code, out, err) in enumerate(results):
+        assert code == 2, f"node {node}:\n" + out[-3000:] + err[-3000:]
+        assert f"--output-dir run: the file rank 0 ({host}) wrote there ({PROBE}) is not seen by rank 1 on {host}" \
+            in err and "filesystem that every node shares" in err
+        assert f"--data data.jsonl: not found by rank 1 on {host}; found by rank 0 on {host}" in err
+        assert "Traceback" not in err
+    assert not (nodes[0] / "run" / PROBE).exists() and not (nodes[0] / "run" / "data").exists(), "before any work"
+
+
 def _check_from(rank, folders, port, results):
     """A rank of a 2-process gloo group whose working folder stands for its node's filesystem."""
     os.chdir(folders[rank])
@@ -127,6 +147,7 @@ def _check_from(rank, folders, port, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_inputs_must_be_the_same_on_every_node(tmp_path):
     folders = [tmp_path / "node0", tmp_path / "node1"]
     for i, folder in enumerate(folders):
@@ -142,3 +163,25 @@ def test_inputs_must_be_the_same_on_every_node(tmp_path):
         assert same is None and nowhere is None, "nowhere: left to the usual 'no such file' error"
         assert f"--data other.jsonl: rank 0 ({host}) sees a file of 3 bytes; rank 1 on {host}: different contents" \
             in other and "the same copy on each node" in other
+
+
+def test_each_rank_takes_its_node_local_device_before_anything_runs_on_it(monkeypatch):
+    """On a node of 8 GPUs, rank r must work on GPU LOCAL_RANK: DeepSpeed selects it only inside
+    deepspeed.initialize, after the target is loaded and the first collectives ran."""
+    import deepspeed
+    import deepspeed.accelerator
+
+    from dflash.training import trainer
+
+    calls = []
+
+    class Accelerator:
+        def set_device(self, index):
+            calls.append(("set_device", index))
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", Accelerator)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda: calls.append("init_distributed"))
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    trainer.init_distributed()
+    assert calls == [("set_device", 3), "init_distributed"]
