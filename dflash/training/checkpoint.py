@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -63,6 +64,20 @@ def _damage(path: Path, manifest: dict) -> str | None:
         if f.stat().st_size != size:
             return f"file {f} has {f.stat().st_size} bytes, {size} were written"
     return None
+
+
+def _load(engine, root: Path, tag: str, module_only: bool):
+    """`engine.load_checkpoint` of `root/tag`; `module_only`: the weights alone."""
+    if not module_only:
+        return engine.load_checkpoint(str(root), tag=tag, load_module_strict=True)[0]
+    # Under ZeRO-3 DeepSpeed rebuilds the weights alone from the shards of `root/latest`, whatever the
+    # tag. dflash writes no `latest` (it could name a partial save), so DeepSpeed gets a private
+    # folder in which `latest` names this checkpoint.
+    with tempfile.TemporaryDirectory(prefix="dflash-load-") as view:
+        os.symlink(os.path.abspath(root / tag), os.path.join(view, tag))
+        Path(view, "latest").write_text(tag)
+        return engine.load_checkpoint(view, tag=tag, load_module_strict=True, load_module_only=True,
+                                      load_optimizer_states=False, load_lr_scheduler_states=False)[0]
 
 
 class Checkpointer:
@@ -126,9 +141,7 @@ class Checkpointer:
                 reason = _damage(path, state.pop("files", {}))
             if state is not None and reason is None:
                 try:
-                    loaded, _ = engine.load_checkpoint(str(self.root), tag=path.name, load_module_strict=True,
-                                                       load_module_only=only, load_optimizer_states=not only,
-                                                       load_lr_scheduler_states=not only)
+                    loaded = _load(engine, self.root, path.name, only)
                     reason = None if loaded is not None else "DeepSpeed found nothing to load"
                 except Exception as err:  # noqa: BLE001 - any unreadable file means: fall back
                     reason = f"{type(err).__name__}: {err or 'no message'}"

@@ -27,6 +27,7 @@ from dflash.training.ds_config import load_ds_config, offloads_optimizer, precis
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
 from dflash.training.ranks import on_rank0
 from dflash.training.run_folder import RunFolder
+from dflash.training.shared_fs import check_shared_paths
 from dflash.training.steps import MicroBatchMaker, micro_batches, step_ranges
 
 
@@ -86,14 +87,18 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int, t
 
 
 def init_distributed() -> None:
-    """`deepspeed.init_distributed()`, minus the shared memory it leaks on CPU ranks.
+    """`deepspeed.init_distributed()` on this rank's device, minus the shared memory it leaks on CPU ranks.
 
+    The device comes first: DeepSpeed selects it only inside `deepspeed.initialize`, after the
+    target is loaded and the first collectives ran, so every rank of a node would use GPU 0.
     DeepSpeed's CPU all-reduce maps one 66 MB buffer per rank in /dev/shm and never unlinks it,
     so every CPU run (and every killed one) leaves that much RAM behind until reboot. Once all
     ranks have mapped each other's buffers (the barrier), the names can go: mappings outlive them.
     """
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed()
     if dist.get_backend() != "gloo":
         return
@@ -146,10 +151,12 @@ class Trainer:
         self.cfg = cfg
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.output_dir = Path(cfg.output_dir)
+        check_shared_paths(self.output_dir, {"--target": Path(cfg.target), "--data": Path(cfg.data),
+                                             "--deepspeed_config": Path(cfg.deepspeed_config)})
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
         on_gpu = self.device.type == "cuda"
-        self.output_dir = Path(cfg.output_dir)
 
         # everything that can be refused is refused before the target loads
         ds_config, self.dtype = self._ds_config(on_gpu)
