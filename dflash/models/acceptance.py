@@ -198,3 +198,33 @@ def walk_tau(
     """
     batch = limited(batch, max_turn_tokens)
     return score_and_walk(forward, batch, features, every_anchor(batch, block_size, max_blocks), block_size=block_size)
+
+
+def walk_samples(
+    forward: Callable,
+    features: Callable,
+    samples,
+    *,
+    block_size: int,
+    max_turn_tokens: int | None = None,
+    token_budget: int = 8192,
+    max_blocks: int = DEFAULT_MAX_BLOCKS,
+) -> WalkStats:
+    """Walk tau over tokenized samples `(ids, loss_mask)`, packed in order into batches of at most
+    `token_budget` tokens (a longer sample goes alone). features(batch) -> the target's taps."""
+    from dflash.data.collate import collate_packed
+
+    stats = WalkStats(block_size)
+    groups, group, size = [], [], 0
+    for i, (ids, _) in enumerate(samples):
+        if group and size + len(ids) > token_budget:
+            groups.append(group)
+            group, size = [], 0
+        group.append(i)
+        size += len(ids)
+    groups += [group] if group else []
+    for g in groups:
+        batch = collate_packed(samples, g)
+        stats.add(walk_tau(forward, batch, features(batch), block_size=block_size, max_turn_tokens=max_turn_tokens,
+                           max_blocks=max_blocks))
+    return stats
