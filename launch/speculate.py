@@ -24,18 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.errors import UserError, exit_on_user_error  # noqa: E402
 
-DEFAULT_LIMIT = 2048
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", default="runs/demo/drafter", help="exported drafter folder (default: runs/demo/drafter)")
+    p.add_argument("--drafter", default="runs/demo/drafter",
+                   help="exported drafter folder (default: runs/demo/drafter)")
     p.add_argument("--prompts", help="JSONL conversations (`messages`): every assistant turn is decoded with the "
                    "file's history, and a conversation ending with a user turn gets one response (default: the "
                    "held-out turns of the drafter's run)")
     p.add_argument("--target", help="Hugging Face target folder (default: the run's target, else the demo target)")
     p.add_argument("--max-new-tokens", type=int, help="limit per turn (default: the limit the data was regenerated "
-                   f"with, meta.max_new_tokens, else {DEFAULT_LIMIT})")
+                   "with, meta.max_new_tokens, else 2048)")
     p.add_argument("--max-turns", type=int, help="decode only the first N turns")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -74,7 +73,12 @@ def main(argv=None):
     from dflash.demo import TARGET
     from dflash.models import DFlashDrafter, TargetModel
     from dflash.models.acceptance import walk_samples
-    from dflash.models.speculate import prompts_from_conversations, prompts_from_samples, speculate
+    from dflash.models.speculate import (
+        DEFAULT_MAX_NEW_TOKENS,
+        prompts_from_conversations,
+        prompts_from_samples,
+        speculate,
+    )
     from dflash.regenerate import generation_eos, regeneration_limit, stop_ids
 
     drafter_dir = Path(args.drafter)
@@ -91,7 +95,7 @@ def main(argv=None):
         target_path = Path(args.target or target_path)
     if not (target_path / "config.json").is_file():
         raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
-    limit = args.max_new_tokens or (source and regeneration_limit(source)) or DEFAULT_LIMIT
+    limit = args.max_new_tokens or (source and regeneration_limit(source)) or DEFAULT_MAX_NEW_TOKENS
     if limit < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 

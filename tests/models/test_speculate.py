@@ -162,3 +162,25 @@ def test_every_anchor_covers_short_samples_in_chunks():
     got = [(int(s), int(a)) for p in plans for s, a in zip(p.block_seq, p.block_anchor, strict=True)]
     assert got == [(0, 2), (0, 7), (1, 1)]  # turns cut to 2 tokens: one anchor each
     assert [p.num_blocks for p in plans] == [2, 1]
+
+
+def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
+    import importlib.util
+
+    from dflash.demo import DATA, TARGET
+
+    from ..conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("speculate_cli", ROOT / "launch" / "speculate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    make_drafter(demo).save_pretrained(tmp_path / "drafter")
+    result = cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(DATA), "--target", str(TARGET),
+                       "--max-turns", "2", "--max-new-tokens", "6", "--json", "--no-progress"])
+    assert json.loads(capsys.readouterr().out) == result
+    assert result["lossless"] and result["turns"] == 2 and result["max_new_tokens"] == 6
+    assert result["tokens"] == 12 and result["speedup"] > 0  # the first demo answers are longer than 6 tokens
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--drafter", str(tmp_path / "drafter")])  # no --prompts and no run around it
+    assert e.value.code == 2
+    assert "no run config" in capsys.readouterr().err
