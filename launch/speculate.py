@@ -120,7 +120,7 @@ def main(argv=None):
     result = {**report.summary(), "max_new_tokens": limit}
     if samples is not None and args.max_turns is None:
         walk = walk_samples(lambda b, f, plan: drafter(b, f, plan=plan), lambda b: target.features(b.to(device)),
-                            samples, block_size=drafter.block_size, max_turn_tokens=limit).metrics()
+                            samples, block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops).metrics()
         result.update(walk_tau=walk["tau"], anchor_tau=walk["anchor_tau"])
     if args.json:
         print(json.dumps(result, indent=2))

@@ -41,16 +41,20 @@ def turn_spans(loss_mask: np.ndarray, max_turn_tokens: int | None = None) -> lis
     return spans
 
 
-def limited(batch: PackedBatch, max_turn_tokens: int | None) -> PackedBatch:
-    """The batch with every turn's supervision cut to its first `max_turn_tokens` tokens."""
-    if max_turn_tokens is None:
+def limited(batch: PackedBatch, max_turn_tokens: int | None = None, stop_ids=()) -> PackedBatch:
+    """The batch with every turn's supervision cut where decoding would stop: after the turn's first
+    stop token (a chat template may supervise more, e.g. the newline after `<|im_end|>`) and after
+    its first `max_turn_tokens` tokens."""
+    if max_turn_tokens is None and not len(stop_ids):
         return batch
     mask = torch.zeros_like(batch.loss_mask)
     full = batch.loss_mask.cpu().numpy()
+    stops = np.isin(batch.input_ids.cpu().numpy(), np.asarray(list(stop_ids), dtype=np.int64))
     bounds = batch.cu_seqlens_cpu.tolist()
     for bos, eos in zip(bounds[:-1], bounds[1:], strict=True):
         for s, e in turn_spans(full[bos:eos], max_turn_tokens):
-            mask[bos + s:bos + e] = 1
+            hit = np.flatnonzero(stops[bos + s:bos + e])
+            mask[bos + s:bos + (s + hit[0] + 1 if hit.size else e)] = 1
     return PackedBatch(batch.input_ids, mask, batch.position_ids, batch.cu_seqlens, batch.cu_seqlens_cpu,
                        batch.max_seqlen, batch.sample_ids)
 
@@ -153,7 +157,7 @@ def score_and_walk(
 
     forward(batch, features, plan) -> DrafterOutput: the drafter (or its DeepSpeed engine) with the
     plan given, so the blocks are exactly those of training (same inputs, positions and visibility).
-    Cut the turns to the decoding limit first (`limited`), for both the plans and this call.
+    Cut the turns where decoding stops first (`limited`), for both the plans and this call.
     """
     stats = WalkStats(block_size)
     accepted = np.zeros(batch.input_ids.numel(), dtype=np.int64)
@@ -187,16 +191,18 @@ def walk_tau(
     *,
     block_size: int,
     max_turn_tokens: int | None = None,
+    stop_ids=(),
     max_blocks: int = DEFAULT_MAX_BLOCKS,
 ) -> WalkStats:
-    """Walk tau (and anchor tau, per-slot accuracy, loss) of every assistant turn of one packed batch.
+    """Walk tau (and anchor tau, per-slot accuracy, loss) of every assistant turn of one packed batch,
+    each turn ending where decoding would: at its first stop token or after `max_turn_tokens`.
 
     Example:
         feats = target.features(batch)
         stats = walk_tau(lambda b, f, p: drafter(b, f, plan=p), batch, feats, block_size=drafter.block_size)
         stats.metrics()["tau"]
     """
-    batch = limited(batch, max_turn_tokens)
+    batch = limited(batch, max_turn_tokens, stop_ids)
     return score_and_walk(forward, batch, features, every_anchor(batch, block_size, max_blocks), block_size=block_size)
 
 
@@ -207,6 +213,7 @@ def walk_samples(
     *,
     block_size: int,
     max_turn_tokens: int | None = None,
+    stop_ids=(),
     token_budget: int = 8192,
     max_blocks: int = DEFAULT_MAX_BLOCKS,
 ) -> WalkStats:
@@ -226,5 +233,5 @@ def walk_samples(
     for g in groups:
         batch = collate_packed(samples, g)
         stats.add(walk_tau(forward, batch, features(batch), block_size=block_size, max_turn_tokens=max_turn_tokens,
-                           max_blocks=max_blocks))
+                           stop_ids=stop_ids, max_blocks=max_blocks))
     return stats

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dflash.data.batch import PackedBatch
 from dflash.data.planner import BatchPlanner, PlannerConfig, plan_batches
 from dflash.errors import UserError
+from dflash.regenerate import generation_eos, stop_ids
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
 from dflash.training.ds_config import load_ds_config, offloads_optimizer, zero_stage
@@ -161,6 +162,7 @@ class Trainer:
                             f"(most: {int(store.supervised.max())}); use a smaller block size")
         self.train_idx, self.eval_idx = _split(len(store), cfg.eval_fraction, cfg.seed)
         self.turn_limit = self._turn_limit(store, Path(cfg.data))
+        self.stop_ids = stop_ids(tokenizer, generation_eos(cfg.target))
         self._eval_batches = None
         self.lengths = store.lengths[self.train_idx]
         boundaries = cfg.boundaries
@@ -460,11 +462,12 @@ class Trainer:
                                 "samples": [m.batch.sample_ids.tolist() for m in micro]}) + "\n")
 
     def _eval_batch(self, indices) -> PackedBatch:
-        """Held-out samples packed, every turn cut to the decoding limit the data were made with."""
+        """Held-out samples packed, every turn cut where decoding stops: its first stop token, or the
+        token limit the data were regenerated with."""
         from dflash.data.collate import collate_packed
         from dflash.models.acceptance import limited
 
-        return limited(collate_packed(self.maker.store, self.eval_idx[indices]), self.turn_limit)
+        return limited(collate_packed(self.maker.store, self.eval_idx[indices]), self.turn_limit, self.stop_ids)
 
     def _eval_plan(self) -> tuple[list, list[int]]:
         """Held-out micro-batches (sorted, packed) and how many drafter forwards each takes (cached)."""
@@ -520,7 +523,6 @@ class Trainer:
         the acceptance length decoding reaches, to set beside the eval walk tau."""
         from dflash.models import DFlashDrafter
         from dflash.models.speculate import DEFAULT_MAX_NEW_TOKENS, prompts_from_samples, speculate
-        from dflash.regenerate import generation_eos, stop_ids
 
         cfg = self.cfg
         prompts = prompts_from_samples((self.maker.store[int(i)] for i in self.eval_idx), cfg.speculate_turns)
@@ -528,7 +530,7 @@ class Trainer:
         drafter.to(self.device, self.dtype).eval()
         limit = self.turn_limit or DEFAULT_MAX_NEW_TOKENS
         report = speculate(self.loaded.hf, drafter, prompts, max_new_tokens=limit,
-                           stop_ids=stop_ids(self.loaded.tokenizer, generation_eos(cfg.target)), reference=False,
+                           stop_ids=self.stop_ids, reference=False,
                            progress=cfg.progress).summary()
         result = {"step": self.step, "max_new_tokens": limit, **report}
         (self.output_dir / "speculate.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -54,11 +54,17 @@ def demo():
         for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
             text = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
             prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    samples = []
+    samples, outs = [], []
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
     for p in prompts:
         out = greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops).tokens
-        samples.append((np.asarray(p + out), np.asarray([0] * len(p) + [1] * len(out), dtype=bool)))
-    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, samples=samples)
+        # as the chat template renders a finished turn: `<|im_end|>\n`, the newline supervised too
+        tail = newline if out[-1] in stops else []
+        samples.append((np.asarray(p + out + tail), np.asarray([0] * len(p) + [1] * len(out + tail), dtype=bool)))
+        outs.append(out)
+    assert any(out[-1] in stops for out in outs) and any(len(out) == LIMIT for out in outs)
+    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, samples=samples,
+                outs=outs)
 
 
 def make_drafter(demo, seed=0, layers=2):
@@ -90,14 +96,14 @@ def decode_and_walk(demo, drafter, limit):
     hf, stops = demo["hf"], demo["stops"]
     tokens = forwards = 0
     lossless = True
-    for p, (ids, _) in zip(demo["prompts"], demo["samples"], strict=True):
+    for p, out in zip(demo["prompts"], demo["outs"], strict=True):
         spec = speculative_decode(hf, drafter, p, max_new_tokens=limit, stop_ids=stops)
-        lossless &= spec.tokens == ids[len(p):len(p) + limit].tolist()  # the target's greedy output
+        lossless &= spec.tokens == out[:limit]  # the target's greedy output
         tokens += len(spec.tokens) - 1
         forwards += spec.forwards
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
     stats = walk_tau(lambda b, f, plan: drafter(b, f, plan=plan), batch, demo["target"].features(batch),
-                     block_size=drafter.block_size, max_turn_tokens=limit, max_blocks=100)
+                     block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops, max_blocks=100)
     assert stats.turns == len(demo["prompts"])  # every turn, however short
     return lossless, (tokens, forwards), (stats.tokens, stats.blocks), stats
 
@@ -127,7 +133,7 @@ def test_speculate_report(demo, trained):
     report = speculate(demo["hf"], trained, prompts, max_new_tokens=LIMIT, stop_ids=demo["stops"], progress=False)
     s = report.summary()
     assert s["lossless"] and s["turns"] == 3
-    assert s["tokens"] == sum(min(int(m.sum()), LIMIT) for _, m in demo["samples"][:3])
+    assert s["tokens"] == sum(len(out) for out in demo["outs"][:3])
     assert set(s) >= {"acceptance_length", "target_tokens_per_s", "speculative_tokens_per_s", "speedup", "lossless"}
 
 
@@ -162,6 +168,10 @@ def test_every_anchor_covers_short_samples_in_chunks():
     got = [(int(s), int(a)) for p in plans for s, a in zip(p.block_seq, p.block_anchor, strict=True)]
     assert got == [(0, 2), (0, 7), (1, 1)]  # turns cut to 2 tokens: one anchor each
     assert [p.num_blocks for p in plans] == [2, 1]
+    # decoding stops at the first stop token (9 here), whatever the template supervises after it
+    cut = limited(collate_packed([(np.array([5, 1, 9, 4, 2, 9]), np.array([0, 1, 1, 1, 1, 1], dtype=bool))], [0]),
+                  None, stop_ids=[9])
+    assert cut.loss_mask.tolist() == [False, True, True, False, False, False]
 
 
 def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
