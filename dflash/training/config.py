@@ -126,15 +126,17 @@ DEMO_PRESET = {
     "target": str(demo.TARGET),
     "data": str(demo.DATA),
     "output_dir": "runs/demo",
-    "token_budget": 4096,
-    "step_tokens": 4096,  # many small steps: on this data the drafter learns faster per token
+    # many small steps: on this data the drafter learns faster per token (2,048-token steps reach a
+    # held-out decoding acceptance length above 2 in 3 epochs; 4,096-token steps stop at 1.6)
+    "token_budget": 2048,
+    "step_tokens": 2048,
     "epochs": 3,
     "lr": 3e-3,
     "num_anchors": 64,
     "draft_layers": 2,
     "num_target_features": 3,
     "eval_fraction": 0.05,
-    "eval_every": 9,
+    "eval_every": 21,
     "max_length": 1024,
 }
 

@@ -144,7 +144,7 @@ def test_config_file_errors_name_the_file_and_key(tmp_path):
 def test_options_are_resolved_once_into_typed_values():
     demo = load_config([])
     assert (demo.target, demo.data) == (str(DEMO_TARGET), str(DEMO_DATA)), "the demo preset holds the demo paths"
-    assert (demo.step_tokens, demo.max_length, demo.gamma) == (4096, 1024, 7.0)
+    assert (demo.step_tokens, demo.max_length, demo.gamma) == (2048, 1024, 7.0)
     c = load_config(["--data", "d.jsonl", "--token-budget", "2048", "--block-size", "8", "--boundaries", "300,900"])
     assert c.target == str(DEMO_TARGET) and c.output_dir == "runs/demo", "no preset once --data is given"
     assert (c.step_tokens, c.max_length, c.gamma, c.boundaries) == (4 * 2048, 2048, 4.0, (300, 900))
