@@ -460,3 +460,18 @@ def summary(stats: dict, output: str) -> str:
         stats["skipped"].summary(),
     ]
     return "\n".join(lines)
+
+
+def regeneration_limit(path: str | Path) -> int | None:
+    """The `meta.max_new_tokens` every line of a regenerated JSONL file shares (None: a file not
+    written by `regenerate`, or lines made with different limits). Decoding its prompts with that
+    limit reproduces its turns, which stop there."""
+    limits = set()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    limits.add(json.loads(line).get("meta", {}).get("max_new_tokens"))
+                except (json.JSONDecodeError, AttributeError):
+                    return None
+    return limits.pop() if len(limits) == 1 and None not in limits else None

@@ -137,6 +137,7 @@ class DrafterOutput:
     tau_sum: torch.Tensor  # scalar float32: sum over blocks of the offline acceptance length
     slot_correct: torch.Tensor  # (B-1,) int64: argmax == label, per slot k = 1..B-1
     slot_count: torch.Tensor  # (B-1,) int64: scored labels per slot
+    hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
     num_blocks: int
     num_skipped: int  # samples skipped for too few supervised tokens
 
@@ -322,6 +323,7 @@ class DFlashDrafter(nn.Module):
         )
         correct = preds.view_as(blocks.labels) == blocks.labels
         # [:num_blocks] leaves out the zero-weight stand-in block of an empty micro-batch.
+        hits = correct[:num_blocks] & valid[:num_blocks]
         tau_sum, slot_correct, slot_count = acceptance_stats(correct[:num_blocks], valid[:num_blocks])
         return DrafterOutput(
             loss_sum=loss_sum,
@@ -329,6 +331,7 @@ class DFlashDrafter(nn.Module):
             tau_sum=tau_sum,
             slot_correct=slot_correct,
             slot_count=slot_count,
+            hits=hits,
             num_blocks=num_blocks,
             num_skipped=plan.num_skipped,
         )

@@ -234,7 +234,7 @@ def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps:
         for r in runs:
             result[r.mode]["repeats"].append({
                 "seed": seed_cfg.seed, "budget_tokens": budget,
-                "train": [{k: s[k] for k in ("index", "tokens_seen", "train_seconds", "loss", "tau")}
+                "train": [{k: s[k] for k in ("index", "tokens_seen", "train_seconds", "loss", "anchor_tau")}
                           for s in r.records],
                 "eval": evals[r.mode]})
         del runs

@@ -121,7 +121,16 @@ class TrainConfig:
         "start over in a run folder that holds a previous run: delete that run's files (config, metrics, "
         "checkpoints, TensorBoard, export, sample logs) and nothing else",
     )
-    eval_every: int = _opt(0, "evaluate loss and tau every N steps (0: once per epoch and at the end)")
+    eval_every: int = _opt(
+        0,
+        "evaluate on the held-out split every N steps (0: once per epoch and at the end): walk tau (what greedy "
+        "speculative decoding reaches), anchor tau, per-slot accuracy, loss",
+    )
+    speculate_turns: int = _opt(
+        100,
+        "at the end, decode this many held-out assistant turns by speculative decoding with the exported drafter "
+        "and print the acceptance length (0: skip)",
+    )
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: at the end of each epoch)")
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
     log_every: int = _opt(1, "write metrics every N steps (a host sync point)")
@@ -142,15 +151,17 @@ DEMO_PRESET = {
     "target": str(demo.TARGET),
     "data": str(demo.DATA),
     "output_dir": "runs/demo",
-    "token_budget": 4096,
-    "step_tokens": 4096,  # many small steps: on this data the drafter learns faster per token
+    # many small steps: on this data the drafter learns faster per token (2,048-token steps reach a
+    # held-out decoding acceptance length above 2 in 3 epochs; 4,096-token steps stop at 1.6)
+    "token_budget": 2048,
+    "step_tokens": 2048,
     "epochs": 3,
     "lr": 3e-3,
     "num_anchors": 64,
     "draft_layers": 2,
     "num_target_features": 3,
     "eval_fraction": 0.05,
-    "eval_every": 9,
+    "eval_every": 21,
     "max_length": 1024,
 }
 
@@ -272,7 +283,7 @@ def validate(c: TrainConfig) -> None:
         if getattr(c, name) < 1:
             bad(name, f"must be >= 1, got {getattr(c, name)}")
     for name in ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "checkpoint_every", "seed", "row_budget"):
+                 "speculate_turns", "checkpoint_every", "seed", "row_budget"):
         if getattr(c, name) < 0:
             bad(name, f"must be >= 0, got {getattr(c, name)}")
     for name in ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction"):

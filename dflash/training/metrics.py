@@ -27,14 +27,15 @@ def trim_jsonl(path: Path, last_step: int) -> None:
 
 
 def step_metrics(sums, slot) -> dict:
-    """Loss, offline tau and per-slot accuracy from summed drafter outputs.
+    """Loss, anchor tau (mean acceptance of the random-anchor blocks) and per-slot accuracy from
+    summed drafter outputs.
 
     sums: (loss_sum, weight_sum, tau_sum, num_blocks); slot: (2, B-1) correct and scored labels
     per slot. Totals over micro-batches and ranks: the loss is weighted as one big batch.
     """
     loss, weight, tau, blocks = (float(v) for v in sums)
     correct, count = slot
-    return {"loss": loss / max(weight, 1e-12), "tau": tau / blocks if blocks else 0.0, "blocks": int(blocks),
+    return {"loss": loss / max(weight, 1e-12), "anchor_tau": tau / blocks if blocks else 0.0, "blocks": int(blocks),
             "slot_accuracy": (correct / count.clamp_min(1)).tolist()}
 
 
@@ -93,20 +94,25 @@ def read_records(run: Path) -> list[dict]:
 
 
 def plot_curves(records: list[dict], output: Path, title: str) -> None:
-    """Loss and tau against the step, training records and held-out evaluations, as a PNG."""
+    """Loss and acceptance against the step, training records and held-out evaluations, as a PNG:
+    the walk tau of the evaluations (what decoding reaches) beside the anchor tau of both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key in zip(axes, ("loss", "tau"), strict=True):
-        for kind, style in (("train", "-"), ("eval", "o-")):
-            rows = [r for r in records if r["kind"] == kind]
+    curves = {"loss": [("train", "loss", "-", "train"), ("eval", "loss", "o-", "held out")],
+              "acceptance length": [("train", "anchor_tau", "-", "train anchor_tau"),
+                                    ("eval", "anchor_tau", "s--", "held-out anchor_tau"),
+                                    ("eval", "tau", "o-", "held-out tau (decoding walk)")]}
+    for ax, (ylabel, lines) in zip(axes, curves.items(), strict=True):
+        for kind, key, style, label in lines:
+            rows = [r for r in records if r["kind"] == kind and key in r]
             ax.plot([r["step"] for r in rows], [float("nan") if r[key] is None else r[key] for r in rows], style,
-                    label="train" if kind == "train" else "held out", alpha=0.6 if kind == "train" else 1.0)
+                    label=label, alpha=0.6 if kind == "train" else 1.0)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(key)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)

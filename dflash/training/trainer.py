@@ -19,8 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflash.data.batch import PackedBatch
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, plan_batches
 from dflash.errors import UserError
+from dflash.regenerate import generation_eos, stop_ids
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
 from dflash.training.ds_config import load_ds_config, offloads_optimizer, precision, zero_stage
@@ -185,6 +187,9 @@ class Trainer:
                             f"tokens to be trained on, and none of the {len(store):,} samples of {store_path} has "
                             f"(most: {int(store.supervised.max())}); use a smaller block size")
         self.train_idx, self.eval_idx = _split(len(store), cfg.eval_fraction, cfg.seed)
+        self.turn_limit = self._turn_limit(store, Path(cfg.data))
+        self.stop_ids = stop_ids(tokenizer, generation_eos(cfg.target))
+        self._eval_batches = None
         self.lengths = store.lengths[self.train_idx]
         boundaries = cfg.boundaries
         if cfg.order == "bucketed" and boundaries is None:
@@ -293,6 +298,15 @@ class Trainer:
                                       say=self._say), "preparing the data")
         return store
 
+    @staticmethod
+    def _turn_limit(store, data: Path) -> int | None:
+        """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
+        walks and decoding stop there, as the regeneration did."""
+        from dflash.regenerate import regeneration_limit
+
+        source = data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+        return regeneration_limit(source) if source.is_file() else None
+
     def _check_vocab(self, store, path) -> None:
         rows = self.target.num_embedding_rows
         if store.vocab_size is not None and store.vocab_size > rows:
@@ -397,7 +411,7 @@ class Trainer:
                 epoch_done = self.planner.epoch != epoch  # advance() rolled over
                 last = self.step >= self.total_steps
                 if record is not None:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}",
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", anchor_tau=f"{record['anchor_tau']:.2f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}")
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or (not cfg.eval_every and epoch_done) or last:
                     last_eval = self.evaluate()
@@ -412,13 +426,16 @@ class Trainer:
             bar.close()
             self._stream.close()
             self.metrics.close()
+        result = {"step": self.step, "eval": last_eval}
         if cfg.export:
             self.export(self.output_dir / "drafter")
         if self.rank == 0 and self.metrics.path.is_file():
             plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
             self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
+        if cfg.export and cfg.speculate_turns and self.eval_idx.size and self.rank == 0:
+            result["speculate"] = self.speculate_heldout(self.output_dir / "drafter")
         self.run_folder.release()
-        return {"step": self.step, "eval": last_eval}
+        return result
 
     def train_step(self) -> dict | None:
         """One optimizer step over this rank's next micro-batches; the loss is normalised by the
@@ -467,7 +484,7 @@ class Trainer:
         grad_norm = self.engine.get_global_grad_norm()
         metrics = step_metrics(sums.tolist(), slot)
         record = {
-            "epoch": epoch, "loss": metrics["loss"], "tau": metrics["tau"],
+            "epoch": epoch, "loss": metrics["loss"], "anchor_tau": metrics["anchor_tau"],
             "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "step_seconds": seconds, "real_tokens": int(real), "computed_tokens": int(computed),
             "tokens_per_s": real / seconds, "computed_tokens_per_s": computed / seconds,
@@ -508,35 +525,84 @@ class Trainer:
             f.write(json.dumps({"step": self.step + 1, "epoch": epoch, "micro_step": first,
                                 "samples": [m.batch.sample_ids.tolist() for m in micro]}) + "\n")
 
+    def _eval_batch(self, indices) -> PackedBatch:
+        """Held-out samples packed, every turn cut where decoding stops: its first stop token, or the
+        token limit the data were regenerated with."""
+        from dflash.data.collate import collate_packed
+        from dflash.models.acceptance import limited
+
+        return limited(collate_packed(self.maker.store, self.eval_idx[indices]), self.turn_limit, self.stop_ids)
+
+    def _eval_plan(self) -> tuple[list, list[int]]:
+        """Held-out micro-batches (sorted, packed) and how many drafter forwards each takes (cached)."""
+        from dflash.models.acceptance import every_anchor
+
+        if self._eval_batches is None:
+            lengths = self.maker.store.lengths[self.eval_idx]
+            batches = plan_batches(lengths, self.cfg.token_budget, "sorted", "packed", seed=self.cfg.seed)[0]
+            chunks = [len(every_anchor(self._eval_batch(b), self.cfg.block_size)) for b in batches]
+            self._eval_batches = (batches, chunks)
+        return self._eval_batches
+
     @torch.no_grad()
     def evaluate(self) -> dict | None:
-        """Loss, offline acceptance length tau and per-slot accuracy on the held-out split."""
+        """Walk tau on the held-out split: a block at every position of every assistant turn (short
+        ones too), walked as greedy speculative decoding does (`dflash.models.acceptance`); beside
+        it anchor_tau (the mean over those blocks), per-slot accuracy and the loss."""
+        from dflash.models.acceptance import WalkStats, every_anchor, score_and_walk
+
         if self.eval_idx.size == 0:
             return None
-        store_lengths = self.maker.store.lengths[self.eval_idx]
-        batches = plan_batches(store_lengths, self.cfg.token_budget, "sorted", "packed", seed=self.cfg.seed)[0]
+        B = self.cfg.block_size
+        batches, chunks = self._eval_plan()
         # Round-robin over ranks. Every rank runs the same number of forwards (ZeRO-3 gathers
-        # parameters collectively), so a rank short of batches repeats one and discards it.
-        per_rank = -(-len(batches) // self.world_size)
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
-        slot = torch.zeros(2, self.cfg.block_size - 1, dtype=torch.float64, device=self.device)
-        for i in range(per_rank):
-            k = i * self.world_size + self.rank
-            counted = k < len(batches)
-            mb = self.maker(self.eval_idx[batches[k if counted else 0]], epoch=0)
-            batch = mb.batch.to(self.device)
-            out = self.engine(batch, self.target.features(batch), plan=mb.plan)
-            if counted:
-                sums += torch.stack([out.loss_sum, out.weight_sum, out.tau_sum,
-                                     torch.tensor(float(out.num_blocks), device=self.device)]).double()
-                slot += torch.stack([out.slot_correct, out.slot_count]).double()
-        dist.all_reduce(sums)
-        dist.all_reduce(slot)
-        record = step_metrics(sums.tolist(), slot)
+        # parameters collectively), so a rank with fewer repeats one and discards it.
+        forwards = max(sum(chunks[r::self.world_size]) for r in range(self.world_size))
+        stats, done = WalkStats(B), 0
+
+        def forward(batch, features, plan):
+            return self.engine(batch, features, plan=plan)
+
+        for k in range(self.rank, len(batches), self.world_size):
+            batch = self._eval_batch(batches[k]).to(self.device)
+            plans = every_anchor(batch, B)
+            stats.add(score_and_walk(forward, batch, self.target.features(batch), plans, block_size=B))
+            done += len(plans)
+        if done < forwards:
+            batch = self._eval_batch(batches[next(k for k, c in enumerate(chunks) if c)]).to(self.device)
+            features, plan = self.target.features(batch), every_anchor(batch, B)[0]
+            for _ in range(forwards - done):
+                forward(batch, features, plan)
+        total = stats.to_tensor(self.device)
+        dist.all_reduce(total)
+        record = WalkStats.from_tensor(total, B).metrics()
         self.metrics.write("eval", self.step, record)
-        self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} "
-                  f"over {record['blocks']} blocks")
+        self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} (decoding walk: "
+                  f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns), "
+                  f"anchor_tau {record['anchor_tau']:.3f}")
         return record
+
+    def speculate_heldout(self, drafter_dir: Path) -> dict:
+        """Greedy speculative decoding of the first held-out turns with the exported drafter (rank 0):
+        the acceptance length decoding reaches, to set beside the eval walk tau."""
+        from dflash.models import DFlashDrafter
+        from dflash.models.speculate import DEFAULT_MAX_NEW_TOKENS, prompts_from_samples, speculate
+
+        cfg = self.cfg
+        prompts = prompts_from_samples((self.maker.store[int(i)] for i in self.eval_idx), cfg.speculate_turns)
+        drafter = DFlashDrafter.from_pretrained(drafter_dir, self.target.shared_weights())
+        drafter.to(self.device, self.dtype).eval()
+        limit = self.turn_limit or DEFAULT_MAX_NEW_TOKENS
+        report = speculate(self.loaded.hf, drafter, prompts, max_new_tokens=limit,
+                           stop_ids=self.stop_ids, reference=False,
+                           progress=cfg.progress).summary()
+        result = {"step": self.step, "max_new_tokens": limit, **report}
+        (self.output_dir / "speculate.json").write_text(json.dumps(result, indent=2) + "\n")
+        self._say(f"speculative decoding of {report['turns']} held-out turns: acceptance length "
+                  f"{report['acceptance_length']:.3f} ({report['tokens']:,} tokens, {report['target_forwards']:,} "
+                  f"target forwards after the prefills, {report['speculative_tokens_per_s']:.0f} tokens/s); "
+                  f"against the target alone: python launch/speculate.py --drafter {drafter_dir}")
+        return result
 
     def save_checkpoint(self) -> Path:
         state = {"planner": self.planner.state_dict(), "step_tokens": self.cfg.step_tokens,

@@ -68,7 +68,7 @@ def tiny_train_args(target, data, out, *extra):
     return ["--target", str(target), "--data", str(data), "--output-dir", str(out), "--token-budget", "1024",
             "--step-tokens", "1500", "--num-anchors", "8", "--draft-layers", "1", "--num-target-features", "2",
             "--epochs", "2", "--lr", "1e-3", "--eval-fraction", "0.1", "--no-progress", "--num-workers", "0",
-            "--dtype", "fp32", *map(str, extra)]
+            "--dtype", "fp32", "--speculate-turns", "0", *map(str, extra)]
 
 
 def read_metrics(out, kind="train"):

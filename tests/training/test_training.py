@@ -71,14 +71,22 @@ def test_two_ranks_with_uneven_micro_batches_give_the_gradient_of_one_batch(tiny
 def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order):
     target, data = tiny_run_inputs
     out = tmp_path / "run"
+    decode = ["--speculate-turns", 2] if order == "shuffle" and config == "zero2" else []
     proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
-                                         "--deepspeed_config", f"ds_configs/{config}.json"))
+                                         "--deepspeed_config", f"ds_configs/{config}.json", *decode))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     train = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert all(math.isfinite(r["loss"]) and r["real_tokens"] > 0 for r in train)
+    assert all(math.isfinite(r["loss"]) and r["real_tokens"] > 0 and r["anchor_tau"] >= 1 for r in train)
     assert all((r["efficiency"] == 1.0) == (layout == "packed") for r in train)
-    assert read_metrics(out, "eval"), "evaluated at the end"
+    final = read_metrics(out, "eval")[-1]  # evaluated at the end
+    # the walk covers every held-out turn (6 samples of one turn each), split over both ranks
+    assert final["turns"] == 6 and final["tau"] >= 1 and final["anchor_tau"] >= 1
+    assert (out / "speculate.json").is_file() == bool(decode)
+    if decode:
+        figure = json.loads((out / "speculate.json").read_text())
+        assert figure["turns"] == 2 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
+        assert "speculative decoding of 2 held-out turns: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
     assert (out / "drafter" / "model.safetensors").is_file()
@@ -140,7 +148,7 @@ def test_config_file_errors_name_the_file_and_key(tmp_path):
 def test_options_are_resolved_once_into_typed_values():
     demo = load_config([])
     assert (demo.target, demo.data) == (str(DEMO_TARGET), str(DEMO_DATA)), "the demo preset holds the demo paths"
-    assert (demo.step_tokens, demo.max_length, demo.gamma) == (4096, 1024, 7.0)
+    assert (demo.step_tokens, demo.max_length, demo.gamma) == (2048, 1024, 7.0)
     c = load_config(["--data", "d.jsonl", "--token-budget", "2048", "--block-size", "8", "--boundaries", "300,900"])
     assert c.target == str(DEMO_TARGET) and c.output_dir == "runs/demo", "no preset once --data is given"
     assert (c.step_tokens, c.max_length, c.gamma, c.boundaries) == (4 * 2048, 2048, 4.0, (300, 900))
@@ -176,16 +184,16 @@ def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
 
     writer = MetricsWriter(tmp_path, enabled=True)
     for step in (1, 2, 3):
-        writer.write("train", step, {"loss": 3.0 / step, "tau": 1.0 + step / 10})
+        writer.write("train", step, {"loss": 3.0 / step, "anchor_tau": 1.0 + step / 10})
     writer.write("eval", 2, {"loss": 2.5, "tau": 1.1})
-    writer.write("train", 4, {"loss": float("nan"), "tau": 1.0})  # a skipped step: strict JSON null
+    writer.write("train", 4, {"loss": float("nan"), "anchor_tau": 1.0})  # a skipped step: strict JSON null
     writer.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 5, "lo')  # a crash in the middle of a line
     MetricsWriter(tmp_path, enabled=True, resume_step=2).close()
     records = read_records(tmp_path)
     assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
-    plot_curves(records + [{"kind": "train", "step": 3, "loss": None, "tau": None}], tmp_path / "c.png", "t")
+    plot_curves(records + [{"kind": "train", "step": 3, "loss": None, "anchor_tau": None}], tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -1,0 +1,260 @@
+"""Greedy decoding with the target alone, and lossless DFlash speculative decoding (target + drafter).
+
+Speculative decoding of one turn (the DFlash paper's loop, as in the official `dflash_generate`):
+the target's prefill gives the first token and the tapped features of the prompt. Each step the
+drafter drafts one block [last verified token, mask x (B-1)] at positions start..start+B-1 in one
+forward, attending to the fused features of every verified token before `start` (its KV cache) and
+to the whole block; the target verifies the block in one forward (its KV cache cropped to `start`),
+the leading drafts equal to the target's argmax are accepted, and the target's next token is added.
+The verified tokens' features become the drafter's new context. Output is the target's greedy output.
+
+Acceptance length = tokens after the first / verify forwards, summed over turns, with a turn's last
+block cut at its stop token or the token limit: exactly the walk `tau` of `dflash.models.acceptance`
+on the target's own greedy turns (the official benchmark averages uncut blocks instead).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.models.drafter import DFlashDrafter
+
+DEFAULT_MAX_NEW_TOKENS = 2048  # per turn, when the data do not say what they were regenerated with
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # generated ids: stop token included when produced, at most max_new_tokens
+    forwards: int  # target forwards after the prefill (speculative: blocks verified)
+    seconds: float  # wall time of the whole turn, prefill included
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cut(tokens: list[int], stop_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Tokens up to the first stop token (included) or the limit; True when decoding is over."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in stop_ids:
+            return tokens[:i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+@functools.cache
+def _cache_argument(cls) -> str:
+    # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` before)
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def _target(hf, ids: list[int], start: int, cache, hidden: bool):
+    device = hf.device
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    pos = torch.arange(start, start + len(ids), device=device)[None]
+    name = _cache_argument(type(hf))
+    return hf(input_ids=x, position_ids=pos, use_cache=True, output_hidden_states=hidden, **{name: cache})
+
+
+def _crop(cache, length: int) -> None:
+    """Keep the first `length` positions (a negative argument means the same in every transformers)."""
+    extra = cache.get_seq_length() - length
+    if extra:
+        cache.crop(-extra)
+
+
+@torch.no_grad()
+def greedy_decode(hf, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int]) -> Decoded:
+    """The target alone, one token per forward with a KV cache (the reference output)."""
+    from transformers import DynamicCache
+
+    _sync(hf.device)
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    out = _target(hf, list(prompt), 0, cache, hidden=False)
+    tokens = [int(out.logits[0, -1].argmax())]
+    forwards = 0
+    while not _cut(tokens, stop_ids, max_new_tokens)[1]:
+        out = _target(hf, tokens[-1:], len(prompt) + len(tokens) - 1, cache, hidden=False)
+        tokens.append(int(out.logits[0, -1].argmax()))
+        forwards += 1
+    _sync(hf.device)
+    return Decoded(tokens, forwards, time.perf_counter() - t0)
+
+
+class _DrafterCache:
+    """Per drafter layer, keys (k_norm and RoPE applied) and values of the context features."""
+
+    def __init__(self, drafter: DFlashDrafter, capacity: int, device) -> None:
+        c = drafter.config
+        shape = (capacity, c.num_key_value_heads, c.head_dim)
+        dtype = drafter.fc.weight.dtype
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
+        self.length = 0
+
+
+def _draft(drafter: DFlashDrafter, cache: _DrafterCache, features: torch.Tensor, anchor_token: int) -> list[int]:
+    """Append the context features of positions cache.length.. to the cache, then draft the block
+    anchored right after them; returns the B-1 drafted tokens (argmax of slots 1..B-1)."""
+    from dflash.models.drafter import _apply_rope
+
+    c, B = drafter.config, drafter.block_size
+    Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    shared = drafter._require_shared()
+    dtype = drafter.fc.weight.dtype
+    device = drafter.fc.weight.device
+    lo, start = cache.length, cache.length + features.shape[0]
+    ctx = drafter.context(features)
+    ids = torch.full((B,), c.mask_token_id, dtype=torch.long, device=device)
+    ids[0] = anchor_token
+    x = F.embedding(ids, shared.embed).to(dtype)
+    rope_ctx = drafter._rope(torch.arange(lo, start, device=device), dtype)
+    rope_blk = drafter._rope(torch.arange(start, start + B, device=device), dtype)
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        cache.k[i][lo:start] = _apply_rope(attn.k_norm(attn.k_proj(ctx).view(-1, Hkv, D)), *rope_ctx)
+        cache.v[i][lo:start] = attn.v_proj(ctx).view(-1, Hkv, D)
+        h = layer.input_layernorm(x)
+        q = _apply_rope(attn.q_norm(attn.q_proj(h).view(B, Hq, D)), *rope_blk)
+        k = torch.cat([cache.k[i][:start], _apply_rope(attn.k_norm(attn.k_proj(h).view(B, Hkv, D)), *rope_blk)])
+        v = torch.cat([cache.v[i][:start], attn.v_proj(h).view(B, Hkv, D)])
+        # no mask: every context row lies before the anchor, and the block sees itself both ways
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           enable_gqa=Hq != Hkv)
+        x = x + attn.o_proj(o[0].transpose(0, 1).reshape(B, Hq * D))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    cache.length = start
+    logits = drafter.norm(x[1:]).to(shared.lm_head.dtype) @ shared.lm_head.t()
+    return logits.argmax(dim=-1).tolist()
+
+
+@torch.no_grad()
+def speculative_decode(
+    hf, drafter: DFlashDrafter, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int]
+) -> Decoded:
+    """Greedy speculative decoding of one turn: the target's greedy output, fewer target forwards.
+
+    hf: the target's Hugging Face causal LM; drafter: attached to its embedding and lm_head.
+    """
+    from transformers import DynamicCache
+
+    taps = drafter.config.target_layer_ids
+    B = drafter.block_size
+
+    def features(out, n):
+        return torch.cat([out.hidden_states[i + 1][0, :n] for i in taps], dim=-1)
+
+    _sync(hf.device)
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    out = _target(hf, list(prompt), 0, cache, hidden=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    dcache = _DrafterCache(drafter, len(prompt) + max_new_tokens + B, hf.device)
+    feats = features(out, len(prompt))
+    forwards = 0
+    while not _cut(tokens, stop_ids, max_new_tokens)[1]:
+        start = len(prompt) + len(tokens) - 1  # position of the last verified token, the anchor
+        block = tokens[-1:] + _draft(drafter, dcache, feats, tokens[-1])
+        out = _target(hf, block, start, cache, hidden=True)
+        forwards += 1
+        posterior = out.logits[0].argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < B - 1 and block[accepted + 1] == posterior[accepted]:
+            accepted += 1
+        tokens += block[1:accepted + 1] + [posterior[accepted]]
+        _crop(cache, start + accepted + 1)
+        feats = features(out, accepted + 1)
+    _sync(hf.device)
+    tokens, _ = _cut(tokens, stop_ids, max_new_tokens)
+    return Decoded(tokens, forwards, time.perf_counter() - t0)
+
+
+@dataclass
+class SpeculateReport:
+    turns: int
+    tokens: int  # generated by the target alone, all turns
+    target_forwards: int  # speculative: verify forwards after the prefills
+    target_seconds: float
+    speculative_seconds: float
+    mismatches: list[int]  # turns whose speculative output differs from the target's (must be empty)
+    reference: bool = True  # the target alone ran too (tokens/s, speedup and the lossless check)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens after each turn's first per verify forward (= walk tau on these turns)."""
+        return (self.tokens - self.turns) / self.target_forwards if self.target_forwards else 1.0
+
+    def summary(self) -> dict:
+        """The figures; without the reference run, those that need it are None."""
+        target_tps = self.tokens / self.target_seconds if self.reference and self.target_seconds else None
+        spec_tps = self.tokens / self.speculative_seconds if self.speculative_seconds else 0.0
+        return {
+            "acceptance_length": self.acceptance_length,
+            "target_tokens_per_s": target_tps,
+            "speculative_tokens_per_s": spec_tps,
+            "speedup": spec_tps / target_tps if target_tps else None,
+            "lossless": not self.mismatches if self.reference else None,
+            "turns": self.turns,
+            "tokens": self.tokens,
+            "target_forwards": self.target_forwards,
+            "mismatched_turns": self.mismatches,
+        }
+
+
+def speculate(hf, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+              stop_ids: Sequence[int], reference: bool = True, progress: bool = True) -> SpeculateReport:
+    """Decode every prompt with target + drafter and, with `reference`, with the target alone
+    (alternating, so machine load hits both alike), comparing the outputs token for token."""
+    from tqdm.auto import tqdm
+
+    report = SpeculateReport(0, 0, 0, 0.0, 0.0, [], reference)
+    positions = getattr(hf.config, "max_position_embeddings", None)
+    for i, prompt in enumerate(tqdm(prompts, desc="decode", unit="turn", disable=not progress)):
+        # a target without an end-of-turn habit stops at its last position, not past it
+        limit = min(max_new_tokens, positions - len(prompt)) if positions else max_new_tokens
+        spec = speculative_decode(hf, drafter, prompt, max_new_tokens=limit, stop_ids=stop_ids)
+        report.turns += 1
+        report.tokens += len(spec.tokens)
+        report.target_forwards += spec.forwards
+        report.speculative_seconds += spec.seconds
+        if reference:
+            ref = greedy_decode(hf, prompt, max_new_tokens=limit, stop_ids=stop_ids)
+            report.target_seconds += ref.seconds
+            if spec.tokens != ref.tokens:
+                report.mismatches.append(i)
+    return report
+
+
+def prompts_from_samples(samples, max_turns: int | None = None) -> list[list[int]]:
+    """The prompt of every assistant turn of tokenized samples `(ids, loss_mask)`: the tokens before
+    the turn's first supervised token (its history as in the data, up to the generation prompt)."""
+    from dflash.models.acceptance import turn_spans
+
+    prompts = []
+    for ids, mask in samples:
+        prompts += [list(map(int, ids[:start])) for start, _ in turn_spans(mask)]
+    return prompts[:max_turns]
+
+
+def prompts_from_conversations(path, tokenizer) -> list[list[int]]:
+    """The prompt of every assistant turn of a JSONL file (`messages` or ShareGPT), rendered with the
+    tokenizer's chat template and the file's own history; a conversation that ends with a user turn
+    gives one more prompt."""
+    from dflash.data.conversations import read_conversations
+
+    prompts = []
+    for _, messages, _ in read_conversations(path, require_assistant=False):
+        ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if messages[-1]["role"] == "user":
+            ends.append(len(messages))
+        for i in ends:
+            text = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts

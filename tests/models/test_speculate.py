@@ -1,0 +1,196 @@
+"""Speculative decoding on the demo target: lossless, and its acceptance length equals the walk tau.
+
+The turns are regenerated here by the target's own greedy decoding, so the walk over them is the
+decoding figure exactly (fp32, CPU): same context features, block content, positions and stop rule.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.data.collate import collate_packed
+from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token
+from dflash.models.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
+from dflash.models.speculate import (
+    greedy_decode,
+    prompts_from_conversations,
+    prompts_from_samples,
+    speculate,
+    speculative_decode,
+)
+
+LIMIT = 32  # tokens per regenerated turn
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops on shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo target (fp32), its tokenizer, stop ids and the 8 turns of 5 demo conversations, regenerated."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.demo import DATA, TARGET
+    from dflash.regenerate import generation_eos, stop_ids
+
+    tok = AutoTokenizer.from_pretrained(str(TARGET))
+    hf = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32)
+    target = TargetModel(hf, num_features=3)
+    mask_id = ensure_mask_token(tok, target.num_embedding_rows)
+    stops = stop_ids(tok, generation_eos(str(TARGET)))
+    with open(DATA) as f:
+        conversations = [json.loads(next(f)) for _ in range(5)]
+    prompts = []
+    for c in conversations:
+        msgs = c["messages"]
+        for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
+            text = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    samples, outs = [], []
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    for p in prompts:
+        out = greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops).tokens
+        # as the chat template renders a finished turn: `<|im_end|>\n`, the newline supervised too
+        tail = newline if out[-1] in stops else []
+        samples.append((np.asarray(p + out + tail), np.asarray([0] * len(p) + [1] * len(out + tail), dtype=bool)))
+        outs.append(out)
+    assert any(out[-1] in stops for out in outs) and any(len(out) == LIMIT for out in outs)
+    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, samples=samples,
+                outs=outs)
+
+
+def make_drafter(demo, seed=0, layers=2):
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
+                                       num_draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
+                                       vocab_size=demo["target"].num_embedding_rows)
+    return DFlashDrafter(config, demo["target"].shared_weights(), num_anchors=32, attention_backend="torch")
+
+
+@pytest.fixture(scope="module")
+def trained(demo):
+    """A drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
+    drafter = make_drafter(demo, seed=1, layers=1)
+    batch = collate_packed(demo["samples"], range(len(demo["samples"])))
+    feats = demo["target"].features(batch)
+    (plan,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(40):
+        out = drafter(batch, feats, plan=plan)
+        opt.zero_grad()
+        (out.loss_sum / out.weight_sum).backward()
+        opt.step()
+    return drafter.eval()
+
+
+def decode_and_walk(demo, drafter, limit):
+    """(lossless, decoding (tokens, forwards), walk (tokens, blocks)) over the regenerated turns."""
+    hf, stops = demo["hf"], demo["stops"]
+    tokens = forwards = 0
+    lossless = True
+    for p, out in zip(demo["prompts"], demo["outs"], strict=True):
+        spec = speculative_decode(hf, drafter, p, max_new_tokens=limit, stop_ids=stops)
+        lossless &= spec.tokens == out[:limit]  # the target's greedy output
+        tokens += len(spec.tokens) - 1
+        forwards += spec.forwards
+    batch = collate_packed(demo["samples"], range(len(demo["samples"])))
+    stats = walk_tau(lambda b, f, plan: drafter(b, f, plan=plan), batch, demo["target"].features(batch),
+                     block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops, max_blocks=100)
+    assert stats.turns == len(demo["prompts"])  # every turn, however short
+    return lossless, (tokens, forwards), (stats.tokens, stats.blocks), stats
+
+
+def test_random_drafter_lossless_and_equal_to_walk(demo):
+    lossless, decoded, walked, stats = decode_and_walk(demo, make_drafter(demo).eval(), LIMIT)
+    assert lossless
+    assert decoded == walked
+    assert stats.metrics()["tau"] < 1.2  # an untrained drafter rarely guesses
+
+
+def test_trained_drafter_lossless_and_equal_to_walk(demo, trained):
+    lossless, decoded, walked, stats = decode_and_walk(demo, trained, LIMIT)
+    assert lossless
+    assert decoded == walked
+    assert stats.metrics()["tau"] > 1.15  # drafts are accepted: the equality covers real acceptance
+
+
+def test_limit_cuts_turns_as_decoding_does(demo, trained):
+    lossless, decoded, walked, _ = decode_and_walk(demo, trained, 20)
+    assert lossless
+    assert decoded == walked
+
+
+def test_speculate_report(demo, trained):
+    prompts = demo["prompts"][:3]
+    report = speculate(demo["hf"], trained, prompts, max_new_tokens=LIMIT, stop_ids=demo["stops"], progress=False)
+    s = report.summary()
+    assert s["lossless"] and s["turns"] == 3
+    assert s["tokens"] == sum(len(out) for out in demo["outs"][:3])
+    assert set(s) >= {"acceptance_length", "target_tokens_per_s", "speculative_tokens_per_s", "speedup", "lossless"}
+
+
+def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
+    from dflash.data.prepare import tokenize_conversation
+    from dflash.demo import DATA
+
+    with open(DATA) as f:
+        lines = [next(f) for _ in range(5)]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(lines) + json.dumps({"messages": [{"role": "user", "content": "Count up from 3 to 9 ."}]}))
+    prompts = prompts_from_conversations(path, demo["tok"])
+    samples = [tokenize_conversation(demo["tok"], json.loads(x)["messages"], "x") for x in lines]
+    assert prompts[:-1] == prompts_from_samples(samples) == demo["prompts"]
+    assert demo["tok"].decode(prompts[-1]).endswith("<|im_start|>assistant\n")
+
+
+def test_walk_against_step_by_step_decoding():
+    # accepted[a] for a turn at [2, 12): decoding anchors at 2, jumps accepted + 1, stops at the last token
+    accepted = np.array([9, 9, 3, 0, 0, 0, 1, 5, 0, 2, 0, 9])
+    assert walk(accepted, 2, 12) == (9, 4)  # anchors 2, 6, 8, 9 -> 9 tokens after the first in 4 blocks
+    assert walk(accepted, 2, 3) == (0, 0)  # a one-token turn (just the stop token): no block
+    assert turn_spans(np.array([0, 1, 1, 0, 1, 1, 1, 1, 0])) == [(1, 3), (4, 8)]
+    assert turn_spans(np.array([0, 1, 1, 0, 1, 1, 1, 1]), max_turn_tokens=3) == [(1, 3), (4, 7)]
+
+
+def test_every_anchor_covers_short_samples_in_chunks():
+    samples = [(np.arange(10), np.array([0, 0, 1, 1, 1, 0, 0, 1, 1, 0], dtype=bool)),
+               (np.arange(4), np.array([0, 1, 1, 1], dtype=bool))]
+    batch = limited(collate_packed(samples, [0, 1]), 2)
+    plans = every_anchor(batch, block_size=16, max_blocks=2)
+    got = [(int(s), int(a)) for p in plans for s, a in zip(p.block_seq, p.block_anchor, strict=True)]
+    assert got == [(0, 2), (0, 7), (1, 1)]  # turns cut to 2 tokens: one anchor each
+    assert [p.num_blocks for p in plans] == [2, 1]
+    # decoding stops at the first stop token (9 here), whatever the template supervises after it
+    cut = limited(collate_packed([(np.array([5, 1, 9, 4, 2, 9]), np.array([0, 1, 1, 1, 1, 1], dtype=bool))], [0]),
+                  None, stop_ids=[9])
+    assert cut.loss_mask.tolist() == [False, True, True, False, False, False]
+
+
+def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
+    import importlib.util
+
+    from dflash.demo import DATA, TARGET
+
+    from ..conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("speculate_cli", ROOT / "launch" / "speculate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    make_drafter(demo).save_pretrained(tmp_path / "drafter")
+    result = cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(DATA), "--target", str(TARGET),
+                       "--max-turns", "2", "--max-new-tokens", "6", "--json", "--no-progress"])
+    assert json.loads(capsys.readouterr().out) == result
+    assert result["lossless"] and result["turns"] == 2 and result["max_new_tokens"] == 6
+    assert result["tokens"] == 12 and result["speedup"] > 0  # the first demo answers are longer than 6 tokens
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--drafter", str(tmp_path / "drafter")])  # no --prompts and no run around it
+    assert e.value.code == 2
+    assert "no run config" in capsys.readouterr().err
