@@ -19,11 +19,13 @@ import triton.language as tl
 
 from ..common.backend import is_interpreting
 from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, sequence_tiles
-from ..common.triton_utils import LOG2E, autotune_configs, check_triton_inputs
+from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
 
 GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger)
-CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list)
-_CTX_STEP = [16] if is_interpreting() else [64, 128]  # context step of forward and dQ (autotuned)
+CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list), before tile_rows
+_CTX_STEP = [16] if is_interpreting() else [32, 64, 128]  # context step of forward and dQ (autotuned)
+_KEY = ["HQ", "HKV", "D", "B"]
+BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'
 
 
 @triton.jit
@@ -38,10 +40,9 @@ def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexp
     return rows, ok, anchor, slot
 
 
-@triton.autotune(configs=autotune_configs({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "B"])
+@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
 @triton.jit
-def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
+def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
                 grp_order, qk_scale,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -106,12 +107,11 @@ def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks,
     m_i = m_new
 
     l_i = tl.where(ok, l_i, 1.0)  # padding rows (never stored) would divide 0 by 0
-    tl.store(O + q_off, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(OUT + q_off, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
     tl.store(LSE + rows * HQ + i_h, m_i + tl.math.log2(l_i), mask=ok)
 
 
-@triton.autotune(configs=autotune_configs({"num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "B"])
+@autotune({"num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
 @triton.jit
 def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_anchor, grp_blocks, tiles,
                          ranges, qk_scale, sm_scale,
@@ -169,8 +169,7 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
     tl.store(DVC + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
 
 
-@triton.autotune(configs=autotune_configs({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "B"])
+@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
 @triton.jit
 def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_seqlens, block_anchor, grp_blocks,
                           grp_seq, grp_amin, grp_amax, grp_order, qk_scale, sm_scale,
@@ -235,26 +234,36 @@ def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_se
     tl.store(DVB + kb_off, dvb.to(DVB.dtype.element_ty), mask=ok[:, None])
 
 
+def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16) -> list:
+    """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
+    block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
+    common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m)
+    ctx_block = tile_rows(CTX_BLOCK_N, head_dim, dtype)
+    return [(_fwd_kernel, common), (_bwd_dkdv_ctx_kernel, {**common, "BLOCK_N": ctx_block}),
+            (_bwd_dq_dkvblk_kernel, common)]
+
+
 class _Plan:
     """Everything the kernels need to know about one batch's blocks (built with torch ops)."""
 
-    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu):
+    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block, cu_seqlens_cpu):
         num_seqs = cu_seqlens.numel() - 1
         self.block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
         self.per_group = self.block_m // block_size
         (self.blocks, self.seq, self.amin, self.amax,
          self.order) = block_groups(block_seq, block_anchor, num_seqs, self.per_group)
         # Context tiles cover every context row, so keys that no block sees get zero gradients.
-        max_len = total if cu_seqlens_cpu is None or num_seqs == 0 else int(torch.diff(cu_seqlens_cpu).max())
-        tiles = sequence_tiles(cu_seqlens, CTX_BLOCK_N, total, max_len, False, cu_seqlens_cpu)
-        ranges = context_group_ranges(tiles, CTX_BLOCK_N, self.seq, self.amin, self.amax, num_seqs)
+        self.ctx_block = ctx_block
+        tiles = sequence_tiles(cu_seqlens, ctx_block, total, False, cu_seqlens_cpu)
+        ranges = context_group_ranges(tiles, ctx_block, self.seq, self.amin, self.amax, num_seqs)
         order = torch.argsort(ranges[:, 2] - ranges[:, 0], descending=True, stable=True)  # most groups first
         self.ctx_tiles, self.ctx_ranges = tiles[order].contiguous(), ranges[order].contiguous()
 
 
-def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu) -> _Plan:
-    return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor), ("dflash_block", block_size, total),
-                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu))
+def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block, cu_seqlens_cpu) -> _Plan:
+    return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor), ("dflash_block", block_size, total, ctx_block),
+                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block,
+                                        cu_seqlens_cpu))
 
 
 def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale):
@@ -279,7 +288,7 @@ def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, bloc
     consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)
     _bwd_dkdv_ctx_kernel[(plan.ctx_tiles.shape[0] * HKV,)](
         q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, cu_seqlens, block_anchor, plan.blocks, plan.ctx_tiles,
-        plan.ctx_ranges, scale * LOG2E, scale, BLOCK_N=CTX_BLOCK_N, **consts)
+        plan.ctx_ranges, scale * LOG2E, scale, BLOCK_N=plan.ctx_block, **consts)
     _bwd_dq_dkvblk_kernel[(plan.order.numel() * HKV,)](
         q, k_ctx, v_ctx, k_blk, v_blk, do, lse, delta, dq, dk_blk, dv_blk, cu_seqlens, block_anchor, plan.blocks,
         plan.seq, plan.amin, plan.amax, plan.order, scale * LOG2E, scale, **consts)
@@ -306,7 +315,8 @@ def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, blo
                                   scale, cu_seqlens_cpu=None):
     check_triton_inputs(q)
     cu_seqlens, block_seq, block_anchor = cu_seqlens.contiguous(), block_seq.contiguous(), block_anchor.contiguous()
-    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], cu_seqlens_cpu)
+    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0],
+                 tile_rows(CTX_BLOCK_N, q.shape[-1], q.dtype), cu_seqlens_cpu)
     return DFlashBlockAttentionFunction.apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(),
                                               k_blk.contiguous(), v_blk.contiguous(), cu_seqlens, block_anchor,
                                               plan, block_size, scale)

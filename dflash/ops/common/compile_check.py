@@ -1,0 +1,115 @@
+"""What a kernel config costs on a GPU, found by compiling it, with or without that GPU.
+
+Triton's compiler and ptxas (both in the triton wheel) turn a kernel and a config into a cubin
+for any NVIDIA architecture, so shared memory, registers and spills are known offline:
+`launch/compile_kernels.py` reports them for every kernel and config, and the autotuned kernels
+prune, at their first launch, the configs that would not fit or would spill on the GPU they run on
+(`fitting_configs`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ...errors import UserError
+
+# Shared memory one block may opt into (bytes): A100, H100/H200, B200, RTX PRO 6000 Blackwell.
+# Triton compiles capability >= 90 for the "a" variants (sm_90a, sm_100a, sm_120a).
+MAX_SHARED = {80: 166912, 90: 232448, 100: 232448, 120: 101376}
+ARCH_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Set to pin every autotuned kernel to its first fitting config (a quick GPU check: no tuning).
+PIN_ENV = "DFLASH_PIN_CONFIGS"
+
+
+def signature(fn, dtype: torch.dtype) -> dict:
+    """Triton signature of one of our kernels, from the naming convention of its arguments:
+    LSE / DELTA are fp32 tensors, other UPPER-case names tensors of the inputs' dtype,
+    *_scale fp32 scalars, other lower-case names int32 index tensors."""
+    sig = {}
+    for i, name in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            sig[name] = "constexpr"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        elif name.isupper():
+            sig[name] = "*" + _TRITON_DTYPES[dtype]
+        elif name.endswith("scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "*i32"
+    return sig
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of the kernel in `cubin`, read by cuobjdump. Our kernels hold no
+    local arrays, so a stack frame is register spill space."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return int(match.group(1)), int(match.group(2))
+
+
+@functools.cache
+def _compile(fn, dtype, constexprs: tuple, num_warps: int, num_stages: int, cap: int) -> dict:
+    src = ASTSource(fn, signature(fn, dtype), dict(constexprs))
+    kernel = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    registers, spills = _resources(kernel.asm["cubin"])
+    return {"shared_bytes": kernel.metadata.shared, "registers": registers, "spills": spills}
+
+
+def config_name(config) -> str:
+    tiles = ",".join(f"{k}={v}" for k, v in sorted(config.kwargs.items()))
+    return f"{tiles}{',' if tiles else ''}warps={config.num_warps},stages={config.num_stages}"
+
+
+def compile_config(fn, dtype: torch.dtype, constexprs: dict, config, cap: int) -> dict:
+    """One record: what `config` of `fn` (a @triton.jit function) costs on compute capability `cap`."""
+    res = _compile(fn, dtype, tuple(sorted({**constexprs, **config.kwargs}.items())), config.num_warps,
+                   config.num_stages, cap)
+    fits = res["shared_bytes"] <= MAX_SHARED.get(cap, MAX_SHARED[120]) and res["spills"] == 0
+    return {"kernel": fn.__name__, "arch": ARCH_NAMES.get(cap, f"sm_{cap}"), "config": config_name(config),
+            **res, "fits": fits}
+
+
+def current_capability() -> int:
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+@functools.cache
+def _fitting(tuner, dtype, constexprs: tuple, cap: int) -> tuple:
+    pin = os.environ.get(PIN_ENV, "0") not in ("", "0")
+    fitting = []
+    for config in tuner.configs:
+        if compile_config(tuner.fn, dtype, dict(constexprs), config, cap)["fits"]:
+            fitting.append(config)
+            if pin:
+                break
+    return tuple(fitting)
+
+
+def fitting_configs(tuner, dtype: torch.dtype, constexprs: dict, cap: int | None = None) -> list:
+    """The configs of `tuner` (a triton.autotune object) that fit in shared memory and do not spill
+    on capability `cap` (default: the current GPU); only the first with DFLASH_PIN_CONFIGS=1.
+    Raises UserError when none does."""
+    cap = current_capability() if cap is None else cap
+    fitting = _fitting(tuner, dtype, tuple(sorted(constexprs.items())), cap)
+    if not fitting:
+        raise UserError(f"{tuner.fn.__name__}: no config fits {ARCH_NAMES.get(cap, f'sm_{cap}')} "
+                        f"({MAX_SHARED.get(cap, MAX_SHARED[120])} B shared memory per block, no spills) for "
+                        f"{dtype} and {dict(constexprs)}")
+    return list(fitting)
