@@ -48,7 +48,9 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale,
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = rows < L
-    q = tl.load(Q + (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    # Per-sample int64 scalar bases, int32 tile offsets: int64 offset tensors cost registers (spills).
+    q_base = Q + bos * (HQ * D) + i_h * D
+    q = tl.load(q_base + (rows[:, None] * (HQ * D) + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
     k_base = K + bos * (HKV * D) + i_kh * D
     v_base = V + bos * (HKV * D) + i_kh * D
 
@@ -92,9 +94,9 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale,
         m_i = m_new
 
     o = acc / l_i[:, None]
-    tl.store(OUT + (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + (bos + rows) * HQ + i_h, m_i + tl.math.log2(l_i), mask=row_ok)
+    o_base = OUT + bos * (HQ * D) + i_h * D
+    tl.store(o_base + (rows[:, None] * (HQ * D) + offs_d[None, :]), o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + bos * HQ + i_h + rows * HQ, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
 @autotune({"BLOCK_M": _INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, VARLEN_FALLBACK)
@@ -117,9 +119,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scal
     offs_d = tl.arange(0, D)
     offs_m = tl.arange(0, BLOCK_M)
     col_ok = cols < L
-    kv_off = (bos + cols)[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D)
-    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    kv_base = bos * (HKV * D) + i_kh * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
+    kv_off = cols[:, None] * (HKV * D) + offs_d[None, :]
+    k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D)
+    v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     # Query rows past L load as zeros (q, dO, lse, delta) and so add exactly nothing: only the
@@ -132,14 +135,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scal
         diag_end = 0
     for g in range(G):
         i_h = i_kh * G + g
+        q_base = bos * (HQ * D) + i_h * D
         for m0 in range(lo, diag_end, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < L
-            q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
+            q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
             pT = tl.where(cols[:, None] <= rows[None, :], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
@@ -148,17 +152,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scal
         for m0 in range(tl.maximum(diag_end, lo), L, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < L
-            q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
+            q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
-    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DK + kv_base + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + kv_base + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @autotune({"BLOCK_N": _INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, VARLEN_FALLBACK)
@@ -179,11 +183,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = rows < L
-    q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+    q_base = bos * (HQ * D) + i_h * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
+    q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
+    q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
     k_base = K + bos * (HKV * D) + i_kh * D
     v_base = V + bos * (HKV * D) + i_kh * D
     dq = tl.zeros([BLOCK_M, D], tl.float32)
@@ -215,7 +220,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_
         p = tl.where(visible, p, 0.0)
         ds = p * (tl.dot(do, vT) - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + q_base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> list:
