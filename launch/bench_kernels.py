@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.data import seed_like_lengths  # noqa: E402
 from dflash.errors import UserError, exit_on_user_error  # noqa: E402
 from dflash.ops import dflash_block_attention, varlen_attention  # noqa: E402
+from dflash.ops.common.compile_check import PIN_ENV  # noqa: E402
 
 PATTERNS = ("seed-like", "constant", "uniform", "long-tail", "bimodal")
 
@@ -262,7 +263,8 @@ def main():
     rng = np.random.default_rng(args.seed)
     report = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({platform.processor() or 'unknown'}), "
               "Triton interpreter: reduced size, times are not kernel speed",
-              "torch": torch.__version__, "dtype": str(dtype), "config": cfg, "repeats": repeats, "results": {}}
+              "torch": torch.__version__, "dtype": str(dtype), "config": cfg, "repeats": repeats,
+              "pinned_configs": os.environ.get(PIN_ENV, "0") not in ("", "0"), "results": {}}
     print(f"{report['device']} | {cfg} | {dtype}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ CASES = [
 def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, check_close):
     inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
     out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton")
-    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float32)
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64)
     low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,

@@ -69,7 +69,7 @@ def test_triton_matches_reference(lengths, hq, hkv, d, dtype, causal, check_clos
     q, k, v, do = _inputs(lengths, hq, hkv, d, dtype)
     cu = _cu(lengths)
     out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton")
-    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch", torch.float32)
+    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch", torch.float64)
     low, low_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
@@ -137,7 +137,7 @@ def test_full_attention_backward_masks_keys_past_the_end_in_float16(check_close)
     v, do = (torch.randn(t, h, d, generator=g).to(DEVICE, torch.float16) for h in (1, 2))
     cu = _cu(lengths)
     out, grads = _run(q, k, v, do, cu, 20, False, "triton")
-    ref, ref_grads = _run(q, k, v, do, cu, 20, False, "torch", torch.float32)
+    ref, ref_grads = _run(q, k, v, do, cu, 20, False, "torch", torch.float64)
     low, low_grads = _run(q, k, v, do, cu, 20, False, "torch")
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
