@@ -154,7 +154,8 @@ def bench_varlen(lengths, cfg, measure, device, dtype):
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device)
     cu_cpu, max_len = cu.cpu(), max(lengths)
     methods = {
-        "dflash-triton": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton", cu_seqlens_cpu=cu_cpu)),
+        "dflash-triton": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton",
+                                                           cu_seqlens_cpu=cu_cpu)),
         "padded-sdpa": lambda: padded_sdpa(q, k, v, lengths),
         "flex-attention": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="flex")),
         "torch-varlen": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="torch_varlen")),

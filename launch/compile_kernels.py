@@ -4,8 +4,9 @@ Compiles every kernel and autotune config with Triton's compiler and ptxas (both
 triton wheel) for each GPU architecture, head dim and dtype the ops accept, and reports shared
 memory, registers and spills. A config fits when its shared memory is within the block limit
 of the architecture and it does not spill; at their first launch the kernels prune the configs
-that do not fit (dflash/ops/common/compile_check.py). Exit status 1 when some (kernel, arch,
-head dim, dtype) has no fitting config: the ops refuse that case and name another backend.
+that do not fit (dflash/ops/common/compile_check.py), keeping the least-spilling ones where every
+config spills. Exit status 1 when some (kernel, arch, head dim, dtype) has no config that fits
+without spilling; where none even fits shared memory the ops refuse the case and name another backend.
 float16 compiles like bfloat16 (same sizes); it is checked only when asked for.
 
     python launch/compile_kernels.py                       # table, every case (about an hour on 2 cores)
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from dflash.ops.common.compile_check import ARCH_NAMES, compile_config  # noqa: E402
+from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,11 +49,15 @@ def parse_args(argv=None):
 
 
 def _cases(op, head_dim, heads, kv_heads, dtype):
+    from dflash.ops.common import delta
+
     if op == "varlen":
         from dflash.ops.varlen.triton_kernels import compile_cases
     else:
         from dflash.ops.dflash_block.triton_kernels import compile_cases
-    return compile_cases(head_dim, heads, kv_heads, DTYPES[dtype])
+    # The delta preprocess serves both ops; it is reported with varlen.
+    return compile_cases(head_dim, heads, kv_heads, DTYPES[dtype]) + (delta.compile_cases(head_dim) if op == "varlen"
+                                                                       else [])
 
 
 def _job(task):
@@ -78,12 +83,16 @@ def tasks(args):
 
 
 def unservable(records):
-    """(kernel, arch, head_dim, dtype, constexprs) groups in which no config fits."""
+    """{(kernel, arch, head_dim, dtype, constexprs): reason} for the groups in which no config fits
+    without spilling: "spills" (runs, slowly: the kernels keep the least-spilling configs) or
+    "shared memory" (cannot launch: the ops refuse it and name another backend)."""
     groups = {}
     for r in records:
         key = (r["kernel"], r["arch"], r["head_dim"], r["dtype"], json.dumps(r["constexprs"], sort_keys=True))
-        groups[key] = groups.get(key, False) or r["fits"]
-    return sorted(k for k, ok in groups.items() if not ok)
+        launches = r["shared_bytes"] <= MAX_SHARED[next(c for c, n in ARCH_NAMES.items() if n == r["arch"])]
+        fits, any_launch = groups.get(key, (False, False))
+        groups[key] = (fits or r["fits"], any_launch or launches)
+    return {k: "spills" if launch else "shared memory" for k, (fits, launch) in sorted(groups.items()) if not fits}
 
 
 def main(argv=None):
@@ -103,8 +112,10 @@ def main(argv=None):
     if args.json == "-":
         print(json.dumps(records, indent=1))
     bad = unservable(records)
-    for key in bad:
-        print(f"no fitting config: {key[0]} {key[1]} head_dim {key[2]} {key[3]} {key[4]}", file=sys.stderr)
+    for key, reason in bad.items():
+        why = "every config spills" if reason == "spills" else "none fits shared memory: refused"
+        print(f"no config fits without spilling ({why}): {key[0]} {key[1]} head_dim {key[2]} {key[3]} {key[4]}",
+              file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -4,7 +4,7 @@ Triton's compiler and ptxas (both in the triton wheel) turn a kernel and a confi
 for any NVIDIA architecture, so shared memory, registers and spills are known offline:
 `launch/compile_kernels.py` reports them for every kernel and config, and the autotuned kernels
 prune, at their first launch, the configs that would not fit or would spill on the GPU they run on
-(`fitting_configs`).
+(`fitting_configs`); configs that spill are kept only where every config spills.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import tempfile
+import warnings
 
 import torch
 import triton
@@ -33,7 +34,7 @@ PIN_ENV = "DFLASH_PIN_CONFIGS"
 def signature(fn, dtype: torch.dtype) -> dict:
     """Triton signature of one of our kernels, from the naming convention of its arguments:
     LSE / DELTA are fp32 tensors, other UPPER-case names tensors of the inputs' dtype,
-    *_scale fp32 scalars, other lower-case names int32 index tensors."""
+    *_scale fp32 scalars, n_* int32 scalars, other lower-case names int32 index tensors."""
     sig = {}
     for i, name in enumerate(fn.arg_names):
         if i in fn.constexprs:
@@ -44,6 +45,8 @@ def signature(fn, dtype: torch.dtype) -> dict:
             sig[name] = "*" + _TRITON_DTYPES[dtype]
         elif name.endswith("scale"):
             sig[name] = "fp32"
+        elif name.startswith("n_"):
+            sig[name] = "i32"
         else:
             sig[name] = "*i32"
     return sig
@@ -92,24 +95,37 @@ def current_capability() -> int:
 
 @functools.cache
 def _fitting(tuner, dtype, constexprs: tuple, cap: int) -> tuple:
+    """(configs, spill bytes of each): those that fit without spilling; failing that, those that fit
+    in shared memory with the fewest spills (slow but correct); empty when none can launch."""
     pin = os.environ.get(PIN_ENV, "0") not in ("", "0")
-    fitting = []
+    launchable = []
     for config in tuner.configs:
-        if compile_config(tuner.fn, dtype, dict(constexprs), config, cap)["fits"]:
-            fitting.append(config)
-            if pin:
+        record = compile_config(tuner.fn, dtype, dict(constexprs), config, cap)
+        if record["shared_bytes"] <= MAX_SHARED.get(cap, MAX_SHARED[120]):
+            launchable.append((record["spills"], config))
+            if pin and record["spills"] == 0:
                 break
-    return tuple(fitting)
+    if not launchable:
+        return ()
+    least = min(spills for spills, _ in launchable)
+    best = [config for spills, config in launchable if spills == least]
+    return tuple(best[:1] if pin else best), least
 
 
 def fitting_configs(tuner, dtype: torch.dtype, constexprs: dict, cap: int | None = None) -> list:
     """The configs of `tuner` (a triton.autotune object) that fit in shared memory and do not spill
     on capability `cap` (default: the current GPU); only the first with DFLASH_PIN_CONFIGS=1.
-    Raises UserError when none does."""
+    When every config spills, the ones that spill least, with a warning. Raises UserError when
+    none fits in shared memory (the launch would fail)."""
     cap = current_capability() if cap is None else cap
-    fitting = _fitting(tuner, dtype, tuple(sorted(constexprs.items())), cap)
-    if not fitting:
-        raise UserError(f"{tuner.fn.__name__}: no config fits {ARCH_NAMES.get(cap, f'sm_{cap}')} "
-                        f"({MAX_SHARED.get(cap, MAX_SHARED[120])} B shared memory per block, no spills) for "
+    arch = ARCH_NAMES.get(cap, f"sm_{cap}")
+    found = _fitting(tuner, dtype, tuple(sorted(constexprs.items())), cap)
+    if not found:
+        raise UserError(f"{tuner.fn.__name__}: no config fits {arch} "
+                        f"({MAX_SHARED.get(cap, MAX_SHARED[120])} B shared memory per block) for "
                         f"{dtype} and {dict(constexprs)}")
-    return list(fitting)
+    configs, spills = found
+    if spills:
+        warnings.warn(f"{tuner.fn.__name__}: every config spills registers on {arch} for {dtype} and "
+                      f"{dict(constexprs)} (least: {spills} B); it runs, slowly", stacklevel=2)
+    return list(configs)

@@ -98,7 +98,8 @@ def block_groups(block_seq: torch.Tensor, block_anchor: torch.Tensor, num_seqs: 
     anchors = block_anchor.long()
     order = torch.argsort((seqs << _SHIFT) + anchors, stable=True)
     seq_sorted, anchor_sorted = seqs[order], anchors[order]
-    counts = torch.bincount(seqs, minlength=num_seqs)
+    # Not torch.bincount: on CUDA it reads the largest value back to the host.
+    counts = torch.zeros(num_seqs, dtype=torch.long, device=device).index_add_(0, seqs, torch.ones_like(seqs))
     ngroups = cdiv(counts, per_group)
     first_group = torch.cumsum(ngroups, 0) - ngroups
     first_block = torch.cumsum(counts, 0) - counts

@@ -62,7 +62,8 @@ def autotune(options: dict, key: list, fallback: str):
 
             constexprs = {name: kwargs[name] for name in kwargs if fn.arg_names.index(name) in fn.constexprs}
             try:
-                return fitting_configs(tuner, nargs["Q"].dtype, constexprs)
+                data = next(name for name in fn.arg_names if name.isupper() and name not in ("LSE", "DELTA"))
+                return fitting_configs(tuner, nargs[data].dtype, constexprs)
             except UserError as err:
                 raise UserError(f"{err}; use {fallback}") from None
 

@@ -73,6 +73,8 @@ def dflash_block_attention(
     check_index("block_seq", block_seq, q.device)
     check_index("block_anchor", block_anchor, q.device, num_blocks)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:  # the kernels take the row maximum of unscaled scores
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     impl = resolve_backend(backend, q.device, op="block")
     if impl == "torch":  # the reference checks the anchors itself
         return dflash_block_attention_naive(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,

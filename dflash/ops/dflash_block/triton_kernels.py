@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..common.backend import is_interpreting
+from ..common.delta import attention_delta
 from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, sequence_tiles
 from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
 
@@ -71,10 +72,10 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     for n0 in range(0, full_end, BLOCK_N):
         kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
         v = tl.load(vc_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
-        s = tl.dot(q, kT) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -83,12 +84,12 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
         col_ok = cols < amax
         kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, kT) * qk_scale
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
         s = tl.where(cols[None, :] < anchor[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose anchor is still ahead
         alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -96,12 +97,12 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     kb_off = rows[None, :] * (HKV * D) + i_kh * D + offs_d[:, None]
     kbT = tl.load(KB + kb_off, mask=ok[None, :], other=0.0)  # (D, BLOCK_M)
     vb = tl.load(VB + rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-    s = tl.dot(q, kbT) * qk_scale
+    s = tl.dot(q, kbT)  # scaled inside exp2 below: one FMA per score
     s = tl.where((slot[:, None] == slot[None, :]) & ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows of a partial group
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
     m_i = m_new
@@ -282,7 +283,7 @@ def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, bloc
                      scale):
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
-    delta = (do.float() * o.float()).sum(-1)  # (NB*B, HQ): rowsum(dO * O)
+    delta = attention_delta(do, o)  # rowsum(dO * O), (rows, HQ) fp32
     dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
     dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
     consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)

@@ -60,6 +60,8 @@ def varlen_attention(
     if cu_seqlens_cpu is not None:
         check_max_seqlen(cu_seqlens_cpu, max_seqlen)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:  # the kernels take the row maximum of unscaled scores
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     impl = resolve_backend(backend, q.device)
     if impl == "torch":
         return varlen_attention_naive(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale)

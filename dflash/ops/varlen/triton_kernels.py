@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..common.backend import is_interpreting
+from ..common.delta import attention_delta
 from ..common.tiles import TILE_CACHE, sequence_tiles
 from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
 
@@ -67,10 +68,10 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale,
     for n0 in range(0, full_end, BLOCK_N):
         kT = tl.load(k_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])  # (D, BLOCK_N)
         v = tl.load(v_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
-        s = tl.dot(q, kT) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -80,15 +81,15 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale,
         col_ok = cols < L
         kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         v = tl.load(v_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, kT) * qk_scale
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
         visible = col_ok[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see nothing
         alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -254,7 +255,7 @@ def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu):
 def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, causal, scale, cu_seqlens_cpu):
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    delta = (do.float() * o.float()).sum(-1)  # (T, HQ): rowsum(dO * O), the softmax-jacobian term
+    delta = attention_delta(do, o)  # rowsum(dO * O), (rows, HQ) fp32
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     block_n, block_m = tile_rows(DKV_BLOCK_N, D, q.dtype), tile_rows(DQ_BLOCK_M, D, q.dtype)
     kv_tiles = _tiles(cu_seqlens, block_n, T, False, cu_seqlens_cpu)
