@@ -30,13 +30,19 @@ BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'
 
 
 @triton.jit
-def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row indices (int64), validity and anchors of the BLOCK_M query rows of group i_g."""
+def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexpr, BLOCK_M: tl.constexpr,
+                OFFS64: tl.constexpr):
+    """Row indices, validity and anchors of the BLOCK_M query rows of group i_g. The rows are
+    int64 only when the block tensors' offsets need it (OFFS64): int64 offset tensors cost
+    registers, enough to make every config spill."""
     r = tl.arange(0, BLOCK_M)
     slot = r // B
     blk = tl.load(grp_blocks + i_g * BPG + slot, mask=slot < BPG, other=-1)
     ok = blk >= 0
-    rows = blk.to(tl.int64) * B + r % B
+    if OFFS64:
+        rows = blk.to(tl.int64) * B + r % B
+    else:
+        rows = blk * B + r % B
     anchor = tl.load(block_anchor + blk, mask=ok, other=0)
     return rows, ok, anchor, slot
 
@@ -46,7 +52,7 @@ def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexp
 def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
                 grp_order, qk_scale,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     pid = tl.program_id(0)
     i_g = tl.load(grp_order + pid // HQ)
     i_h = pid % HQ
@@ -57,7 +63,7 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     amin = tl.load(grp_amin + i_g)
     amax = tl.load(grp_amax + i_g)
-    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
@@ -117,7 +123,7 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
 def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_anchor, grp_blocks, tiles,
                          ranges, qk_scale, sm_scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                         BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     # One program: BLOCK_N context keys of one kv head. Groups [lo, full) see part of them,
     # [full, end) all of them (ranges from common.tiles.context_group_ranges); keys nobody
     # sees get zero gradients. GQA heads are summed here (no atomics).
@@ -135,16 +141,17 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
     g_end = tl.load(ranges + 3 * i_tile + 2)
     offs_d = tl.arange(0, D)
     col_ok = cols < L
-    kv_off = (bos + cols)[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
-    k = tl.load(KC + kv_off, mask=col_ok[:, None], other=0.0)
-    v = tl.load(VC + kv_off, mask=col_ok[:, None], other=0.0)
+    kv_base = bos * (HKV * D) + i_kh * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
+    kv_off = cols[:, None] * (HKV * D) + offs_d[None, :]
+    k = tl.load(KC + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(VC + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     # Padding rows of a group load as zeros (q, dO, lse, delta) and add exactly nothing.
     for g in range(G):
         i_h = i_kh * G + g
         for i_g in range(g_lo, g_full):
-            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
             q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
             q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
             do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
@@ -156,7 +163,7 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
         for i_g in range(g_full, g_end):
-            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
             q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
             q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
             do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
@@ -166,8 +173,8 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
-    tl.store(DKC + kv_off, (dk * sm_scale).to(DKC.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DVC + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DKC + kv_base + kv_off, (dk * sm_scale).to(DKC.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DVC + kv_base + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
 
 
 @autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
@@ -175,7 +182,7 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
 def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_seqlens, block_anchor, grp_blocks,
                           grp_seq, grp_amin, grp_amax, grp_order, qk_scale, sm_scale,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                          BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     # One program: a group and one kv head, looping over its query heads. dQ comes from the
     # context and the own blocks; the own blocks' keys are seen by this group only, so their
     # dK/dV (summed over the query heads) are finished here too.
@@ -189,7 +196,7 @@ def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_se
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     amin = tl.load(grp_amin + i_g)
     amax = tl.load(grp_amax + i_g)
-    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     kc_base = KC + bos * (HKV * D) + i_kh * D
@@ -238,10 +245,17 @@ def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_se
 def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16) -> list:
     """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
     block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
-    common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m)
+    common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m,
+                  OFFS64=False)
     ctx_block = tile_rows(CTX_BLOCK_N, head_dim, dtype)
     return [(_fwd_kernel, common), (_bwd_dkdv_ctx_kernel, {**common, "BLOCK_N": ctx_block}),
             (_bwd_dq_dkvblk_kernel, common)]
+
+
+def _offs64(q) -> bool:
+    """Whether offsets into the block tensors (q, dO, dQ, k_blk, v_blk, lse: none larger than q)
+    can pass int32."""
+    return q.numel() >= 2**31
 
 
 class _Plan:
@@ -275,7 +289,7 @@ def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, pl
     _fwd_kernel[(plan.order.numel() * HQ,)](
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
         plan.amax, plan.order, scale * LOG2E,
-        HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)
+        HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
     return o, lse
 
 
@@ -286,7 +300,7 @@ def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, bloc
     delta = attention_delta(do, o)  # rowsum(dO * O), (rows, HQ) fp32
     dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
     dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
-    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)
+    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
     _bwd_dkdv_ctx_kernel[(plan.ctx_tiles.shape[0] * HKV,)](
         q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, cu_seqlens, block_anchor, plan.blocks, plan.ctx_tiles,
         plan.ctx_ranges, scale * LOG2E, scale, BLOCK_N=plan.ctx_block, **consts)
