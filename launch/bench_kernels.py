@@ -1,8 +1,9 @@
 """Benchmark dflash's Triton attention kernels against the public alternatives.
 
-Causal varlen attention (the target's): ours vs padded SDPA, FlexAttention with a document
-mask, torch.nn.attention.varlen (FlashAttention-2) and flash-attn's varlen function when they
-run here. DFlash block attention (the drafter's): ours vs FlexAttention with the same mask.
+Causal varlen attention (the target's): ours vs padded SDPA and the library backends of
+dflash.ops (FlexAttention with a document mask, torch.nn.attention.varlen (FlashAttention-2),
+flash-attn's varlen function) where they run. DFlash block attention (the drafter's): ours vs
+FlexAttention with the block mask (backend="flex").
 Length patterns (seed-like, constant, uniform, long-tail, bimodal), each sorted and shuffled,
 packed to a real micro-batch (49,152 tokens). TFLOP/s count visible query-key pairs only
 (forward 4*D per pair and head; forward+backward 3.5x that).
@@ -11,6 +12,7 @@ On a machine without CUDA the kernels run in Triton's interpreter at a reduced s
 proves the script works, the times mean nothing.
 
     python launch/bench_kernels.py --out runs/bench   # writes bench_kernels.json and .png
+    python launch/bench_kernels.py --quick --lengths ../shared/data/seed_lengths.npy
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash.data import seed_like_lengths  # noqa: E402
+from dflash.errors import UserError, exit_on_user_error  # noqa: E402
 from dflash.ops import dflash_block_attention, varlen_attention  # noqa: E402
+from dflash.ops.common.compile_check import PIN_ENV  # noqa: E402
 
-SEED_LENGTHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "seed_lengths.npy"
 PATTERNS = ("seed-like", "constant", "uniform", "long-tail", "bimodal")
 
 
@@ -49,13 +53,29 @@ def parse_args():
                    help="DFlash blocks per call, spread over the samples by length (default 4096; 16 on the CPU)")
     p.add_argument("--max-len", type=int, default=8192, help="longest sample (scaled down on the CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median)")
+    p.add_argument("--lengths", metavar="F.npy", default=None,
+                   help="sample lengths for the seed-like pattern (default: dflash.data.seed_like_lengths())")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
-def make_lengths(pattern: str, total: int, max_len: int, rng: np.random.Generator, scale: float) -> list[int]:
-    """Sample lengths of `pattern` until they fill `total` tokens (the last one is cut)."""
-    seed = np.load(SEED_LENGTHS) if pattern == "seed-like" else None
+def load_lengths(path: str | None) -> np.ndarray:
+    if path is None:
+        return seed_like_lengths(100_000)
+    try:
+        lengths = np.load(path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--lengths {path}: cannot read a .npy array ({err})") from None
+    if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer) or lengths.min() < 1:
+        raise UserError(f"--lengths {path}: need a non-empty 1-D array of positive integers, got {lengths.dtype} "
+                        f"of shape {lengths.shape}")
+    return lengths
+
+
+def make_lengths(pattern: str, total: int, max_len: int, rng: np.random.Generator, scale: float,
+                 seed: np.ndarray) -> list[int]:
+    """Sample lengths of `pattern` until they fill `total` tokens (the last one is cut); seed-like
+    draws from the `seed` lengths."""
     out = []
     while sum(out) < total:
         if pattern == "seed-like":
@@ -127,48 +147,19 @@ def padded_sdpa(q, k, v, lengths):
     return run
 
 
-_FLEX = {}
-
-
-def flex(q, k, v, mask_mod, q_len, kv_len):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device=q.device)
-
-    def run():
-        o = _FLEX["fn"](q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                        block_mask=mask, enable_gqa=True)
-        return o[0].transpose(0, 1)
-    return run
-
-
-def torch_varlen(q, k, v, cu, max_len):
-    from torch.nn.attention.varlen import varlen_attn
-
-    return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
-
-
-def flash_attn_varlen(q, k, v, cu, max_len):
-    from flash_attn import flash_attn_varlen_func
-
-    return lambda: flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
-
-
 def bench_varlen(lengths, cfg, measure, device, dtype):
     total = sum(lengths)
     q, k, v = (torch.randn(total, h, cfg["head_dim"], device=device, dtype=dtype) for h in
                (cfg["heads"], cfg["kv_heads"], cfg["kv_heads"]))
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device)
     cu_cpu, max_len = cu.cpu(), max(lengths)
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
     methods = {
-        "dflash-triton": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton", cu_seqlens_cpu=cu_cpu)),
+        "dflash-triton": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton",
+                                                           cu_seqlens_cpu=cu_cpu)),
         "padded-sdpa": lambda: padded_sdpa(q, k, v, lengths),
-        "flex-attention": lambda: flex(q, k, v, lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), total, total),
-        "torch-varlen": lambda: torch_varlen(q, k, v, cu, max_len),
-        "flash-attn": lambda: flash_attn_varlen(q, k, v, cu, max_len),
+        "flex-attention": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="flex")),
+        "torch-varlen": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="torch_varlen")),
+        "flash-attn": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="flash_attn")),
     }
     pairs = sum(n * (n + 1) // 2 for n in lengths)
     return run_methods(methods, (q, k, v), pairs, cfg, measure)
@@ -184,26 +175,12 @@ def bench_block(lengths, cfg, measure, device, dtype, rng):
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=device)
     anchor_t = torch.tensor(anchor, dtype=torch.int32, device=device)
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    pos = torch.arange(total, device=device) - cu.long()[doc]
-    seq_l, anchor_l = seq_t.long(), anchor_t.long()
 
-    def mask_mod(bi, h, i, j):  # keys: context rows, then block rows
-        blk = i // b
-        in_ctx = j < total
-        jc = torch.clamp(j, max=total - 1)
-        ctx_ok = (doc[jc] == seq_l[blk]) & (pos[jc] < anchor_l[blk])
-        return torch.where(in_ctx, ctx_ok, (j - total) // b == blk)
+    def block(backend):
+        return lambda: (lambda: dflash_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq_t, anchor_t, b,
+                                                       backend=backend, cu_seqlens_cpu=cu.cpu()))
 
-    def ours():
-        return lambda: dflash_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq_t, anchor_t, b,
-                                              backend="triton", cu_seqlens_cpu=cu.cpu())
-
-    def flex_block():
-        run = flex(q, torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), mask_mod, rows, total + rows)
-        return run
-
-    methods = {"dflash-triton": ours, "flex-attention": flex_block}
+    methods = {"dflash-triton": block("triton"), "flex-attention": block("flex")}
     pairs = int(sum(b * (a + b) for a in anchor))
     return run_methods(methods, (q, k_ctx, v_ctx, k_blk, v_blk), pairs, cfg, measure)
 
@@ -252,7 +229,7 @@ def write_chart(report, path):
               ("block", "fwd_tflops", "DFlash block forward"), ("block", "fwdbwd_tflops", "DFlash block fwd+bwd")]
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.2 * len(panels)))
     cases = list(report["results"])
-    for ax, (op, metric, title) in zip(axes, panels):
+    for ax, (op, metric, title) in zip(axes, panels, strict=True):
         methods = sorted({m for c in cases for m, r in report["results"][c][op].items() if metric in r})
         width = 0.8 / max(len(methods), 1)
         for i, m in enumerate(methods):
@@ -269,8 +246,10 @@ def write_chart(report, path):
     print(f"wrote {path}")
 
 
+@exit_on_user_error
 def main():
     args = parse_args()
+    seed_lengths = load_lengths(args.lengths)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = device == "cuda"
     cfg = {"tokens": args.tokens or (49152 if gpu else 256), "heads": args.heads or (32 if gpu else 2),
@@ -285,12 +264,13 @@ def main():
     rng = np.random.default_rng(args.seed)
     report = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({platform.processor() or 'unknown'}), "
               "Triton interpreter: reduced size, times are not kernel speed",
-              "torch": torch.__version__, "dtype": str(dtype), "config": cfg, "repeats": repeats, "results": {}}
+              "torch": torch.__version__, "dtype": str(dtype), "config": cfg, "repeats": repeats,
+              "pinned_configs": os.environ.get(PIN_ENV, "0") not in ("", "0"), "results": {}}
     print(f"{report['device']} | {cfg} | {dtype}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for pattern in patterns:
-        base = make_lengths(pattern, cfg["tokens"], max_len, rng, scale)
+        base = make_lengths(pattern, cfg["tokens"], max_len, rng, scale, seed_lengths)
         for order in ("sorted", "shuffled"):
             lengths = sorted(base) if order == "sorted" else [base[i] for i in rng.permutation(len(base))]
             case = f"{pattern}/{order}"

@@ -1,5 +1,6 @@
 """Attention ops on the packed layout; calling convention in dflash/ops/README.md."""
+from .common.backend import ATTENTION_BACKENDS
 from .dflash_block import dflash_block_attention
 from .varlen import varlen_attention
 
-__all__ = ["varlen_attention", "dflash_block_attention"]
+__all__ = ["ATTENTION_BACKENDS", "varlen_attention", "dflash_block_attention"]

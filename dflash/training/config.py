@@ -18,9 +18,8 @@ from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.errors import UserError
 from dflash.models.config import GAMMA_BY_BLOCK_SIZE
+from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import parse_list
-
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 def _opt(default, help: str, list_options: dict | None = None):
@@ -107,7 +106,8 @@ class TrainConfig:
         "recompute drafter layers in backward: less activation memory, about a third more drafter compute",
     )
     dtype: str = _opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
-    attention_backend: str = _opt("auto", f"dflash.ops backend: {', '.join(ATTENTION_BACKENDS)} (auto: Triton on CUDA)")
+    attention_backend: str = _opt("auto", f"dflash.ops backend: {', '.join(ATTENTION_BACKENDS)} (auto: Triton on "
+                                  "CUDA; torch_varlen / flash_attn serve the target, the drafter then uses flex)")
     seed: int = _opt(0, "seed of the planner, anchors, split and initialisation")
     # run control
     deepspeed_config: str = _opt("ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these options")

@@ -59,16 +59,17 @@ def count_specializations():
     """count_specializations(kernels) -> callable returning how many distinct compilations the
     launches of `kernels` (autotuned Triton kernels) have needed since the fixture was made.
 
-    On CUDA this is the size of Triton's kernel cache. In the interpreter nothing compiles, so
-    every launch's arguments go through the same specialization binder Triton uses to pick a
-    cached kernel, and the distinct keys are counted.
+    On CUDA this is the number of autotune keys (the autotuner compiles every config of a key,
+    so Triton's kernel cache holds several entries per key). In the interpreter nothing
+    compiles, so every launch's arguments go through the same specialization binder Triton uses
+    to pick a cached kernel, and the distinct keys are counted.
     """
     hooks = []
 
     def start(kernels):
         if DEVICE == "cuda":
             def size():
-                return sum(len(cache[0]) for k in kernels for cache in k.fn.device_caches.values())
+                return sum(len(k.cache) for k in kernels)
             before = size()
             return lambda: size() - before
         from triton.backends.compiler import BaseBackend

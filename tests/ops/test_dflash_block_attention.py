@@ -62,7 +62,7 @@ def test_reference_matches_dense_mask(lengths, per_seq, block_size):
     leaves = [x.clone().requires_grad_() for x in inputs]
     ref = _dense(*leaves, cu, seq, anchor, block_size)
     torch.testing.assert_close(out, ref)
-    for got, want in zip(grads, torch.autograd.grad(ref, leaves, do)):
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves, do), strict=True):
         torch.testing.assert_close(got, want)
 
 
@@ -80,10 +80,11 @@ CASES = [
 def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, check_close):
     inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
     out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton")
-    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float32)
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64)
     low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
     check_close("out", out, ref, low)
-    for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads):
+    for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
+                                   strict=True):
         check_close(name, got, want, lo)
 
 
@@ -99,7 +100,8 @@ def test_triton_matches_reference_random_batches(seed, check_close):
     out = dflash_block_attention(*leaves, cu, seq, anchor, 4, backend="triton", cu_seqlens_cpu=cu_cpu)
     grads = torch.autograd.grad(out, leaves, do)
     ref, ref_grads = _run(inputs, do, cu, seq, anchor, 4, "torch")
-    for name, got, want in zip(("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), (out, *grads), (ref, *ref_grads)):
+    for name, got, want in zip(("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), (out, *grads), (ref, *ref_grads),
+                                   strict=True):
         check_close(name, got, want)
 
 
@@ -124,3 +126,35 @@ def test_errors_name_the_problem():
         dflash_block_attention(*inputs, cu, seq.long(), anchor, 4)
     with pytest.raises(ValueError, match="past its length"):
         dflash_block_attention(*inputs, cu, seq, anchor + 7, 4, backend="torch")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the check is a device-side assert, which ends the process")
+@pytest.mark.parametrize("bad", ["anchor", "sample"])
+def test_triton_refuses_blocks_outside_their_sample(bad):
+    """An anchor past its sample's length made the kernels read the next sample's rows."""
+    inputs, _, cu, seq, anchor = _batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
+    if bad == "anchor":
+        anchor = torch.where(seq == 0, 7, anchor).to(torch.int32)
+    else:
+        seq = torch.where(seq == 0, 2, seq).to(torch.int32)
+    with pytest.raises(RuntimeError, match="past that sample's length"):
+        dflash_block_attention(*inputs, cu, seq, anchor, 4, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["flex", "torch_varlen"])
+def test_flex_backend_matches_the_float64_reference(backend, check_close):
+    """FlexAttention with the block mask (also what torch_varlen / flash_attn select for this op):
+    forward on the CPU (no CPU backward in torch), forward and backward on CUDA."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    inputs, do, cu, seq, anchor = _batch([40, 1, 23], 5, 4, 4, 2, 64, dtype, anchors=None)
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, 4, "torch", torch.float64)
+    low, low_grads = _run(inputs, do, cu, seq, anchor, 4, "torch")
+    if DEVICE != "cuda":
+        detached = [x.detach() for x in inputs]  # _run made the inputs themselves leaves
+        check_close("out", dflash_block_attention(*detached, cu, seq, anchor, 4, backend=backend), ref, low)
+        return
+    out, grads = _run(inputs, do, cu, seq, anchor, 4, backend)
+    check_close("out", out, ref, low)
+    for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
+                                   strict=True):
+        check_close(name, got, want, lo)

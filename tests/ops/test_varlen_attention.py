@@ -50,7 +50,7 @@ def test_reference_matches_dense_mask(lengths, causal):
     ref = _dense(*leaves, cu, causal)
     ref_grads = torch.autograd.grad(ref, leaves, do)
     torch.testing.assert_close(out, ref)
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want)
 
 
@@ -69,10 +69,10 @@ def test_triton_matches_reference(lengths, hq, hkv, d, dtype, causal, check_clos
     q, k, v, do = _inputs(lengths, hq, hkv, d, dtype)
     cu = _cu(lengths)
     out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton")
-    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch", torch.float32)
+    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch", torch.float64)
     low, low_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
     check_close("out", out, ref, low)
-    for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+    for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
         check_close(name, got, want, lo)
 
 
@@ -86,7 +86,7 @@ def test_triton_matches_reference_random_batches(seed, check_close):
     cu = _cu(lengths)
     out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton")
     ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
         check_close(name, got, want)
 
 
@@ -123,3 +123,63 @@ def test_auto_backend_and_errors():
         varlen_attention(q, k, v, cu.long(), 4)
     with pytest.raises(ValueError, match="backend"):
         varlen_attention(q, k, v, cu, 4, backend="cuda")
+
+
+def test_full_attention_backward_masks_keys_past_the_end_in_float16(check_close):
+    """Strongly negative logits (row lse about -30 in base 2): a key past the sample's end
+    loads as zero but its p = exp2(-lse) must still be masked, or ds overflows float16 and dQ
+    turns NaN. The lengths are not multiples of the key tile."""
+    lengths = [20, 7]
+    g = torch.Generator().manual_seed(5)
+    t, d = sum(lengths), 32
+    q = (4 + 0.1 * torch.randn(t, 2, d, generator=g)).to(DEVICE, torch.float16)
+    k = (-1.2 + torch.randn(t, 1, d, generator=g)).to(DEVICE, torch.float16)
+    v, do = (torch.randn(t, h, d, generator=g).to(DEVICE, torch.float16) for h in (1, 2))
+    cu = _cu(lengths)
+    out, grads = _run(q, k, v, do, cu, 20, False, "triton")
+    ref, ref_grads = _run(q, k, v, do, cu, 20, False, "torch", torch.float64)
+    low, low_grads = _run(q, k, v, do, cu, 20, False, "torch")
+    check_close("out", out, ref, low)
+    for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
+        check_close(name, got, want, lo)
+
+
+def test_max_seqlen_below_the_longest_sample(check_close):
+    """Without a host copy of cu_seqlens the kernels must not trust max_seqlen (too small a value
+    dropped tiles); with one, a wrong max_seqlen is refused."""
+    lengths = [40, 3, 70]
+    q, k, v, do = _inputs(lengths, 2, 1, 16, torch.float32)
+    cu = _cu(lengths)
+    out, grads = _run(q, k, v, do, cu, 8, True, "triton")
+    ref, ref_grads = _run(q, k, v, do, cu, 70, True, "torch")
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
+        check_close(name, got, want)
+    with pytest.raises(ValueError, match="max_seqlen is 8 but sample 2 has 70 rows"):
+        varlen_attention(q, k, v, cu, 8, backend="triton", cu_seqlens_cpu=cu.cpu())
+
+
+@pytest.mark.parametrize("backend", ["flex", "torch_varlen", "flash_attn"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_library_backends_match_the_float64_reference(backend, causal, check_close):
+    """The public kernels behind backend= against the float64 reference: forward everywhere they
+    run (FlexAttention runs forward-only on the CPU), backward on CUDA."""
+    if backend != "flex" and DEVICE != "cuda":
+        with pytest.raises(RuntimeError, match="runs on CUDA tensors"):
+            varlen_attention(*_inputs([4], 2, 1, 16, torch.float32)[:3], _cu([4]), 4, backend=backend)
+        return
+    if backend == "flash_attn":
+        pytest.importorskip("flash_attn")
+    lengths = [37, 1, 64, 5, 0, 20]
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q, k, v, do = _inputs(lengths, 4, 2, 64, dtype)
+    cu = _cu(lengths)
+    ref, ref_grads = _run(q, k, v, do, cu, 64, causal, "torch", torch.float64)
+    low, low_grads = _run(q, k, v, do, cu, 64, causal, "torch")
+    if DEVICE != "cuda":
+        out = varlen_attention(q.detach(), k.detach(), v.detach(), cu, 64, causal=causal, backend=backend)
+        check_close("out", out, ref, low)
+        return
+    out, grads = _run(q, k, v, do, cu, 64, causal, backend)
+    check_close("out", out, ref, low)
+    for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
+        check_close(name, got, want, lo)

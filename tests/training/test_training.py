@@ -112,7 +112,8 @@ BAD_OPTIONS = [
     (["--lr", "nan"], "--lr: must be a finite number, got nan"),
     (["--weight-decay", "nan"], "--weight-decay: must be a finite number, got nan"),
     (["--seed", "-1"], "--seed: must be >= 0, got -1"),
-    (["--attention-backend", "cudnn"], "--attention-backend: must be one of auto, triton, torch, got 'cudnn'"),
+    (["--attention-backend", "cudnn"], "--attention-backend: must be one of auto, triton, torch, flex, torch_varlen, "
+                                       "flash_attn, got 'cudnn'"),
     (["--grad-clip", "-1"], "--grad-clip: must be >= 0 (0: no clipping), got -1.0"),
     (["--gamma", "-2"], "--gamma: must be positive (0: the default for the block size), got -2.0"),
     (["--target-layer-ids", "1,3,1"], "--target-layer-ids: values must not repeat, got '1,3,1'"),

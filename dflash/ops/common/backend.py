@@ -1,4 +1,5 @@
-"""Backend choice: Triton when it can run, the plain-torch reference otherwise."""
+"""Backend choice: Triton when it can run, the plain-torch reference otherwise, or a public
+library's kernel (FlexAttention, torch's varlen_attn, flash-attn) when asked for."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +8,10 @@ import os
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-BACKENDS = ("auto", "triton", "torch")
+# Every accepted `backend=` / `--attention-backend` name. torch_varlen and flash_attn are kernels
+# for the target's causal varlen attention only; with them the DFlash block attention runs
+# through FlexAttention ("flex"), which serves both ops.
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "flex", "torch_varlen", "flash_attn")
 
 
 def is_interpreting() -> bool:
@@ -15,19 +19,26 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map the user's `backend` to "triton" or "torch", or raise with what is missing."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def resolve_backend(backend: str, device: torch.device, op: str = "varlen") -> str:
+    """Map the user's `backend` to the implementation that `op` ("varlen" or "block") runs on
+    `device`: "triton", "torch", "flex", "torch_varlen" or "flash_attn"; raise with what is missing."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    usable = HAS_TRITON and (device.type == "cuda" or (device.type == "cpu" and is_interpreting()))
     if backend == "auto":
         return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
-    if not HAS_TRITON:
+    if backend in ("torch_varlen", "flash_attn") and op == "block":
+        backend = "flex"
+    if backend == "flex":
+        return "flex"  # FlexAttention runs on CUDA and (forward only) on the CPU
+    if device.type != "cuda" and not (backend == "triton" and device.type == "cpu" and is_interpreting()):
+        hint = " or on CPU tensors with TRITON_INTERPRET=1 set before triton is imported" if backend == "triton" else ""
+        raise RuntimeError(f'backend="{backend}" runs on CUDA tensors{hint}; got device {device}')
+    if backend == "triton" and not HAS_TRITON:
         raise RuntimeError('backend="triton" needs the triton package, which is not importable; '
                            'use backend="torch" or "auto"')
-    if not usable:
-        raise RuntimeError(f'backend="triton" runs on CUDA tensors, or on CPU tensors with '
-                           f"TRITON_INTERPRET=1 set before triton is imported; got device {device}")
-    return "triton"
+    if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        raise RuntimeError('backend="flash_attn" needs the flash-attn package, which is not installed; '
+                           'use backend="torch_varlen" (the same FlashAttention-2 kernels, shipped with torch)')
+    return backend

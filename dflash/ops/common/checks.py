@@ -8,11 +8,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:
     """q (*, Hq, D), k/v (*, Hkv, D): same dtype/device/head_dim, Hq a multiple of Hkv."""
-    for name, t in zip(names, (q, k, v)):
+    for name, t in zip(names, (q, k, v), strict=True):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (tokens, heads, head_dim), got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
-            raise TypeError(f"{name} must be a float tensor (float32, bfloat16, float16; float64 for the reference), got {t.dtype}")
+            raise TypeError(f"{name} must be a float tensor (float32, bfloat16, float16; float64 for the reference), "
+                            f"got {t.dtype}")
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} is {t.dtype} on {t.device} but {names[0]} is {q.dtype} on {q.device}")
         if t.shape[-1] != q.shape[-1]:
@@ -31,3 +32,30 @@ def check_index(name: str, t: torch.Tensor, device: torch.device, length: int | 
         raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
     if length is not None and t.numel() != length:
         raise ValueError(f"{name} must have {length} entries, got {t.numel()}")
+
+
+def check_max_seqlen(cu_seqlens_cpu: torch.Tensor, max_seqlen: int) -> None:
+    """max_seqlen must bound every sample of the host copy of cu_seqlens."""
+    lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
+    if lengths.numel() and int(lengths.max()) > max_seqlen:
+        longest = int(lengths.argmax())
+        raise ValueError(f"max_seqlen is {max_seqlen} but sample {longest} has {int(lengths[longest])} rows")
+
+
+def check_blocks(cu_seqlens: torch.Tensor, block_seq: torch.Tensor, block_anchor: torch.Tensor) -> None:
+    """Every block names a sample of cu_seqlens and an anchor in [0, that sample's length].
+
+    Checked on the device without a host sync (torch._assert_async): on CUDA a bad batch stops
+    the process with a device-side assert instead of reading another sample's rows."""
+    num_seqs = cu_seqlens.numel() - 1
+    if block_seq.numel() == 0:
+        return
+    if num_seqs == 0:
+        raise ValueError("blocks were given but cu_seqlens_ctx holds no sample")
+    seq = block_seq.long()
+    seq_ok = (seq >= 0) & (seq < num_seqs)
+    s = seq.clamp(0, num_seqs - 1)
+    length = cu_seqlens[s + 1] - cu_seqlens[s]
+    ok = seq_ok & (block_anchor >= 0) & (block_anchor <= length)
+    torch._assert_async(ok.all(), "a block's sample is not in cu_seqlens_ctx or its anchor lies past "
+                                  "that sample's length (block_seq / block_anchor)")

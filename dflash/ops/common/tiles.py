@@ -11,7 +11,7 @@ batches).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -37,7 +37,7 @@ class TensorKeyedCache:
     def get(self, tensors: tuple, params: tuple, build: Callable):
         key = (tuple(id(t) for t in tensors), tuple(t._version for t in tensors), params)
         hit = self.entries.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
+        if hit is not None and all(a is b for a, b in zip(hit[0], tensors, strict=True)):
             self.entries.move_to_end(key)
             return hit[1]
         value = build()
@@ -50,13 +50,14 @@ class TensorKeyedCache:
 TILE_CACHE = TensorKeyedCache()
 
 
-def sequence_tiles(cu_seqlens: torch.Tensor, block: int, total: int, max_seqlen: int, causal: bool,
+def sequence_tiles(cu_seqlens: torch.Tensor, block: int, total: int, causal: bool,
                    cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
     """(n, 2) int32 rows (sample, tile index) covering every sample in `block`-row tiles.
 
     Ordered by work: for causal attention tile t of a sample sees t+1 key tiles, otherwise a
-    tile sees its whole sample. n is exact with cu_seqlens_cpu, else an upper bound (from the
-    `total` rows and `max_seqlen`) padded with (-1, 0) rows at the end.
+    tile sees its whole sample. n is exact with cu_seqlens_cpu, else an upper bound from the
+    `total` rows alone (a caller's max_seqlen is not trusted: too small a bound would drop
+    tiles), padded with (-1, 0) rows at the end.
     """
     num_seqs = cu_seqlens.numel() - 1
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -64,7 +65,7 @@ def sequence_tiles(cu_seqlens: torch.Tensor, block: int, total: int, max_seqlen:
     if cu_seqlens_cpu is not None:
         n = int(cdiv(cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1], block).sum())
     else:
-        n = min(num_seqs * cdiv(max_seqlen, block), total // block + num_seqs)
+        n = min(cdiv(total, block) + num_seqs, num_seqs * cdiv(total, block))
     ends = torch.cumsum(ntiles, 0)
     k = torch.arange(n, device=cu_seqlens.device)
     seq = torch.searchsorted(ends, k, right=True)  # == num_seqs past the last real tile
@@ -97,7 +98,8 @@ def block_groups(block_seq: torch.Tensor, block_anchor: torch.Tensor, num_seqs: 
     anchors = block_anchor.long()
     order = torch.argsort((seqs << _SHIFT) + anchors, stable=True)
     seq_sorted, anchor_sorted = seqs[order], anchors[order]
-    counts = torch.bincount(seqs, minlength=num_seqs)
+    # Not torch.bincount: on CUDA it reads the largest value back to the host.
+    counts = torch.zeros(num_seqs, dtype=torch.long, device=device).index_add_(0, seqs, torch.ones_like(seqs))
     ngroups = cdiv(counts, per_group)
     first_group = torch.cumsum(ngroups, 0) - ngroups
     first_block = torch.cumsum(counts, 0) - counts

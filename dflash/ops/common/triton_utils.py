@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ...errors import UserError
 from .backend import is_interpreting
 
 LOG2E = 1.4426950408889634
@@ -48,6 +49,35 @@ def autotune_configs(options: dict) -> list:
     configs = [triton.Config(c, num_warps=w, num_stages=s)
                for c in combos for w in options["num_warps"] for s in options["num_stages"]]
     return configs[:1] if is_interpreting() else configs
+
+
+def autotune(options: dict, key: list, fallback: str):
+    """triton.autotune over `options`, pruned at the first launch of each key to the configs that fit
+    the GPU in shared memory without spilling (common.compile_check). When none does, the error
+    names `fallback`, a backend that serves the case."""
+
+    def wrap(fn):
+        def prune(configs, nargs, **kwargs):
+            from .compile_check import fitting_configs
+
+            constexprs = {name: kwargs[name] for name in kwargs if fn.arg_names.index(name) in fn.constexprs}
+            try:
+                data = next(name for name in fn.arg_names if name.isupper() and name not in ("LSE", "DELTA"))
+                return fitting_configs(tuner, nargs[data].dtype, constexprs)
+            except UserError as err:
+                raise UserError(f"{err}; use {fallback}") from None
+
+        tuner = triton.autotune(configs=autotune_configs(options), key=key,
+                                prune_configs_by={"early_config_prune": prune})(fn)
+        return tuner
+
+    return wrap
+
+
+def tile_rows(full: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Rows of a tile that shapes a tile list: `full`, halved when a row is over 256 bytes (float32
+    at head dim 128, any dtype at 256), where no config of the full tile fits or avoids spilling."""
+    return full if is_interpreting() or head_dim * dtype.itemsize <= 256 else full // 2
 
 
 def check_triton_inputs(q) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..common.backend import resolve_backend
-from ..common.checks import check_index, check_qkv
+from ..common.checks import check_blocks, check_index, check_qkv
 from .naive import dflash_block_attention_naive
 
 
@@ -38,8 +38,10 @@ def dflash_block_attention(
             0 <= anchor <= that sample's length. Blocks may overlap and come in any order.
         block_size: B.
         softmax_scale: defaults to D ** -0.5.
-        backend: "triton", "torch" (the per-sample reference) or "auto" (Triton on CUDA,
-            the reference elsewhere).
+        backend: one of dflash.ops.ATTENTION_BACKENDS: "triton", "torch" (the per-sample
+            reference), "auto" (Triton on CUDA, the reference elsewhere), "flex" (FlexAttention
+            with a block mask; forward only on the CPU); "torch_varlen" and "flash_attn" mean
+            "flex" here.
         cu_seqlens_cpu: optional CPU copy of cu_seqlens_ctx (exact grid without a device read).
 
     Returns:
@@ -71,9 +73,18 @@ def dflash_block_attention(
     check_index("block_seq", block_seq, q.device)
     check_index("block_anchor", block_anchor, q.device, num_blocks)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if resolve_backend(backend, q.device) == "torch":
+    if not scale > 0:  # the kernels take the row maximum of unscaled scores
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    impl = resolve_backend(backend, q.device, op="block")
+    if impl == "torch":  # the reference checks the anchors itself
         return dflash_block_attention_naive(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
                                             block_anchor, block_size, softmax_scale=scale)
+    check_blocks(cu_seqlens_ctx, block_seq, block_anchor)
+    if impl == "flex":
+        from .flex import dflash_block_attention_flex
+
+        return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
+                                           block_size, scale)
     from .triton_kernels import dflash_block_attention_triton
 
     return dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,

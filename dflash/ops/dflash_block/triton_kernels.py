@@ -18,33 +18,41 @@ import triton
 import triton.language as tl
 
 from ..common.backend import is_interpreting
+from ..common.delta import attention_delta
 from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, sequence_tiles
-from ..common.triton_utils import LOG2E, autotune_configs, check_triton_inputs
+from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
 
 GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger)
-CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list)
-_CTX_STEP = [16] if is_interpreting() else [64, 128]  # context step of forward and dQ (autotuned)
+CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list), before tile_rows
+_CTX_STEP = [16] if is_interpreting() else [32, 64, 128]  # context step of forward and dQ (autotuned)
+_KEY = ["HQ", "HKV", "D", "B"]
+BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'
 
 
 @triton.jit
-def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row indices (int64), validity and anchors of the BLOCK_M query rows of group i_g."""
+def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexpr, BLOCK_M: tl.constexpr,
+                OFFS64: tl.constexpr):
+    """Row indices, validity and anchors of the BLOCK_M query rows of group i_g. The rows are
+    int64 only when the block tensors' offsets need it (OFFS64): int64 offset tensors cost
+    registers, enough to make every config spill."""
     r = tl.arange(0, BLOCK_M)
     slot = r // B
     blk = tl.load(grp_blocks + i_g * BPG + slot, mask=slot < BPG, other=-1)
     ok = blk >= 0
-    rows = blk.to(tl.int64) * B + r % B
+    if OFFS64:
+        rows = blk.to(tl.int64) * B + r % B
+    else:
+        rows = blk * B + r % B
     anchor = tl.load(block_anchor + blk, mask=ok, other=0)
     return rows, ok, anchor, slot
 
 
-@triton.autotune(configs=autotune_configs({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "B"])
+@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
 @triton.jit
-def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
+def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
                 grp_order, qk_scale,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     pid = tl.program_id(0)
     i_g = tl.load(grp_order + pid // HQ)
     i_h = pid % HQ
@@ -55,7 +63,7 @@ def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks,
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     amin = tl.load(grp_amin + i_g)
     amax = tl.load(grp_amax + i_g)
-    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
@@ -70,10 +78,10 @@ def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks,
     for n0 in range(0, full_end, BLOCK_N):
         kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
         v = tl.load(vc_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
-        s = tl.dot(q, kT) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -82,12 +90,12 @@ def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks,
         col_ok = cols < amax
         kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, kT) * qk_scale
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
         s = tl.where(cols[None, :] < anchor[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose anchor is still ahead
         alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -95,28 +103,27 @@ def _fwd_kernel(Q, KC, VC, KB, VB, O, LSE, cu_seqlens, block_anchor, grp_blocks,
     kb_off = rows[None, :] * (HKV * D) + i_kh * D + offs_d[:, None]
     kbT = tl.load(KB + kb_off, mask=ok[None, :], other=0.0)  # (D, BLOCK_M)
     vb = tl.load(VB + rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-    s = tl.dot(q, kbT) * qk_scale
+    s = tl.dot(q, kbT)  # scaled inside exp2 below: one FMA per score
     s = tl.where((slot[:, None] == slot[None, :]) & ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows of a partial group
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
     m_i = m_new
 
     l_i = tl.where(ok, l_i, 1.0)  # padding rows (never stored) would divide 0 by 0
-    tl.store(O + q_off, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(OUT + q_off, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
     tl.store(LSE + rows * HQ + i_h, m_i + tl.math.log2(l_i), mask=ok)
 
 
-@triton.autotune(configs=autotune_configs({"num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "B"])
+@autotune({"num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
 @triton.jit
 def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_anchor, grp_blocks, tiles,
                          ranges, qk_scale, sm_scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                         BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     # One program: BLOCK_N context keys of one kv head. Groups [lo, full) see part of them,
     # [full, end) all of them (ranges from common.tiles.context_group_ranges); keys nobody
     # sees get zero gradients. GQA heads are summed here (no atomics).
@@ -134,16 +141,17 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
     g_end = tl.load(ranges + 3 * i_tile + 2)
     offs_d = tl.arange(0, D)
     col_ok = cols < L
-    kv_off = (bos + cols)[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
-    k = tl.load(KC + kv_off, mask=col_ok[:, None], other=0.0)
-    v = tl.load(VC + kv_off, mask=col_ok[:, None], other=0.0)
+    kv_base = bos * (HKV * D) + i_kh * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
+    kv_off = cols[:, None] * (HKV * D) + offs_d[None, :]
+    k = tl.load(KC + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(VC + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     # Padding rows of a group load as zeros (q, dO, lse, delta) and add exactly nothing.
     for g in range(G):
         i_h = i_kh * G + g
         for i_g in range(g_lo, g_full):
-            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
             q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
             q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
             do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
@@ -155,7 +163,7 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
         for i_g in range(g_full, g_end):
-            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
             q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
             q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
             do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
@@ -165,17 +173,16 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
-    tl.store(DKC + kv_off, (dk * sm_scale).to(DKC.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DVC + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DKC + kv_base + kv_off, (dk * sm_scale).to(DKC.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DVC + kv_base + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
 
 
-@triton.autotune(configs=autotune_configs({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "B"])
+@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
 @triton.jit
 def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_seqlens, block_anchor, grp_blocks,
                           grp_seq, grp_amin, grp_amax, grp_order, qk_scale, sm_scale,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                          BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     # One program: a group and one kv head, looping over its query heads. dQ comes from the
     # context and the own blocks; the own blocks' keys are seen by this group only, so their
     # dK/dV (summed over the query heads) are finished here too.
@@ -189,7 +196,7 @@ def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_se
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     amin = tl.load(grp_amin + i_g)
     amax = tl.load(grp_amax + i_g)
-    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     kc_base = KC + bos * (HKV * D) + i_kh * D
@@ -235,26 +242,43 @@ def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_se
     tl.store(DVB + kb_off, dvb.to(DVB.dtype.element_ty), mask=ok[:, None])
 
 
+def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16) -> list:
+    """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
+    block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
+    common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m,
+                  OFFS64=False)
+    ctx_block = tile_rows(CTX_BLOCK_N, head_dim, dtype)
+    return [(_fwd_kernel, common), (_bwd_dkdv_ctx_kernel, {**common, "BLOCK_N": ctx_block}),
+            (_bwd_dq_dkvblk_kernel, common)]
+
+
+def _offs64(q) -> bool:
+    """Whether offsets into the block tensors (q, dO, dQ, k_blk, v_blk, lse: none larger than q)
+    can pass int32."""
+    return q.numel() >= 2**31
+
+
 class _Plan:
     """Everything the kernels need to know about one batch's blocks (built with torch ops)."""
 
-    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu):
+    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block, cu_seqlens_cpu):
         num_seqs = cu_seqlens.numel() - 1
         self.block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
         self.per_group = self.block_m // block_size
         (self.blocks, self.seq, self.amin, self.amax,
          self.order) = block_groups(block_seq, block_anchor, num_seqs, self.per_group)
         # Context tiles cover every context row, so keys that no block sees get zero gradients.
-        max_len = total if cu_seqlens_cpu is None or num_seqs == 0 else int(torch.diff(cu_seqlens_cpu).max())
-        tiles = sequence_tiles(cu_seqlens, CTX_BLOCK_N, total, max_len, False, cu_seqlens_cpu)
-        ranges = context_group_ranges(tiles, CTX_BLOCK_N, self.seq, self.amin, self.amax, num_seqs)
+        self.ctx_block = ctx_block
+        tiles = sequence_tiles(cu_seqlens, ctx_block, total, False, cu_seqlens_cpu)
+        ranges = context_group_ranges(tiles, ctx_block, self.seq, self.amin, self.amax, num_seqs)
         order = torch.argsort(ranges[:, 2] - ranges[:, 0], descending=True, stable=True)  # most groups first
         self.ctx_tiles, self.ctx_ranges = tiles[order].contiguous(), ranges[order].contiguous()
 
 
-def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu) -> _Plan:
-    return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor), ("dflash_block", block_size, total),
-                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, cu_seqlens_cpu))
+def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block, cu_seqlens_cpu) -> _Plan:
+    return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor), ("dflash_block", block_size, total, ctx_block),
+                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block,
+                                        cu_seqlens_cpu))
 
 
 def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale):
@@ -265,7 +289,7 @@ def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, pl
     _fwd_kernel[(plan.order.numel() * HQ,)](
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
         plan.amax, plan.order, scale * LOG2E,
-        HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)
+        HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
     return o, lse
 
 
@@ -273,13 +297,13 @@ def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, bloc
                      scale):
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
-    delta = (do.float() * o.float()).sum(-1)  # (NB*B, HQ): rowsum(dO * O)
+    delta = attention_delta(do, o)  # rowsum(dO * O), (rows, HQ) fp32
     dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
     dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
-    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m)
+    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
     _bwd_dkdv_ctx_kernel[(plan.ctx_tiles.shape[0] * HKV,)](
         q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, cu_seqlens, block_anchor, plan.blocks, plan.ctx_tiles,
-        plan.ctx_ranges, scale * LOG2E, scale, BLOCK_N=CTX_BLOCK_N, **consts)
+        plan.ctx_ranges, scale * LOG2E, scale, BLOCK_N=plan.ctx_block, **consts)
     _bwd_dq_dkvblk_kernel[(plan.order.numel() * HKV,)](
         q, k_ctx, v_ctx, k_blk, v_blk, do, lse, delta, dq, dk_blk, dv_blk, cu_seqlens, block_anchor, plan.blocks,
         plan.seq, plan.amin, plan.amax, plan.order, scale * LOG2E, scale, **consts)
@@ -306,7 +330,8 @@ def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, blo
                                   scale, cu_seqlens_cpu=None):
     check_triton_inputs(q)
     cu_seqlens, block_seq, block_anchor = cu_seqlens.contiguous(), block_seq.contiguous(), block_anchor.contiguous()
-    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], cu_seqlens_cpu)
+    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0],
+                 tile_rows(CTX_BLOCK_N, q.shape[-1], q.dtype), cu_seqlens_cpu)
     return DFlashBlockAttentionFunction.apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(),
                                               k_blk.contiguous(), v_blk.contiguous(), cu_seqlens, block_anchor,
                                               plan, block_size, scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..common.backend import resolve_backend
-from ..common.checks import check_index, check_qkv
+from ..common.checks import check_index, check_max_seqlen, check_qkv
 from .naive import varlen_attention_naive
 
 
@@ -27,11 +27,15 @@ def varlen_attention(
         k, v: (T, Hkv, D), same dtype and device; Hq a multiple of Hkv. Query head h reads
             key/value head h // (Hq // Hkv) (GQA, K/V are never repeated).
         cu_seqlens: int32 (S+1,), sample i is rows [cu[i], cu[i+1]); cu[0] = 0, cu[S] = T.
-        max_seqlen: length of the longest sample (a Python int; only bounds the tile list).
+        max_seqlen: length of the longest sample (a Python int). Checked against cu_seqlens_cpu when
+            given; the Triton kernels never rely on it (a wrong value cannot drop rows).
         causal: row i of a sample sees keys 0..i of that sample (else all of them).
         softmax_scale: defaults to D ** -0.5.
-        backend: "triton", "torch" (the per-sample reference) or "auto" (Triton on CUDA,
-            the reference elsewhere).
+        backend: one of dflash.ops.ATTENTION_BACKENDS: "triton", "torch" (the per-sample
+            reference), "auto" (Triton on CUDA, the reference elsewhere), "torch_varlen"
+            (torch.nn.attention.varlen, CUDA), "flash_attn" (flash_attn_varlen_func, CUDA, when
+            installed) or "flex" (FlexAttention with a document mask; forward only on the CPU).
+            The library backends need a true max_seqlen.
         cu_seqlens_cpu: optional CPU copy of cu_seqlens; with it the Triton launcher sizes
             its grid exactly without reading cu_seqlens back from the device.
 
@@ -53,9 +57,18 @@ def varlen_attention(
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows but k/v have {k.shape[0]}")
     check_index("cu_seqlens", cu_seqlens, q.device)
+    if cu_seqlens_cpu is not None:
+        check_max_seqlen(cu_seqlens_cpu, max_seqlen)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if resolve_backend(backend, q.device) == "torch":
+    if not scale > 0:  # the kernels take the row maximum of unscaled scores
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    impl = resolve_backend(backend, q.device)
+    if impl == "torch":
         return varlen_attention_naive(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale)
+    if impl != "triton":
+        from .libraries import varlen_attention_library
+
+        return varlen_attention_library(impl, q, k, v, cu_seqlens, int(max_seqlen), causal, scale)
     from .triton_kernels import varlen_attention_triton
 
-    return varlen_attention_triton(q, k, v, cu_seqlens, int(max_seqlen), causal, scale, cu_seqlens_cpu)
+    return varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu)

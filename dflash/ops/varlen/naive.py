@@ -21,7 +21,7 @@ def varlen_attention_naive(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     bounds = cu_seqlens.tolist()  # host sync: the reference loops on the host anyway
     outs = []
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
+    for bos, eos in zip(bounds[:-1], bounds[1:], strict=True):
         if eos == bos:
             continue
         o = F.scaled_dot_product_attention(

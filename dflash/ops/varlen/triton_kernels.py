@@ -4,7 +4,7 @@ Layout: q/o (T, HQ, D), k/v (T, HKV, D), contiguous; lse and delta (T, HQ) fp32;
 base 2 (scores are pre-multiplied by scale * log2(e) so the kernels use exp2).
 Grids are flat: program = tile_list_entry * heads + head, tile lists from common.tiles.
 No sequence length is a kernel argument (they are read from cu_seqlens), so nothing
-recompiles when lengths, sample counts or max_seqlen change; the autotune key is the head
+recompiles when lengths or sample counts change; the autotune key is the head
 dim, head counts and causal flag (and the dtypes, which Triton adds).
 """
 from __future__ import annotations
@@ -14,23 +14,26 @@ import triton
 import triton.language as tl
 
 from ..common.backend import is_interpreting
+from ..common.delta import attention_delta
 from ..common.tiles import TILE_CACHE, sequence_tiles
-from ..common.triton_utils import LOG2E, autotune_configs, check_triton_inputs
+from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
 
 # Tile sizes that shape the tile lists are fixed per kernel (the list is built before the
 # launch); only the inner loop's step is autotuned. The interpreter uses small tiles so that
 # tests with short samples still cross tile boundaries.
+# Before tile_rows (halved for rows over 256 bytes).
 FWD_BLOCK_M = 32 if is_interpreting() else 128
 DKV_BLOCK_N = 32 if is_interpreting() else 128
 DQ_BLOCK_M = 32 if is_interpreting() else 128
 _INNER = [16] if is_interpreting() else [32, 64]
 _FWD_INNER = [16] if is_interpreting() else [64, 128]
+_KEY = ["HQ", "HKV", "D", "CAUSAL"]
+VARLEN_FALLBACK = 'backend="torch_varlen" (or "flash_attn" where installed, or the reference "torch")'
 
 
-@triton.autotune(configs=autotune_configs({"BLOCK_N": _FWD_INNER, "num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "CAUSAL"])
+@autotune({"BLOCK_N": _FWD_INNER, "num_warps": [4, 8], "num_stages": [2, 3]}, _KEY, VARLEN_FALLBACK)
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens, tiles, qk_scale,
+def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
@@ -46,7 +49,9 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens, tiles, qk_scale,
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = rows < L
-    q = tl.load(Q + (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    # Per-sample int64 scalar bases, int32 tile offsets: int64 offset tensors cost registers (spills).
+    q_base = Q + bos * (HQ * D) + i_h * D
+    q = tl.load(q_base + (rows[:, None] * (HQ * D) + offs_d[None, :]), mask=row_ok[:, None], other=0.0)
     k_base = K + bos * (HKV * D) + i_kh * D
     v_base = V + bos * (HKV * D) + i_kh * D
 
@@ -63,10 +68,10 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens, tiles, qk_scale,
     for n0 in range(0, full_end, BLOCK_N):
         kT = tl.load(k_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])  # (D, BLOCK_N)
         v = tl.load(v_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
-        s = tl.dot(q, kT) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -76,27 +81,26 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens, tiles, qk_scale,
         col_ok = cols < L
         kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         v = tl.load(v_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, kT) * qk_scale
+        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
         visible = col_ok[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see nothing
         alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     o = acc / l_i[:, None]
-    tl.store(O + (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + (bos + rows) * HQ + i_h, m_i + tl.math.log2(l_i), mask=row_ok)
+    o_base = OUT + bos * (HQ * D) + i_h * D
+    tl.store(o_base + (rows[:, None] * (HQ * D) + offs_d[None, :]), o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + bos * HQ + i_h + rows * HQ, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
-@triton.autotune(configs=autotune_configs({"BLOCK_M": _INNER, "num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "CAUSAL"])
+@autotune({"BLOCK_M": _INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, VARLEN_FALLBACK)
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scale, sm_scale,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -116,9 +120,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scal
     offs_d = tl.arange(0, D)
     offs_m = tl.arange(0, BLOCK_M)
     col_ok = cols < L
-    kv_off = (bos + cols)[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D)
-    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    kv_base = bos * (HKV * D) + i_kh * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
+    kv_off = cols[:, None] * (HKV * D) + offs_d[None, :]
+    k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D)
+    v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     # Query rows past L load as zeros (q, dO, lse, delta) and so add exactly nothing: only the
@@ -131,14 +136,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scal
         diag_end = 0
     for g in range(G):
         i_h = i_kh * G + g
+        q_base = bos * (HQ * D) + i_h * D
         for m0 in range(lo, diag_end, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < L
-            q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
+            q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
             pT = tl.where(cols[:, None] <= rows[None, :], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
@@ -147,21 +153,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scal
         for m0 in range(tl.maximum(diag_end, lo), L, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < L
-            q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+            q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
+            q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
-    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DK + kv_base + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + kv_base + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
-@triton.autotune(configs=autotune_configs({"BLOCK_N": _INNER, "num_warps": [4, 8], "num_stages": [2, 3]}),
-                 key=["HQ", "HKV", "D", "CAUSAL"])
+@autotune({"BLOCK_N": _INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, VARLEN_FALLBACK)
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_scale,
                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -179,27 +184,28 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = rows < L
-    q_off = (bos + rows)[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + (bos + rows) * HQ + i_h, mask=row_ok, other=0.0)
+    q_base = bos * (HQ * D) + i_h * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
+    q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
+    q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
     k_base = K + bos * (HKV * D) + i_kh * D
     v_base = V + bos * (HKV * D) + i_kh * D
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    # Keys past L load as zeros and add nothing to dQ (k = 0), so only the causal diagonal is
-    # masked; the non-causal ragged end is just a bounded load.
+    # The causal diagonal and the non-causal ragged end are masked: a key past L loads as zero,
+    # but its p = exp2(-lse) is not (large when the row's lse is very negative, enough to make
+    # ds overflow in float16 and dQ NaN).
     if CAUSAL:
         full_end = (m0 // BLOCK_N) * BLOCK_N
         hi = tl.minimum(m0 + BLOCK_M, L)
     else:
-        full_end = tl.cdiv(L, BLOCK_N) * BLOCK_N
-        hi = full_end
+        full_end = (L // BLOCK_N) * BLOCK_N
+        hi = L
     for n0 in range(0, full_end, BLOCK_N):
         cols = n0 + offs_n
-        col_ok = cols < L
-        kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        vT = tl.load(v_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None])
+        vT = tl.load(v_base + cols[None, :] * (HKV * D) + offs_d[:, None])
         p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
         ds = p * (tl.dot(do, vT) - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
@@ -209,59 +215,75 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_
         kT = tl.load(k_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         vT = tl.load(v_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
-        p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        visible = col_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        p = tl.where(visible, p, 0.0)
         ds = p * (tl.dot(do, vT) - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + q_base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _tiles(cu_seqlens, block, total, max_seqlen, causal, cu_seqlens_cpu):
-    return TILE_CACHE.get((cu_seqlens,), ("varlen", block, total, max_seqlen, causal),
-                          lambda: sequence_tiles(cu_seqlens, block, total, max_seqlen, causal, cu_seqlens_cpu))
+def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> list:
+    """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
+    cases = []
+    for causal in (True, False):
+        common = dict(HQ=heads, HKV=kv_heads, D=head_dim, CAUSAL=causal)
+        cases += [(_fwd_kernel, {**common, "BLOCK_M": tile_rows(FWD_BLOCK_M, head_dim, dtype)}),
+                  (_bwd_dkdv_kernel, {**common, "BLOCK_N": tile_rows(DKV_BLOCK_N, head_dim, dtype)}),
+                  (_bwd_dq_kernel, {**common, "BLOCK_M": tile_rows(DQ_BLOCK_M, head_dim, dtype)})]
+    return cases
 
 
-def varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu):
+def _tiles(cu_seqlens, block, total, causal, cu_seqlens_cpu):
+    return TILE_CACHE.get((cu_seqlens,), ("varlen", block, total, causal),
+                          lambda: sequence_tiles(cu_seqlens, block, total, causal, cu_seqlens_cpu))
+
+
+def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu):
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    tiles = _tiles(cu_seqlens, FWD_BLOCK_M, T, max_seqlen, causal, cu_seqlens_cpu)
+    block_m = tile_rows(FWD_BLOCK_M, D, q.dtype)
+    tiles = _tiles(cu_seqlens, block_m, T, causal, cu_seqlens_cpu)
     o = torch.empty_like(q)
     lse = torch.empty((T, HQ), dtype=torch.float32, device=q.device)
     _fwd_kernel[(tiles.shape[0] * HQ,)](q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E,
-                                        HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=FWD_BLOCK_M)
+                                        HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=block_m)
     return o, lse
 
 
-def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu):
+def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, causal, scale, cu_seqlens_cpu):
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    delta = (do.float() * o.float()).sum(-1)  # (T, HQ): rowsum(dO * O), the softmax-jacobian term
+    delta = attention_delta(do, o)  # rowsum(dO * O), (rows, HQ) fp32
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kv_tiles = _tiles(cu_seqlens, DKV_BLOCK_N, T, max_seqlen, False, cu_seqlens_cpu)
+    block_n, block_m = tile_rows(DKV_BLOCK_N, D, q.dtype), tile_rows(DQ_BLOCK_M, D, q.dtype)
+    kv_tiles = _tiles(cu_seqlens, block_n, T, False, cu_seqlens_cpu)
     _bwd_dkdv_kernel[(kv_tiles.shape[0] * HKV,)](q, k, v, do, lse, delta, dk, dv, cu_seqlens, kv_tiles,
                                                  scale * LOG2E, scale, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal,
-                                                 BLOCK_N=DKV_BLOCK_N)
-    q_tiles = _tiles(cu_seqlens, DQ_BLOCK_M, T, max_seqlen, causal, cu_seqlens_cpu)
+                                                 BLOCK_N=block_n)
+    q_tiles = _tiles(cu_seqlens, block_m, T, causal, cu_seqlens_cpu)
     _bwd_dq_kernel[(q_tiles.shape[0] * HQ,)](q, k, v, do, lse, delta, dq, cu_seqlens, q_tiles, scale * LOG2E,
-                                             scale, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=DQ_BLOCK_M)
+                                             scale, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=block_m)
     return dq, dk, dv
 
 
 class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu):
-        o, lse = varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu)
+    def forward(ctx, q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu):
+        o, lse = varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.args = (max_seqlen, causal, scale, cu_seqlens_cpu)
+        ctx.args = (causal, scale, cu_seqlens_cpu)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = varlen_bwd(do.contiguous(), q, k, v, o, lse, cu_seqlens, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, causal, scale, cu_seqlens_cpu=None):
+def varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu=None):
     check_triton_inputs(q)
     return VarlenAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
-                                         max_seqlen, causal, scale, cu_seqlens_cpu)
+                                         causal, scale, cu_seqlens_cpu)

@@ -1,0 +1,30 @@
+"""Packed varlen attention through public kernels: torch's varlen_attn, flash-attn's
+flash_attn_varlen_func and FlexAttention with a document mask (the `backend=` alternatives)."""
+from __future__ import annotations
+
+import torch
+
+
+def varlen_attention_library(backend, q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    """q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D) with `backend` "torch_varlen", "flash_attn" or "flex"."""
+    if backend == "torch_varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                           window_size=(-1, 0) if causal else (-1, -1), enable_gqa=True)
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
+                                      causal=causal)
+    from ..common.flex import flex_attention_packed
+
+    t = q.shape[0]
+    doc = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device),
+                                  (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=t)
+
+    def mask_mod(b, h, i, j):
+        same = doc[i] == doc[j]
+        return same & (j <= i) if causal else same
+
+    return flex_attention_packed(q, k, v, mask_mod, scale)

@@ -1,0 +1,123 @@
+"""Offline compile gate of the Triton attention kernels: no GPU needed.
+
+Compiles every kernel and autotune config with Triton's compiler and ptxas (both ship in the
+triton wheel) for each GPU architecture, head dim and dtype the ops accept, and reports shared
+memory, registers and spills. A config fits when its shared memory is within the block limit
+of the architecture and it does not spill; at their first launch the kernels prune the configs
+that do not fit (dflash/ops/common/compile_check.py), keeping the least-spilling ones where every
+config spills. Exit status 1 when some (kernel, arch, head dim, dtype) has no config that fits
+without spilling; where none even fits shared memory the ops refuse the case and name another backend.
+float16 compiles like bfloat16 (same sizes); it is checked only when asked for.
+
+    python launch/compile_kernels.py                       # table, every case (about an hour on 2 cores)
+    python launch/compile_kernels.py --arch 90 --head-dim 128 --dtype bfloat16 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile sizes and real JIT functions, not the interpreter's
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, nargs="+", default=sorted(ARCH_NAMES), choices=sorted(ARCH_NAMES),
+                   help="compute capabilities (80 = sm_80, 90 = sm_90a, 100 = sm_100a, 120 = sm_120a)")
+    p.add_argument("--head-dim", type=int, nargs="+", default=[16, 32, 64, 128, 256], choices=[16, 32, 64, 128, 256])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    p.add_argument("--op", nargs="+", default=["varlen", "block"], choices=["varlen", "block"])
+    p.add_argument("--heads", type=int, default=32, help="query heads (default 32, Qwen3-8B)")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
+    p.add_argument("--first-only", action="store_true", help="only the first config of each kernel (a quick check)")
+    p.add_argument("--causal-only", action="store_true", help="varlen: only the causal kernels (the target's)")
+    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compiler processes")
+    p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout)")
+    return p.parse_args(argv)
+
+
+def _cases(op, head_dim, heads, kv_heads, dtype):
+    from dflash.ops.common import delta
+
+    if op == "varlen":
+        from dflash.ops.varlen.triton_kernels import compile_cases
+    else:
+        from dflash.ops.dflash_block.triton_kernels import compile_cases
+    # The delta preprocess serves both ops; it is reported with varlen.
+    return compile_cases(head_dim, heads, kv_heads, DTYPES[dtype]) + (delta.compile_cases(head_dim) if op == "varlen"
+                                                                       else [])
+
+
+def _job(task):
+    op, index, config_index, arch, head_dim, dtype, heads, kv_heads = task
+    tuner, constexprs = _cases(op, head_dim, heads, kv_heads, dtype)[index]
+    record = compile_config(tuner.fn, DTYPES[dtype], constexprs, tuner.configs[config_index], arch)
+    return {**record, "op": op, "head_dim": head_dim, "dtype": dtype,
+            "constexprs": {k: v for k, v in constexprs.items() if k in ("CAUSAL", "B", "BLOCK_M", "BLOCK_N")}}
+
+
+def tasks(args):
+    out = []
+    for op in args.op:
+        for head_dim in args.head_dim:
+            for dtype in args.dtype:
+                for index, (tuner, constexprs) in enumerate(_cases(op, head_dim, args.heads, args.kv_heads, dtype)):
+                    if args.causal_only and constexprs.get("CAUSAL") is False:
+                        continue
+                    for config_index in range(1 if args.first_only else len(tuner.configs)):
+                        out += [(op, index, config_index, arch, head_dim, dtype, args.heads, args.kv_heads)
+                                for arch in args.arch]
+    return out
+
+
+def unservable(records):
+    """{(kernel, arch, head_dim, dtype, constexprs): reason} for the groups in which no config fits
+    without spilling: "spills" (runs, slowly: the kernels keep the least-spilling configs) or
+    "shared memory" (cannot launch: the ops refuse it and name another backend)."""
+    groups = {}
+    for r in records:
+        key = (r["kernel"], r["arch"], r["head_dim"], r["dtype"], json.dumps(r["constexprs"], sort_keys=True))
+        launches = r["shared_bytes"] <= MAX_SHARED[next(c for c, n in ARCH_NAMES.items() if n == r["arch"])]
+        fits, any_launch = groups.get(key, (False, False))
+        groups[key] = (fits or r["fits"], any_launch or launches)
+    return {k: "spills" if launch else "shared memory" for k, (fits, launch) in sorted(groups.items()) if not fits}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    todo = tasks(args)
+    records = []
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for r in tqdm(pool.map(_job, todo), total=len(todo), desc="compiling", file=sys.stderr):
+            records.append(r)
+            if args.json != "-":
+                flag = "" if r["fits"] else "  DOES NOT FIT" if r["spills"] == 0 else "  SPILLS"
+                print(f"{r['op']:6s} {r['kernel']:22s} {r['arch']:8s} d{r['head_dim']:<4d} {r['dtype']:9s} "
+                      f"{json.dumps(r['constexprs']):16s} {r['config']:34s} shared {r['shared_bytes']:7d} "
+                      f"regs {r['registers']:3d} spill {r['spills']:5d}{flag}", flush=True)
+            if args.json and args.json != "-":  # rewritten as it goes: a run cut short keeps its records
+                Path(args.json).write_text(json.dumps(records, indent=1))
+    if args.json == "-":
+        print(json.dumps(records, indent=1))
+    bad = unservable(records)
+    for key, reason in bad.items():
+        why = "every config spills" if reason == "spills" else "none fits shared memory: refused"
+        print(f"no config fits without spilling ({why}): {key[0]} {key[1]} head_dim {key[2]} {key[3]} {key[4]}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The offline compile gate: Triton's compiler and ptxas for a GPU this machine need not have.
+
+Compiling is slow (seconds per config), so CI covers the main case only: the target's causal
+varlen kernels and the delta preprocess, first config, bfloat16, head dim 128 (Qwen3-8B), sm_90a. Every case is
+`python launch/compile_kernels.py` (table in docs/BENCHMARKS.md)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT functions
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def test_gate_reports_each_kernel_and_config():
+    cmd = [sys.executable, "launch/compile_kernels.py", "--op", "varlen", "--causal-only", "--first-only", "--arch",
+           "90", "--head-dim", "128", "--dtype", "bfloat16", "--jobs", "1", "--json", "-"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    records = json.loads(done.stdout)
+    kernels = ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_delta_kernel", "_fwd_kernel"]
+    assert sorted(r["kernel"] for r in records) == kernels
+    fields = {"kernel", "arch", "head_dim", "dtype", "config", "shared_bytes", "registers", "spills", "fits"}
+    for r in records:
+        assert fields <= set(r)
+        assert (r["arch"], r["head_dim"], r["dtype"]) == ("sm_90a", 128, "bfloat16")
+        assert 0 < r["shared_bytes"] and 0 < r["registers"] <= 255
+        assert r["fits"] == (r["shared_bytes"] <= 232448 and r["spills"] == 0)
+    assert done.returncode == (0 if all(r["fits"] for r in records) else 1), done.stderr[-2000:]
+
+
+PRUNE = """
+import torch
+from dflash.errors import UserError
+from dflash.ops.common import compile_check
+from dflash.ops.varlen.triton_kernels import compile_cases
+
+tuner, constexprs = compile_cases(128, 32, 8, torch.bfloat16)[0]
+tuner.configs = tuner.configs[:1]  # compiled (and cached on disk) by the gate test
+record = compile_check.compile_config(tuner.fn, torch.bfloat16, constexprs, tuner.configs[0], 90)
+assert compile_check.fitting_configs(tuner, torch.bfloat16, constexprs, 90) == tuner.configs
+compile_check.MAX_SHARED[90] = record["shared_bytes"] - 1
+compile_check._fitting.cache_clear()
+try:
+    compile_check.fitting_configs(tuner, torch.bfloat16, constexprs, 90)
+except UserError as err:
+    print(err)
+"""
+
+
+def test_configs_that_fit_are_kept_and_none_is_refused():
+    done = subprocess.run([sys.executable, "-c", PRUNE], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "_fwd_kernel: no config fits sm_90a (" in done.stdout
