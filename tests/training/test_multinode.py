@@ -7,7 +7,6 @@ stop both nodes at once with a message that names the path.
 """
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -31,6 +30,13 @@ from .conftest import read_metrics, run_deepspeed, tiny_train_args
 COMMON = ("--step-tokens", 600, "--max-steps", 5, "--deepspeed_config", ROOT / "ds_configs" / "zero3.json")
 
 
+def free_port() -> int:
+    """A port that no other run on this (shared) machine holds now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def two_nodes(args, tmp_path, cwds=(ROOT, ROOT), timeout=600):
     """Node 0 and node 1 of a hostfile, each its own `deepspeed --no_ssh` launcher with one CPU rank,
     run from `cwds`; returns [(exit status, stdout, stderr)] per node."""
@@ -38,7 +44,7 @@ def two_nodes(args, tmp_path, cwds=(ROOT, ROOT), timeout=600):
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    port = str(29500 + random.randint(0, 2000))
+    port = str(free_port())
     logs, procs = [], []
     for node, cwd in enumerate(cwds):
         logs.append((open(tmp_path / f"node{node}.out", "w+"), open(tmp_path / f"node{node}.err", "w+")))
@@ -157,7 +163,7 @@ def test_inputs_must_be_the_same_on_every_node(tmp_path):
         (folder / "data.jsonl").write_text("{}\n")  # identical copies of a file: fine
         (folder / "other.jsonl").write_text("{}\n" * (i + 1))  # another file at the same path
     results = mp.Manager().dict()
-    mp.spawn(_check_from, args=(folders, 29500 + random.randint(2001, 4000), results), nprocs=2)
+    mp.spawn(_check_from, args=(folders, free_port(), results), nprocs=2)
     host = socket.gethostname()
     for rank in (0, 1):
         same, other, nowhere = results[rank]
