@@ -25,7 +25,8 @@ def parse_args(argv=None):
                    help="what to do with samples longer than --max-length (counted in the summary either way)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip bad lines and report them by reason instead of stopping at the first one")
-    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output if it is a token store made by dflash (any other folder is refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
