@@ -125,9 +125,9 @@ def _draft(drafter: DFlashDrafter, cache: _DrafterCache, features: torch.Tensor,
         q = _apply_rope(attn.q_norm(attn.q_proj(h).view(B, Hq, D)), *rope_blk)
         k = torch.cat([cache.k[i][:start], _apply_rope(attn.k_norm(attn.k_proj(h).view(B, Hkv, D)), *rope_blk)])
         v = torch.cat([cache.v[i][:start], attn.v_proj(h).view(B, Hkv, D)])
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)  # GQA
         # no mask: every context row lies before the anchor, and the block sees itself both ways
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           enable_gqa=Hq != Hkv)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         x = x + attn.o_proj(o[0].transpose(0, 1).reshape(B, Hq * D))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.length = start

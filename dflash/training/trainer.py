@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dflash.data.batch import PackedBatch
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, plan_batches
 from dflash.errors import UserError
-from dflash.regenerate import generation_eos, stop_ids
+from dflash.regenerate import generation_eos, regeneration_limit, stop_ids
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
 from dflash.training.ds_config import load_ds_config, offloads_optimizer, precision, zero_stage
@@ -302,8 +302,6 @@ class Trainer:
     def _turn_limit(store, data: Path) -> int | None:
         """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
         walks and decoding stop there, as the regeneration did."""
-        from dflash.regenerate import regeneration_limit
-
         source = data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
         return regeneration_limit(source) if source.is_file() else None
 
@@ -593,9 +591,8 @@ class Trainer:
         drafter = DFlashDrafter.from_pretrained(drafter_dir, self.target.shared_weights())
         drafter.to(self.device, self.dtype).eval()
         limit = self.turn_limit or DEFAULT_MAX_NEW_TOKENS
-        report = speculate(self.loaded.hf, drafter, prompts, max_new_tokens=limit,
-                           stop_ids=self.stop_ids, reference=False,
-                           progress=cfg.progress).summary()
+        report = speculate(self.loaded.hf, drafter, prompts, max_new_tokens=limit, stop_ids=self.stop_ids,
+                           reference=False, progress=cfg.progress).summary()
         result = {"step": self.step, "max_new_tokens": limit, **report}
         (self.output_dir / "speculate.json").write_text(json.dumps(result, indent=2) + "\n")
         self._say(f"speculative decoding of {report['turns']} held-out turns: acceptance length "
