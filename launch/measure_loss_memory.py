@@ -38,7 +38,7 @@ def main() -> None:
         labels = torch.randint(0, args.vocab, (n,), generator=g)
         weights = torch.rand(n, generator=g)
 
-        def step():
+        def step(hidden=hidden, labels=labels, weights=weights):
             loss, _ = chunked_weighted_ce(hidden, weight, labels, weights, args.chunk)
             loss.backward()
 

@@ -77,7 +77,7 @@ def test_prompts_are_what_the_build_script_generates(prompts):
 
 def test_demo_data_regenerates_every_prompt_in_order(prompts, data):
     assert len(data) == len(prompts) >= 1000
-    for i, (p, d) in enumerate(zip(prompts, data)):
+    for i, (p, d) in enumerate(zip(prompts, data, strict=True)):
         assert d["meta"]["source_line"] == i + 1
         assert d["meta"]["temperature"] == 0.0 and d["meta"]["keep_thinking"] is True
         src = p["messages"]
@@ -93,7 +93,8 @@ def test_demo_responses_are_structured_and_varied(tokenizer, data):
     assert max(lengths) >= 100 and min(lengths) <= 10  # variable lengths for the batching code
     assert len(set(responses)) > 0.4 * len(responses)  # not one canned answer
     # degenerate = one word makes up most of a longer answer (a loop such as ". . . .")
-    degenerate = [r for r, n in zip(responses, lengths) if n >= 8 and Counter(r.split()).most_common(1)[0][1] > 0.6 * n]
+    degenerate = [r for r, n in zip(responses, lengths, strict=True)
+                  if n >= 8 and Counter(r.split()).most_common(1)[0][1] > 0.6 * n]
     assert len(degenerate) < 0.05 * len(responses), degenerate[:3]
 
 
@@ -107,5 +108,5 @@ def test_first_batch_of_demo_data_is_reproduced_by_regenerate(tmp_path, data):
     again = [json.loads(line) for line in Path(cfg.output).read_text(encoding="utf-8").splitlines()]
     # Greedy decoding is exact on one machine; another CPU's float rounding may flip a rare
     # near-tie argmax, so allow one conversation in the batch to differ.
-    same = sum(a == b for a, b in zip(again, data[:BUILD_BATCH]))
+    same = sum(a == b for a, b in zip(again, data[:BUILD_BATCH], strict=True))
     assert len(again) == BUILD_BATCH and same >= BUILD_BATCH - 1

@@ -10,7 +10,7 @@ from dflash.data.batch import PackedBatch, PaddedBatch
 def collate_packed(store, indices) -> PackedBatch:
     """Concatenate the samples into flat rows; positions restart at 0 for every sample."""
     indices = np.asarray(indices, dtype=np.int64)
-    ids, masks = zip(*(store[i] for i in indices))
+    ids, masks = zip(*(store[i] for i in indices), strict=True)
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     cu = np.zeros(len(ids) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu[1:])
@@ -31,12 +31,12 @@ def collate_packed(store, indices) -> PackedBatch:
 def collate_padded(store, indices, pad_id: int = 0) -> PaddedBatch:
     """Right-pad the samples to the longest one (count x longest tokens computed)."""
     indices = np.asarray(indices, dtype=np.int64)
-    ids, masks = zip(*(store[i] for i in indices))
+    ids, masks = zip(*(store[i] for i in indices), strict=True)
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     longest = int(lengths.max())
     input_ids = np.full((len(ids), longest), pad_id, dtype=np.int64)
     loss_mask = np.zeros((len(ids), longest), dtype=np.bool_)
-    for row, (x, m) in enumerate(zip(ids, masks)):
+    for row, (x, m) in enumerate(zip(ids, masks, strict=True)):
         input_ids[row, : len(x)] = x
         loss_mask[row, : len(m)] = m
     attention_mask = np.arange(longest)[None, :] < lengths[:, None]

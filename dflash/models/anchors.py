@@ -8,6 +8,7 @@ run, another rank or another batch composition redraws exactly the same anchors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ class BlockPlan:
     def num_blocks(self) -> int:
         return int(self.block_seq.numel())
 
-    def to(self, device, non_blocking: bool = False) -> "BlockPlan":
+    def to(self, device, non_blocking: bool = False) -> BlockPlan:
         return BlockPlan(
             self.block_seq.to(device, non_blocking=non_blocking),
             self.block_anchor.to(device, non_blocking=non_blocking),
@@ -76,7 +77,7 @@ def sample_anchors(
     bounds = cu_seqlens_cpu.tolist()
     ids = sample_ids.detach().cpu().tolist()
     seqs, anchors, skipped = [], [], 0
-    for s, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for s, (bos, eos) in enumerate(pairwise(bounds)):
         m = lm[bos:eos]
         if int(m.sum()) < 2 * block_size:
             skipped += 1

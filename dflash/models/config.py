@@ -153,7 +153,7 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
         num_target_features: int = DEFAULT_NUM_TARGET_FEATURES,
         vocab_size: int | None = None,
-    ) -> "DrafterConfig":
+    ) -> DrafterConfig:
         """Sizes from a Hugging Face target config (Qwen3, Qwen2, Llama, Mistral, ...).
 
         vocab_size defaults to the config's; pass the embedding's row count if it differs.
@@ -230,7 +230,7 @@ class DrafterConfig:
         }
 
     @classmethod
-    def from_json_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_json_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         """Read our config.json or one written by others in the official format.
 
         Accepted variants: `target_layer_ids` / `mask_token_id` / `block_size` inside

@@ -92,7 +92,8 @@ def register_varlen_attention(padded_implementation: str = "sdpa") -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if padded_implementation not in ALL_ATTENTION_FUNCTIONS or padded_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+    if padded_implementation not in ALL_ATTENTION_FUNCTIONS or \
+            padded_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(
             f"padded_attn_implementation {padded_implementation!r} is not a registered transformers attention "
             f"with a mask function (e.g. 'sdpa', 'flash_attention_2')"
@@ -159,7 +160,7 @@ class TargetModel(nn.Module):
     def num_embedding_rows(self) -> int:
         return self.model.get_input_embeddings().weight.shape[0]
 
-    def train(self, mode: bool = True) -> "TargetModel":
+    def train(self, mode: bool = True) -> TargetModel:
         # Frozen: stays in eval mode whatever the caller asks.
         return super().train(False)
 

@@ -1,4 +1,6 @@
 """plan_batches and BatchPlanner: every invariant the trainer and DeepSpeed rely on."""
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -77,7 +79,7 @@ def test_bucketed_batches_stay_inside_one_bucket(lengths, layout):
 def test_bucketed_interleaves_buckets(lengths):
     plan = plan_batches(lengths, 8192, "bucketed", "padded", boundaries=[300, 900])[0]
     first_bucket = [int(np.searchsorted([300, 900], lengths[b[0]], side="left")) for b in plan]
-    changes = sum(a != b for a, b in zip(first_bucket, first_bucket[1:]))
+    changes = sum(a != b for a, b in pairwise(first_bucket))
     assert changes > len(plan) // 3  # not bucket after bucket
 
 

@@ -35,7 +35,7 @@ def plan_of(batch, num_anchors=512, seed=0, epoch=0):
 def anchors_by_sample(batch, plan):
     sid = batch.sample_ids.tolist()
     out = {}
-    for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist()):
+    for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True):
         out.setdefault(sid[s], []).append(a)
     return out
 
@@ -48,7 +48,7 @@ def random_sample(rng, n):
 
 def test_anchors_are_candidates_drawn_without_replacement():
     rng = np.random.default_rng(0)
-    samples, masks = zip(*[random_sample(rng, n) for n in (40, 90, 25)])
+    samples, masks = zip(*[random_sample(rng, n) for n in (40, 90, 25)], strict=True)
     batch = packed(samples, masks)
     for num_anchors in (5, 512):
         plan = plan_of(batch, num_anchors=num_anchors)
@@ -77,7 +77,7 @@ def test_samples_with_too_few_supervised_tokens_are_skipped_and_counted():
 
 def test_anchors_depend_only_on_seed_epoch_and_sample_id():
     rng = np.random.default_rng(1)
-    samples, masks = zip(*[random_sample(rng, n) for n in (60, 80, 70)])
+    samples, masks = zip(*[random_sample(rng, n) for n in (60, 80, 70)], strict=True)
 
     def draw(batch, epoch):
         return anchors_by_sample(batch, plan_of(batch, num_anchors=6, seed=3, epoch=epoch))
@@ -93,13 +93,13 @@ def test_anchors_depend_only_on_seed_epoch_and_sample_id():
 
 def test_block_inputs_and_same_position_labels():
     rng = np.random.default_rng(2)
-    samples, masks = zip(*[random_sample(rng, n) for n in (30, 45)])
+    samples, masks = zip(*[random_sample(rng, n) for n in (30, 45)], strict=True)
     batch = packed(samples, masks)
     plan = plan_of(batch, num_anchors=20)
     mask_id = 1000
     bt = block_tensors(plan, batch, mask_id)
     ids, pos = bt.input_ids.view(-1, B), bt.position_ids.view(-1, B)
-    for j, (s, a) in enumerate(zip(plan.block_seq.tolist(), plan.block_anchor.tolist())):
+    for j, (s, a) in enumerate(zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True)):
         tokens, m = samples[s], masks[s]
         assert ids[j].tolist() == [tokens[a]] + [mask_id] * (B - 1)
         assert pos[j].tolist() == [a + k for k in range(B)]

@@ -130,7 +130,8 @@ def test_loads_a_checkpoint_written_by_others(tmp_path):
                    f"layers.{i}.self_attn.k_proj.weight": (KV * HEAD_DIM, H),
                    f"layers.{i}.self_attn.v_proj.weight": (KV * HEAD_DIM, H),
                    f"layers.{i}.self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
-                   f"layers.{i}.self_attn.q_norm.weight": (HEAD_DIM,), f"layers.{i}.self_attn.k_norm.weight": (HEAD_DIM,),
+                   f"layers.{i}.self_attn.q_norm.weight": (HEAD_DIM,),
+                   f"layers.{i}.self_attn.k_norm.weight": (HEAD_DIM,),
                    f"layers.{i}.mlp.gate_proj.weight": (INTER, H), f"layers.{i}.mlp.up_proj.weight": (INTER, H),
                    f"layers.{i}.mlp.down_proj.weight": (H, INTER)}
     torch.manual_seed(1)

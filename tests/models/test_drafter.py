@@ -1,6 +1,8 @@
 """The drafter's packed training forward against the inference formula, one block at a time."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 import torch
@@ -95,7 +97,7 @@ def test_packed_forward_matches_inference_formula_block_by_block():
     with torch.no_grad():
         got = run_blocks(drafter, batch, feats, plan)
         cu = batch.cu_seqlens.tolist()
-        for j, (s, a) in enumerate(zip(seq, anchor)):
+        for j, (s, a) in enumerate(zip(seq, anchor, strict=True)):
             ref = inference_block(drafter, feats[cu[s]:cu[s + 1]], batch.input_ids[cu[s]:cu[s + 1]], a)
             torch.testing.assert_close(got[j], ref, rtol=1e-5, atol=1e-5)
 
@@ -113,9 +115,10 @@ def test_loss_and_metrics_match_direct_computation():
     loss, weight, tau, correct, count = 0.0, 0.0, 0.0, torch.zeros(B - 1), torch.zeros(B - 1)
     cu, ids, lm = batch.cu_seqlens.tolist(), batch.input_ids, batch.loss_mask
     with torch.no_grad():
-        for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist()):
+        for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True):
             n = cu[s + 1] - cu[s]
-            logits = inference_block(drafter, feats[cu[s]:cu[s + 1]], ids[cu[s]:], a) @ target.shared_weights().lm_head.t()
+            lm_head = target.shared_weights().lm_head
+            logits = inference_block(drafter, feats[cu[s]:cu[s + 1]], ids[cu[s]:], a) @ lm_head.t()
             accepting = True
             for k in range(1, B):
                 ok = a + k < n and bool(lm[cu[s] + a + k])
@@ -140,11 +143,13 @@ def test_padded_batch_gives_the_packed_result():
     lengths = [20, 33]
     packed = make_batch(lengths)
     S, L = 2, 33
-    ids, mask, pos = torch.zeros(S, L, dtype=torch.long), torch.zeros(S, L, dtype=torch.bool), torch.zeros(S, L, dtype=torch.long)
+    ids, pos = torch.zeros(S, L, dtype=torch.long), torch.zeros(S, L, dtype=torch.long)
+    mask = torch.zeros(S, L, dtype=torch.bool)
     lm = torch.zeros(S, L, dtype=torch.bool)
-    for i, (lo, hi) in enumerate(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())):
+    for i, (lo, hi) in enumerate(pairwise(packed.cu_seqlens.tolist())):
         n = hi - lo
-        ids[i, :n], mask[i, :n], pos[i, :n], lm[i, :n] = packed.input_ids[lo:hi], True, torch.arange(n), packed.loss_mask[lo:hi]
+        ids[i, :n], mask[i, :n], pos[i, :n] = packed.input_ids[lo:hi], True, torch.arange(n)
+        lm[i, :n] = packed.loss_mask[lo:hi]
     padded = PaddedBatch(ids, mask, lm, pos, torch.tensor(lengths), packed.sample_ids)
     a = drafter(packed, target.features(packed), epoch=0, seed=0)
     b = drafter(padded, target.features(padded), epoch=0, seed=0)
@@ -160,7 +165,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     for checkpointing in (False, True):
         drafter = tiny_drafter(target, num_anchors=3, activation_checkpointing=checkpointing)
         calls = []
-        drafter.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        drafter.layers[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         out = drafter(batch, feats, epoch=0, seed=0)
         out.loss_sum.backward()
         assert len(calls) == (2 if checkpointing else 1), "checkpointing recomputes the layer in backward"
@@ -222,7 +227,7 @@ def test_tau_counts_leading_slots_that_match_the_data():
     feats = target.features(batch)
     matches = [3, 0, 1]  # leading slots made correct, then one wrong slot
     with torch.no_grad():
-        for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist()):
+        for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True):
             assert a + B <= cu[s + 1] - cu[s]  # all labels inside the sample (true for this seed)
             logits = inference_block(drafter, feats[cu[s]:cu[s + 1]], batch.input_ids[cu[s]:], a) @ lm_head.t()
             pred = logits.argmax(-1)
