@@ -27,7 +27,8 @@ FAULTS = ROOT / "tests" / "training" / "fault_script.py"
 # 2 epochs of 4 steps on 2 ranks, a checkpoint every 2 steps
 COMMON = ("--step-tokens", 600, "--checkpoint-every", 2, "--sample-log", "--no-export",
           "--deepspeed_config", "ds_configs/zero2.json")
-TIMING = {"step_seconds", "tokens_per_s", "computed_tokens_per_s", "rank_seconds"}
+TIMING = {"step_seconds", "tokens_per_s", "computed_tokens_per_s", "rank_seconds", "rank_busy_seconds",
+          "rank_wait_seconds", "wait_fraction"}
 
 
 def ok(proc):
