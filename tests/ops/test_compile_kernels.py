@@ -44,6 +44,10 @@ tuner, constexprs = compile_cases(128, 32, 8, torch.bfloat16)[0]
 tuner.configs = tuner.configs[:1]  # compiled (and cached on disk) by the gate test
 record = compile_check.compile_config(tuner.fn, torch.bfloat16, constexprs, tuner.configs[0], 90)
 assert compile_check.fitting_configs(tuner, torch.bfloat16, constexprs, 90) == tuner.configs
+# The autotuner's own call, as at a launch on an sm_90a GPU (it also passes grid and warmup).
+compile_check.current_capability = lambda: 90
+nargs = {"Q": torch.empty(0, dtype=torch.bfloat16)}
+assert tuner.early_config_prune(tuner.configs, nargs, grid=(1,), warmup=False, **constexprs) == tuner.configs
 compile_check.MAX_SHARED[90] = record["shared_bytes"] - 1
 compile_check._fitting.cache_clear()
 try:

@@ -15,7 +15,9 @@ def flex_attention_packed(q, k, v, mask_mod, scale):
 
     fn = flex_attention
     if q.device.type == "cuda":
-        fn = _COMPILED.setdefault("fn", torch.compile(flex_attention, dynamic=False))
+        # Default dynamic=None: after the first new shape torch.compile makes lengths dynamic
+        # instead of recompiling for every batch.
+        fn = _COMPILED.setdefault("fn", torch.compile(flex_attention))
     mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=q.device)
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask,
              scale=scale, enable_gqa=True)

@@ -60,7 +60,9 @@ def autotune(options: dict, key: list, fallback: str):
         def prune(configs, nargs, **kwargs):
             from .compile_check import fitting_configs
 
-            constexprs = {name: kwargs[name] for name in kwargs if fn.arg_names.index(name) in fn.constexprs}
+            # kwargs also hold the launch's own keywords (grid, warmup)
+            constexprs = {name: value for name, value in kwargs.items()
+                          if name in fn.arg_names and fn.arg_names.index(name) in fn.constexprs}
             try:
                 data = next(name for name in fn.arg_names if name.isupper() and name not in ("LSE", "DELTA"))
                 return fitting_configs(tuner, nargs[data].dtype, constexprs)

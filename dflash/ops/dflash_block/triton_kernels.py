@@ -22,7 +22,7 @@ from ..common.delta import attention_delta
 from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, sequence_tiles
 from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
 
-GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger)
+GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger), before tile_rows
 CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list), before tile_rows
 _CTX_STEP = [16] if is_interpreting() else [32, 64, 128]  # context step of forward and dQ (autotuned)
 _KEY = ["HQ", "HKV", "D", "B"]
@@ -244,7 +244,7 @@ def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_se
 
 def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16) -> list:
     """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
-    block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
+    block_m = max(tile_rows(GROUP_ROWS, head_dim, dtype), triton.next_power_of_2(block_size))
     common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m,
                   OFFS64=False)
     ctx_block = tile_rows(CTX_BLOCK_N, head_dim, dtype)
@@ -261,9 +261,9 @@ def _offs64(q) -> bool:
 class _Plan:
     """Everything the kernels need to know about one batch's blocks (built with torch ops)."""
 
-    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block, cu_seqlens_cpu):
+    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block, cu_seqlens_cpu):
         num_seqs = cu_seqlens.numel() - 1
-        self.block_m = max(GROUP_ROWS, triton.next_power_of_2(block_size))
+        self.block_m = max(group_rows, triton.next_power_of_2(block_size))
         self.per_group = self.block_m // block_size
         (self.blocks, self.seq, self.amin, self.amax,
          self.order) = block_groups(block_seq, block_anchor, num_seqs, self.per_group)
@@ -275,9 +275,10 @@ class _Plan:
         self.ctx_tiles, self.ctx_ranges = tiles[order].contiguous(), ranges[order].contiguous()
 
 
-def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block, cu_seqlens_cpu) -> _Plan:
-    return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor), ("dflash_block", block_size, total, ctx_block),
-                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, ctx_block,
+def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block, cu_seqlens_cpu) -> _Plan:
+    return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor),
+                          ("dflash_block", block_size, total, group_rows, ctx_block),
+                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block,
                                         cu_seqlens_cpu))
 
 
@@ -330,8 +331,9 @@ def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, blo
                                   scale, cu_seqlens_cpu=None):
     check_triton_inputs(q)
     cu_seqlens, block_seq, block_anchor = cu_seqlens.contiguous(), block_seq.contiguous(), block_anchor.contiguous()
-    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0],
-                 tile_rows(CTX_BLOCK_N, q.shape[-1], q.dtype), cu_seqlens_cpu)
+    d, dtype = q.shape[-1], q.dtype
+    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], tile_rows(GROUP_ROWS, d, dtype),
+                 tile_rows(CTX_BLOCK_N, d, dtype), cu_seqlens_cpu)
     return DFlashBlockAttentionFunction.apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(),
                                               k_blk.contiguous(), v_blk.contiguous(), cu_seqlens, block_anchor,
                                               plan, block_size, scale)
