@@ -9,6 +9,13 @@ class UserError(Exception):
     """Bad input or configuration: the message says what is wrong, where, and how to fix it."""
 
 
+def say_error(line: str) -> None:
+    """One write of the whole line: ranks started with `python -u` share stderr, and print()'s
+    separate write of the newline lets another rank's line land in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def exit_on_user_error(main):
     """Decorate a CLI `main`: a UserError becomes `error: ...` on stderr and exit status 2."""
 
@@ -17,7 +24,7 @@ def exit_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            print(f"error: {err}", file=sys.stderr)
+            say_error(f"error: {err}")
             sys.exit(2)
 
     return wrapper

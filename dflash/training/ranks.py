@@ -12,7 +12,7 @@ import sys
 
 import torch.distributed as dist
 
-from dflash.errors import UserError
+from dflash.errors import UserError, say_error
 
 
 def on_rank0(fn, what: str):
@@ -52,8 +52,7 @@ def peer_failures_are_one_line(main):
         except Exception as err:
             if not (dist.is_initialized() and dist.get_rank() != 0 and _peer_failure(err)):
                 raise
-            print(f"error: rank {dist.get_rank()}: stopped because another rank failed (its error is above)",
-                  file=sys.stderr)
+            say_error(f"error: rank {dist.get_rank()}: stopped because another rank failed (its error is above)")
             sys.exit(2)
 
     return wrapper

@@ -71,6 +71,15 @@ def tiny_train_args(target, data, out, *extra):
             "--dtype", "fp32", "--speculate-turns", "0", *map(str, extra)]
 
 
+# metric keys that measure time: they differ between otherwise identical runs
+TIMING = {"step_seconds", "tokens_per_s", "computed_tokens_per_s", "rank_seconds", "rank_busy_seconds",
+          "rank_wait_seconds", "wait_fraction"}
+
+
+def without_timings(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in TIMING}
+
+
 def read_metrics(out, kind="train"):
     with open(out / "metrics.jsonl") as f:
         return [r for r in map(json.loads, f) if r["kind"] == kind]

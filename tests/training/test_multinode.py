@@ -24,7 +24,7 @@ from dflash.errors import UserError
 from dflash.training.shared_fs import PROBE, check_shared_paths
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args
+from .conftest import read_metrics, run_deepspeed, tiny_train_args, without_timings
 
 # ZeRO-3, 4 steps per epoch; the multi-node run stops after step 3 (inside epoch 0) and resumes
 COMMON = ("--step-tokens", 600, "--max-steps", 5, "--deepspeed_config", ROOT / "ds_configs" / "zero3.json")
@@ -77,8 +77,7 @@ def ok(results):
 def history(out):
     """The metric records without timings (step and per-rank seconds, tokens/s)."""
     with open(out / "metrics.jsonl") as f:
-        return [{k: v for k, v in json.loads(line).items() if "seconds" not in k and not k.endswith("_per_s")}
-                for line in f]
+        return [without_timings(json.loads(line)) for line in f]
 
 
 @pytest.mark.slow

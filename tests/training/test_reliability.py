@@ -19,7 +19,7 @@ from dflash.errors import UserError
 from dflash.training.ds_config import load_ds_config
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args
+from .conftest import read_metrics, run_deepspeed, tiny_train_args, without_timings
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,6 @@ FAULTS = ROOT / "tests" / "training" / "fault_script.py"
 # 2 epochs of 4 steps on 2 ranks, a checkpoint every 2 steps
 COMMON = ("--step-tokens", 600, "--checkpoint-every", 2, "--sample-log", "--no-export",
           "--deepspeed_config", "ds_configs/zero2.json")
-TIMING = {"step_seconds", "tokens_per_s", "computed_tokens_per_s", "rank_seconds", "rank_busy_seconds",
-          "rank_wait_seconds", "wait_fraction"}
 
 
 def ok(proc):
@@ -39,7 +37,7 @@ def ok(proc):
 def history(out):
     """What a run learned and saw: metric records without timings, and each rank's sample log."""
     with open(out / "metrics.jsonl") as f:
-        records = [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        records = [without_timings(json.loads(line)) for line in f]
     samples = {p.name: p.read_text().splitlines() for p in sorted(out.glob("samples.rank*.jsonl"))}
     return records, samples
 
