@@ -1,11 +1,12 @@
 """The cost model of a sample and the cost-balanced planner (drafter row budget, dealing to ranks)."""
+import itertools
 import json
 from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dflash.data import BatchPlanner, PlannerConfig, plan_batches
@@ -89,6 +90,7 @@ def test_fit_recovers_a_known_model_and_reports_r2():
 @settings(max_examples=25, deadline=None)
 @given(items=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 40)), min_size=1, max_size=300),
        world_size=st.integers(1, 5), seed=st.integers(0, 3), mix=st.integers(1, 5))
+@example(items=[(1, 26), (1, 39), (1, 39), (1, 39)], world_size=3, seed=0, mix=1)  # refused: no pair fits
 def test_balanced_plans_keep_every_invariant_under_both_budgets(order, layout, items, world_size, seed, mix):
     lengths, rows = np.array([x for x, _ in items]), np.array([r for _, r in items])
     kw = dict(seed=seed, world_size=world_size, rows=rows, row_budget=64, costs=MODEL.sample_costs(lengths, rows),
@@ -97,7 +99,20 @@ def test_balanced_plans_keep_every_invariant_under_both_budgets(order, layout, i
         with pytest.raises(UserError, match="same number of micro-batches"):
             plan_batches(lengths, 128, order, layout, **kw)
         return
-    plan = plan_batches(lengths, 128, order, layout, **kw)
+    try:
+        plan = plan_batches(lengths, 128, order, layout, **kw)
+    except UserError as err:
+        # Refused only when it cannot be done: the packed micro-batches (one rank's plan, nothing
+        # re-dealt) do not divide by the ranks, too few hold 2+ samples to split, and no two fit together.
+        assert "no two of them fit together" in str(err)
+        packed = plan_batches(lengths, 128, order, layout, **{**kw, "world_size": 1, "balance": False})[0]
+        splits = -len(packed) % world_size
+        assert splits and sum(len(b) - 1 for b in packed) < splits
+        for a, b in itertools.combinations(packed, 2):
+            union = np.concatenate([a, b])
+            cost = len(union) * lengths[union].max() if layout == "padded" else lengths[union].sum()
+            assert rows[union].sum() > 64 or cost > 128, "a pair fits, so the plan was possible"
+        return
     assert len({len(rank) for rank in plan}) == 1
     flat = np.concatenate([b for rank in plan for b in rank])
     assert sorted(flat.tolist()) == list(range(len(lengths)))
