@@ -12,7 +12,7 @@ On a machine without CUDA the kernels run in Triton's interpreter at a reduced s
 proves the script works, the times mean nothing.
 
     python launch/bench_kernels.py --out runs/bench   # writes bench_kernels.json and .png
-    python launch/bench_kernels.py --quick --lengths ../shared/data/seed_lengths.npy
+    python launch/bench_kernels.py --quick --lengths my_lengths.npy   # your own sample lengths (.npy)
 """
 from __future__ import annotations
 
