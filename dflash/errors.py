@@ -16,6 +16,20 @@ def say_error(line: str) -> None:
     sys.stderr.flush()
 
 
+def exit_with_error(line: str):
+    """Print `line` and exit with status 2. A rank of several first takes down its process group:
+    left to interpreter shutdown, the threads that talk to its peers can die in std::terminate
+    (SIGABRT, status 250 instead of 2)."""
+    say_error(line)
+    dist = sys.modules.get("torch.distributed")  # loaded only if this process uses it
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; the message is out
+            pass
+    sys.exit(2)
+
+
 def exit_on_user_error(main):
     """Decorate a CLI `main`: a UserError becomes `error: ...` on stderr and exit status 2."""
 
@@ -24,8 +38,7 @@ def exit_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            say_error(f"error: {err}")
-            sys.exit(2)
+            exit_with_error(f"error: {err}")
 
     return wrapper
 

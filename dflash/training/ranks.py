@@ -8,11 +8,10 @@ connection. `peer_failures_are_one_line` covers the rest: a rank whose peer died
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch.distributed as dist
 
-from dflash.errors import UserError, say_error
+from dflash.errors import UserError, exit_with_error
 
 
 def on_rank0(fn, what: str):
@@ -52,8 +51,7 @@ def peer_failures_are_one_line(main):
         except Exception as err:
             if not (dist.is_initialized() and dist.get_rank() != 0 and _peer_failure(err)):
                 raise
-            say_error(f"error: rank {dist.get_rank()}: stopped because another rank failed (its error is above)")
-            sys.exit(2)
+            exit_with_error(f"error: rank {dist.get_rank()}: stopped because another rank failed (its error is above)")
 
     return wrapper
 
