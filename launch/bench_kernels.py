@@ -3,7 +3,8 @@
 Causal varlen attention (the target's): ours vs padded SDPA and the library backends of
 dflash.ops (FlexAttention with a document mask, torch.nn.attention.varlen (FlashAttention-2),
 flash-attn's varlen function) where they run. DFlash block attention (the drafter's): ours vs
-FlexAttention with the block mask (backend="flex").
+FlexAttention with the block mask (backend="flex"). Ours runs twice: dQ accumulated with
+atomics (the default) and deterministic=True (dQ in a kernel of its own).
 Length patterns (seed-like, constant, uniform, long-tail, bimodal), each sorted and shuffled,
 packed to a real micro-batch (49,152 tokens). TFLOP/s count visible query-key pairs only
 (forward 4*D per pair and head; forward+backward 3.5x that).
@@ -155,7 +156,9 @@ def bench_varlen(lengths, cfg, measure, device, dtype):
     cu_cpu, max_len = cu.cpu(), max(lengths)
     methods = {
         "dflash-triton": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton",
-                                                           cu_seqlens_cpu=cu_cpu)),
+                                                           cu_seqlens_cpu=cu_cpu, deterministic=False)),
+        "dflash-triton-deterministic": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton",
+                                                                         cu_seqlens_cpu=cu_cpu, deterministic=True)),
         "padded-sdpa": lambda: padded_sdpa(q, k, v, lengths),
         "flex-attention": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="flex")),
         "torch-varlen": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="torch_varlen")),
@@ -176,11 +179,13 @@ def bench_block(lengths, cfg, measure, device, dtype, rng):
     seq_t = torch.tensor(seq, dtype=torch.int32, device=device)
     anchor_t = torch.tensor(anchor, dtype=torch.int32, device=device)
 
-    def block(backend):
+    def block(backend, deterministic=False):
         return lambda: (lambda: dflash_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq_t, anchor_t, b,
-                                                       backend=backend, cu_seqlens_cpu=cu.cpu()))
+                                                       backend=backend, cu_seqlens_cpu=cu.cpu(),
+                                                       deterministic=deterministic))
 
-    methods = {"dflash-triton": block("triton"), "flex-attention": block("flex")}
+    methods = {"dflash-triton": block("triton"), "dflash-triton-deterministic": block("triton", True),
+               "flex-attention": block("flex")}
     pairs = int(sum(b * (a + b) for a in anchor))
     return run_methods(methods, (q, k_ctx, v_ctx, k_blk, v_blk), pairs, cfg, measure)
 

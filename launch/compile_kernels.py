@@ -29,6 +29,7 @@ from tqdm import tqdm  # noqa: E402
 
 from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config  # noqa: E402
 
+REPORTED = ("CAUSAL", "B", "BLOCK_M", "BLOCK_N", "FUSED_DQ")  # constexprs that tell a kernel's cases apart
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,24 +49,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _cases(op, head_dim, heads, kv_heads, dtype):
+def _cases(op, head_dim, heads, kv_heads, dtype, arch):
+    """(autotuned kernel, constexprs) of `op` as launched on `arch`; the delta preprocess serves
+    both ops and is reported with varlen."""
     from dflash.ops.common import delta
 
     if op == "varlen":
         from dflash.ops.varlen.triton_kernels import compile_cases
-    else:
-        from dflash.ops.dflash_block.triton_kernels import compile_cases
-    # The delta preprocess serves both ops; it is reported with varlen.
-    return compile_cases(head_dim, heads, kv_heads, DTYPES[dtype]) + (delta.compile_cases(head_dim) if op == "varlen"
-                                                                       else [])
+
+        return compile_cases(head_dim, heads, kv_heads, DTYPES[dtype], arch) + delta.compile_cases(head_dim, heads)
+    from dflash.ops.dflash_block.triton_kernels import compile_cases
+
+    return compile_cases(head_dim, heads, kv_heads, DTYPES[dtype])
 
 
 def _job(task):
     op, index, config_index, arch, head_dim, dtype, heads, kv_heads = task
-    tuner, constexprs = _cases(op, head_dim, heads, kv_heads, dtype)[index]
+    tuner, constexprs = _cases(op, head_dim, heads, kv_heads, dtype, arch)[index]
     record = compile_config(tuner.fn, DTYPES[dtype], constexprs, tuner.configs[config_index], arch)
     return {**record, "op": op, "head_dim": head_dim, "dtype": dtype,
-            "constexprs": {k: v for k, v in constexprs.items() if k in ("CAUSAL", "B", "BLOCK_M", "BLOCK_N")}}
+            "constexprs": {k: v for k, v in constexprs.items() if k in REPORTED}}
 
 
 def tasks(args):
@@ -73,12 +76,13 @@ def tasks(args):
     for op in args.op:
         for head_dim in args.head_dim:
             for dtype in args.dtype:
-                for index, (tuner, constexprs) in enumerate(_cases(op, head_dim, args.heads, args.kv_heads, dtype)):
-                    if args.causal_only and constexprs.get("CAUSAL") is False:
-                        continue
-                    for config_index in range(1 if args.first_only else len(tuner.configs)):
+                for arch in args.arch:
+                    cases = _cases(op, head_dim, args.heads, args.kv_heads, dtype, arch)
+                    for index, (tuner, constexprs) in enumerate(cases):
+                        if args.causal_only and constexprs.get("CAUSAL") is False:
+                            continue
                         out += [(op, index, config_index, arch, head_dim, dtype, args.heads, args.kv_heads)
-                                for arch in args.arch]
+                                for config_index in range(1 if args.first_only else len(tuner.configs))]
     return out
 
 

@@ -78,7 +78,7 @@ def count_specializations():
         keys = set()
         for kernel in kernels:
             fn = kernel.fn  # the InterpretedFunction under the autotuner
-            jit = JITFunction(fn.fn)
+            jit = JITFunction(fn.fn, do_not_specialize=fn.kwargs.get("do_not_specialize"))
             binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
 
             def hook(*args, _binder=binder, _name=fn.fn.__name__, **kwargs):

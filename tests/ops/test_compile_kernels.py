@@ -23,7 +23,8 @@ def test_gate_reports_each_kernel_and_config():
            "90", "--head-dim", "128", "--dtype", "bfloat16", "--jobs", "1", "--json", "-"]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     records = json.loads(done.stdout)
-    kernels = ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_delta_kernel", "_fwd_kernel"]
+    # dK/dV twice: with dQ fused (atomics) and without (deterministic)
+    kernels = ["_bwd_dkdv_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_delta_kernel", "_fwd_kernel"]
     assert sorted(r["kernel"] for r in records) == kernels
     fields = {"kernel", "arch", "head_dim", "dtype", "config", "shared_bytes", "registers", "spills", "fits"}
     for r in records:
@@ -40,7 +41,7 @@ from dflash.errors import UserError
 from dflash.ops.common import compile_check
 from dflash.ops.varlen.triton_kernels import compile_cases
 
-tuner, constexprs = compile_cases(128, 32, 8, torch.bfloat16)[0]
+tuner, constexprs = compile_cases(128, 32, 8, torch.bfloat16, 90)[0]
 tuner.configs = tuner.configs[:1]  # compiled (and cached on disk) by the gate test
 record = compile_check.compile_config(tuner.fn, torch.bfloat16, constexprs, tuner.configs[0], 90)
 assert compile_check.fitting_configs(tuner, torch.bfloat16, constexprs, 90) == tuner.configs
@@ -48,8 +49,15 @@ assert compile_check.fitting_configs(tuner, torch.bfloat16, constexprs, 90) == t
 compile_check.current_capability = lambda: 90
 nargs = {"Q": torch.empty(0, dtype=torch.bfloat16)}
 assert tuner.early_config_prune(tuner.configs, nargs, grid=(1,), warmup=False, **constexprs) == tuner.configs
+# What backend="auto" asks before it launches: the kernels of a causal, non-deterministic call.
+from dflash.ops.varlen import triton_kernels as tk
+
+for kernel in (tk._bwd_dkdv_kernel, tk._bwd_dq_kernel):
+    kernel.configs = kernel.configs[:1]
+assert tk.unservable(128, 32, 8, torch.bfloat16, True, False, 90) is None
 compile_check.MAX_SHARED[90] = record["shared_bytes"] - 1
 compile_check._fitting.cache_clear()
+print("auto:", tk.unservable.__wrapped__(128, 32, 8, torch.bfloat16, True, False, 90))
 try:
     compile_check.fitting_configs(tuner, torch.bfloat16, constexprs, 90)
 except UserError as err:
@@ -61,4 +69,5 @@ def test_configs_that_fit_are_kept_and_none_is_refused():
     done = subprocess.run([sys.executable, "-c", PRUNE], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "_fwd_kernel: no config fits sm_90a (" in done.stdout
+    assert "auto: _fwd_kernel: no config fits sm_90a (" in done.stdout
+    assert "\n_fwd_kernel: no config fits sm_90a (" in done.stdout

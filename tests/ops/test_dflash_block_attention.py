@@ -26,9 +26,9 @@ def _batch(lengths, blocks_per_seq, block_size, hq, hkv, d, dtype, seed=0, ancho
     return tensors[:5], tensors[5], cu.to(DEVICE), seq.to(DEVICE), anchor.to(DEVICE)
 
 
-def _run(inputs, do, cu, seq, anchor, block_size, backend, dtype=None):
+def _run(inputs, do, cu, seq, anchor, block_size, backend, dtype=None, deterministic=None):
     leaves = [x.to(dtype or x.dtype).requires_grad_() for x in inputs]
-    out = dflash_block_attention(*leaves, cu, seq, anchor, block_size, backend=backend)
+    out = dflash_block_attention(*leaves, cu, seq, anchor, block_size, backend=backend, deterministic=deterministic)
     return out, torch.autograd.grad(out, leaves, do.to(out.dtype))
 
 
@@ -76,10 +76,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("lengths,per_seq,block_size,hq,hkv,d,dtype,anchors", CASES)
-def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, check_close):
+def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, deterministic,
+                                  check_close):
     inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
-    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton")
+    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic)
     ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64)
     low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
     check_close("out", out, ref, low)
@@ -108,7 +110,7 @@ def test_triton_matches_reference_random_batches(seed, check_close):
 def test_new_batches_do_not_recompile(count_specializations):
     from dflash.ops.dflash_block import triton_kernels as tk
 
-    compiled = count_specializations([tk._fwd_kernel, tk._bwd_dkdv_ctx_kernel, tk._bwd_dq_dkvblk_kernel])
+    compiled = count_specializations([tk._fwd_kernel, tk._bwd_ctx_kernel, tk._bwd_own_kernel])
     first = None
     for i, (lengths, per_seq) in enumerate((([30, 9], 3), ([5, 1, 60, 17], 2), ([64], 7), ([8] * 5, 1))):
         inputs, do, cu, seq, anchor = _batch(lengths, per_seq, 4, 2, 1, 16, torch.float32, seed=i)
@@ -116,6 +118,32 @@ def test_new_batches_do_not_recompile(count_specializations):
         first = compiled() if first is None else first
         assert compiled() == first, f"recompiled for lengths {lengths}, {per_seq} blocks per sample"
     assert first <= 3
+
+
+def test_deterministic_follows_torch_and_repeats_bitwise(monkeypatch):
+    """deterministic=None follows torch.use_deterministic_algorithms; the deterministic backward
+    runs the dQ kernel of its own (no atomics) and repeats bitwise (meaningful on CUDA, where
+    atomics land in any order)."""
+    from dflash.ops.dflash_block import triton_kernels as tk
+
+    launches = []
+    tuner = tk._bwd_dq_ctx_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return tuner[grid]
+
+    monkeypatch.setattr(tk, "_bwd_dq_ctx_kernel", Spy())
+    inputs, do, cu, seq, anchor = _batch([37, 5], 3, 4, 4, 2, 32, torch.float32)
+    _run(inputs, do, cu, seq, anchor, 4, "triton")
+    assert not launches
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    first = _run(inputs, do, cu, seq, anchor, 4, "triton")[1]
+    assert len(launches) == 1
+    again = _run(inputs, do, cu, seq, anchor, 4, "triton")[1]
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_errors_name_the_problem():
@@ -158,3 +186,21 @@ def test_flex_backend_matches_the_float64_reference(backend, check_close):
     for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
                                    strict=True):
         check_close(name, got, want, lo)
+
+
+def test_auto_falls_back_to_flex_where_no_triton_config_fits(monkeypatch, check_close):
+    """As for varlen_attention: where triton_kernels.unservable names a kernel no config of which
+    fits the GPU, "auto" warns and runs FlexAttention (GPU answers simulated off CUDA)."""
+    from dflash.ops.common import compile_check
+    from dflash.ops.dflash_block import interface
+    from dflash.ops.dflash_block import triton_kernels as tk
+
+    monkeypatch.setattr(interface, "resolve_backend", lambda name, device, op: "triton" if name == "auto" else name)
+    monkeypatch.setattr(compile_check, "current_capability", lambda: 120)
+    asked = []
+    monkeypatch.setattr(tk, "unservable", lambda *case: asked.append(case) or "_bwd_own_kernel: no config fits sm_120a")
+    inputs, do, cu, seq, anchor = _batch([23, 9], 2, 4, 4, 2, 32, torch.float32)
+    with pytest.warns(UserWarning, match='no config fits sm_120a.*backend="auto" uses FlexAttention'):
+        out = dflash_block_attention(*inputs, cu, seq, anchor, 4)
+    check_close("out", out, dflash_block_attention(*inputs, cu, seq, anchor, 4, backend="torch"))
+    assert asked == [(32, 4, 2, torch.float32, 4, False, 120)]

@@ -19,10 +19,10 @@ def _inputs(lengths, hq, hkv, d, dtype, seed=0):
     return q, k, v, do
 
 
-def _run(q, k, v, do, cu, max_len, causal, backend, dtype=None):
+def _run(q, k, v, do, cu, max_len, causal, backend, dtype=None, deterministic=None):
     """Output and (dq, dk, dv), computed on copies cast to `dtype` (default: the inputs')."""
     leaves = [x.to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
-    out = varlen_attention(*leaves, cu, max_len, causal=causal, backend=backend)
+    out = varlen_attention(*leaves, cu, max_len, causal=causal, backend=backend, deterministic=deterministic)
     return out, torch.autograd.grad(out, leaves, do.to(out.dtype))
 
 
@@ -64,11 +64,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("lengths,hq,hkv,d,dtype,causal", CASES)
-def test_triton_matches_reference(lengths, hq, hkv, d, dtype, causal, check_close):
+def test_triton_matches_reference(lengths, hq, hkv, d, dtype, causal, deterministic, check_close):
     q, k, v, do = _inputs(lengths, hq, hkv, d, dtype)
     cu = _cu(lengths)
-    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton")
+    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton", deterministic=deterministic)
     ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch", torch.float64)
     low, low_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
     check_close("out", out, ref, low)
@@ -125,10 +126,11 @@ def test_auto_backend_and_errors():
         varlen_attention(q, k, v, cu, 4, backend="cuda")
 
 
-def test_full_attention_backward_masks_keys_past_the_end_in_float16(check_close):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+def test_full_attention_backward_masks_keys_past_the_end_in_float16(deterministic, check_close):
     """Strongly negative logits (row lse about -30 in base 2): a key past the sample's end
     loads as zero but its p = exp2(-lse) must still be masked, or ds overflows float16 and dQ
-    turns NaN. The lengths are not multiples of the key tile."""
+    turns NaN (in either dQ path). The lengths are not multiples of the key tile."""
     lengths = [20, 7]
     g = torch.Generator().manual_seed(5)
     t, d = sum(lengths), 32
@@ -136,7 +138,7 @@ def test_full_attention_backward_masks_keys_past_the_end_in_float16(check_close)
     k = (-1.2 + torch.randn(t, 1, d, generator=g)).to(DEVICE, torch.float16)
     v, do = (torch.randn(t, h, d, generator=g).to(DEVICE, torch.float16) for h in (1, 2))
     cu = _cu(lengths)
-    out, grads = _run(q, k, v, do, cu, 20, False, "triton")
+    out, grads = _run(q, k, v, do, cu, 20, False, "triton", deterministic=deterministic)
     ref, ref_grads = _run(q, k, v, do, cu, 20, False, "torch", torch.float64)
     low, low_grads = _run(q, k, v, do, cu, 20, False, "torch")
     check_close("out", out, ref, low)
@@ -183,3 +185,44 @@ def test_library_backends_match_the_float64_reference(backend, causal, check_clo
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
         check_close(name, got, want, lo)
+
+
+def test_auto_falls_back_to_flex_where_no_triton_config_fits(monkeypatch, check_close):
+    """On a GPU where no config of a needed kernel fits (triton_kernels.unservable says why), "auto"
+    warns and runs FlexAttention instead of failing at the launch; otherwise it runs Triton.
+    (Off CUDA "auto" means the reference, so the GPU's answers are simulated here.)"""
+    from dflash.ops.common import compile_check
+    from dflash.ops.varlen import interface
+    from dflash.ops.varlen import triton_kernels as tk
+
+    monkeypatch.setattr(interface, "resolve_backend", lambda name, device: "triton" if name == "auto" else name)
+    monkeypatch.setattr(compile_check, "current_capability", lambda: 120)
+    asked, launched = [], []
+    monkeypatch.setattr(tk, "unservable", lambda *case: asked.append(case) or ("_fwd_kernel: no config fits sm_120a"
+                                                                                if case[0] == 64 else None))
+    monkeypatch.setattr(tk, "varlen_attention_triton", lambda *args: launched.append(args) or args[0])
+    lengths = [9, 4]
+    for d in (32, 64):
+        q, k, v, _ = _inputs(lengths, 2, 1, d, torch.float32, seed=d)
+        if d == 32:
+            assert varlen_attention(q, k, v, _cu(lengths), 9, deterministic=True) is q and len(launched) == 1
+            continue
+        with pytest.warns(UserWarning, match='no config fits sm_120a.*backend="auto" uses FlexAttention'):
+            out = varlen_attention(q, k, v, _cu(lengths), 9)
+        check_close("out", out, varlen_attention(q, k, v, _cu(lengths), 9, backend="torch"))
+    assert len(launched) == 1
+    assert asked == [(32, 2, 1, torch.float32, True, True, 120), (64, 2, 1, torch.float32, True, False, 120)]
+
+
+def test_autotune_is_keyed_by_size_class():
+    """The first (possibly tiny) batch must not fix the configs for every size: the autotune key
+    holds a power-of-two size class, few enough classes to tune each once."""
+    from dflash.ops.common.triton_utils import size_bucket
+    from dflash.ops.dflash_block import triton_kernels as bk
+    from dflash.ops.varlen import triton_kernels as vk
+
+    assert [size_bucket(n) for n in (0, 1, 4096, 4097, 49152, 65536, 65537, 10**7)] == [
+        4096, 4096, 4096, 8192, 65536, 65536, 131072, 1 << 20]
+    for tuner in (vk._fwd_kernel, vk._bwd_dkdv_kernel, vk._bwd_dq_kernel, bk._fwd_kernel, bk._bwd_ctx_kernel,
+                  bk._bwd_dq_ctx_kernel, bk._bwd_own_kernel):
+        assert "n_bucket" in tuner.keys

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -42,3 +43,18 @@ def resolve_backend(backend: str, device: torch.device, op: str = "varlen") -> s
         raise RuntimeError('backend="flash_attn" needs the flash-attn package, which is not installed; '
                            'use backend="torch_varlen" (the same FlashAttention-2 kernels, shipped with torch)')
     return backend
+
+
+_FELL_BACK: set = set()
+
+
+def auto_falls_back(unservable, *case) -> bool:
+    """Whether backend="auto" must leave Triton for FlexAttention because `unservable(*case, cap)`
+    (a triton_kernels.unservable) says no config of a needed kernel fits this GPU; warns once per case."""
+    from .compile_check import current_capability
+
+    problem = unservable(*case, current_capability())
+    if problem and case not in _FELL_BACK:
+        _FELL_BACK.add(case)
+        warnings.warn(f'{problem}; backend="auto" uses FlexAttention ("flex") for this case', stacklevel=3)
+    return problem is not None

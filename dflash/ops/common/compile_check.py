@@ -27,19 +27,20 @@ from ...errors import UserError
 MAX_SHARED = {80: 166912, 90: 232448, 100: 232448, 120: 101376}
 ARCH_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+FP32_TENSORS = ("LSE", "DELTA", "DQ_ACC")
 # Set to pin every autotuned kernel to its first fitting config (a quick GPU check: no tuning).
 PIN_ENV = "DFLASH_PIN_CONFIGS"
 
 
 def signature(fn, dtype: torch.dtype) -> dict:
     """Triton signature of one of our kernels, from the naming convention of its arguments:
-    LSE / DELTA are fp32 tensors, other UPPER-case names tensors of the inputs' dtype,
+    LSE / DELTA / DQ_ACC are fp32 tensors, other UPPER-case names tensors of the inputs' dtype,
     *_scale fp32 scalars, n_* int32 scalars, other lower-case names int32 index tensors."""
     sig = {}
     for i, name in enumerate(fn.arg_names):
         if i in fn.constexprs:
             sig[name] = "constexpr"
-        elif name in ("LSE", "DELTA"):
+        elif name in FP32_TENSORS:
             sig[name] = "*fp32"
         elif name.isupper():
             sig[name] = "*" + _TRITON_DTYPES[dtype]

@@ -13,23 +13,24 @@ ROWS = 64
 
 @autotune({"num_warps": [4, 8], "num_stages": [1]}, ["D"], 'backend="torch"')
 @triton.jit(do_not_specialize=["n_rows"])
-def _delta_kernel(OUT, DO, DELTA, n_rows, D: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < n_rows
-    offs = rows[:, None] * D + tl.arange(0, D)[None, :]
+def _delta_kernel(OUT, DO, DELTA, n_rows, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    # BLOCK consecutive (row, head) pairs of the (n_rows, H, D) inputs; delta is (H, n_rows).
+    pairs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = pairs < n_rows * H
+    offs = pairs[:, None] * D + tl.arange(0, D)[None, :]
     o = tl.load(OUT + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + rows, tl.sum(o * do, 1), mask=ok)
+    tl.store(DELTA + (pairs % H) * n_rows + pairs // H, tl.sum(o * do, 1), mask=ok)
 
 
 def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """(rows, H) fp32 rowsum(dO * O) of contiguous (rows, H, D) tensors."""
-    delta = torch.empty(o.shape[:2], dtype=torch.float32, device=o.device)
-    n_rows = o.shape[0] * o.shape[1]
-    _delta_kernel[(triton.cdiv(n_rows, ROWS),)](o, do, delta, n_rows, D=o.shape[2], BLOCK=ROWS)
+    """(H, rows) fp32 rowsum(dO * O) of contiguous (rows, H, D) tensors (the kernels' lse layout)."""
+    rows, heads, d = o.shape
+    delta = torch.empty((heads, rows), dtype=torch.float32, device=o.device)
+    _delta_kernel[(triton.cdiv(rows * heads, ROWS),)](o, do, delta, rows, H=heads, D=d, BLOCK=ROWS)
     return delta
 
 
-def compile_cases(head_dim: int) -> list:
+def compile_cases(head_dim: int, heads: int) -> list:
     """(autotuned kernel, constexprs) as attention_delta calls it."""
-    return [(_delta_kernel, {"D": head_dim, "BLOCK": ROWS})]
+    return [(_delta_kernel, {"H": heads, "D": head_dim, "BLOCK": ROWS})]

@@ -58,13 +58,13 @@ def autotune(options: dict, key: list, fallback: str):
 
     def wrap(fn):
         def prune(configs, nargs, **kwargs):
-            from .compile_check import fitting_configs
+            from .compile_check import FP32_TENSORS, fitting_configs
 
             # kwargs also hold the launch's own keywords (grid, warmup)
             constexprs = {name: value for name, value in kwargs.items()
                           if name in fn.arg_names and fn.arg_names.index(name) in fn.constexprs}
             try:
-                data = next(name for name in fn.arg_names if name.isupper() and name not in ("LSE", "DELTA"))
+                data = next(name for name in fn.arg_names if name.isupper() and name not in FP32_TENSORS)
                 return fitting_configs(tuner, nargs[data].dtype, constexprs)
             except UserError as err:
                 raise UserError(f"{err}; use {fallback}") from None
@@ -76,10 +76,18 @@ def autotune(options: dict, key: list, fallback: str):
     return wrap
 
 
-def tile_rows(full: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Rows of a tile that shapes a tile list: `full`, halved when a row is over 256 bytes (float32
-    at head dim 128, any dtype at 256), where no config of the full tile fits or avoids spilling."""
-    return full if is_interpreting() or head_dim * dtype.itemsize <= 256 else full // 2
+def size_bucket(rows: int) -> int:
+    """The size class of a launch, an autotune key: the power of two at or above `rows`, from 4,096
+    (tiny batches share one class) to 2**20. Without it the first batch, however small, would
+    fix the configs for good; with it each class is tuned once (at most nine classes)."""
+    return min(max(4096, 1 << max(rows - 1, 0).bit_length()), 1 << 20)
+
+
+def tile_rows(full: int, head_dim: int, dtype: torch.dtype, row_bytes: int = 256) -> int:
+    """Rows of a tile that shapes a tile list: `full`, halved when a row is over `row_bytes` (by
+    default float32 at head dim 128 and any dtype at 256), where no config of the full tile fits
+    or avoids spilling (launch/compile_kernels.py)."""
+    return full if is_interpreting() or head_dim * dtype.itemsize <= row_bytes else full // 2
 
 
 def check_triton_inputs(q) -> None:

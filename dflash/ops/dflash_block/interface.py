@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.backend import resolve_backend
+from ..common.backend import auto_falls_back, resolve_backend
 from ..common.checks import check_blocks, check_index, check_qkv
 from .naive import dflash_block_attention_naive
 
@@ -22,6 +22,7 @@ def dflash_block_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """The DFlash drafter's attention: each block sees its sample's context before its anchor
     and all of its own slots (differentiable in q, k_ctx, v_ctx, k_blk, v_blk).
@@ -43,6 +44,10 @@ def dflash_block_attention(
             with a block mask; forward only on the CPU); "torch_varlen" and "flash_attn" mean
             "flex" here.
         cu_seqlens_cpu: optional CPU copy of cu_seqlens_ctx (exact grid without a device read).
+        deterministic: Triton backward only. False: dQ from the context is accumulated with
+            atomics (5 GEMMs per tile pair; its last bits vary from run to run). True: a second
+            kernel recomputes it in a fixed order (7 GEMMs, bitwise repeatable). None (default):
+            `torch.are_deterministic_algorithms_enabled()`.
 
     Returns:
         (NB*B, Hq, D) in q's dtype.
@@ -85,7 +90,14 @@ def dflash_block_attention(
 
         return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
                                            block_size, scale)
-    from .triton_kernels import dflash_block_attention_triton
+    from .triton_kernels import dflash_block_attention_triton, unservable
 
+    deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    if backend == "auto" and auto_falls_back(unservable, q.shape[-1], q.shape[1], k_ctx.shape[1], q.dtype,
+                                             block_size, deterministic):
+        from .flex import dflash_block_attention_flex
+
+        return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
+                                           block_size, scale)
     return dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
-                                         block_anchor, block_size, scale, cu_seqlens_cpu)
+                                         block_anchor, block_size, scale, cu_seqlens_cpu, deterministic)

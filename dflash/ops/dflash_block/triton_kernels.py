@@ -1,8 +1,10 @@
-"""Triton kernels for DFlash block attention: forward, dK/dV of the context, and dQ together
-with dK/dV of the blocks' own keys.
+"""Triton kernels for DFlash block attention: forward, and a backward in two or three kernels:
+dK/dV of the context (with dQ accumulated from it by atomics, or deterministic: dQ from the
+context in a kernel of its own), then dQ's own-block part with dK/dV of the blocks' own keys.
 
 Layout: q (NB*B, HQ, D) with block j on rows [j*B, (j+1)*B); k_blk/v_blk (NB*B, HKV, D);
-k_ctx/v_ctx (T, HKV, D) packed by cu_seqlens; lse/delta (NB*B, HQ) fp32, lse in base 2.
+k_ctx/v_ctx (T, HKV, D) packed by cu_seqlens; lse/delta (HQ, NB*B) fp32 (n_rows = NB*B: a
+group's rows load contiguously), lse in base 2.
 
 A query tile is a *group*: up to BPG = BLOCK_M // B blocks of one sample with neighbouring
 anchors (common.tiles.block_groups), gathered by block id. Its keys are
@@ -13,19 +15,24 @@ Nothing length-dependent is a kernel argument (no recompiles across batches).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from ...errors import UserError
 from ..common.backend import is_interpreting
+from ..common.compile_check import fitting_configs
 from ..common.delta import attention_delta
 from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, sequence_tiles
-from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
+from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, size_bucket, tile_rows
 
 GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger), before tile_rows
 CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list), before tile_rows
+CTX_ROW_BYTES = 128  # halve CTX_BLOCK_N above this: its dK/dV accumulators spill at head dim 128 in bf16
 _CTX_STEP = [16] if is_interpreting() else [32, 64, 128]  # context step of forward and dQ (autotuned)
-_KEY = ["HQ", "HKV", "D", "B"]
+_KEY = ["HQ", "HKV", "D", "B", "n_bucket"]  # n_bucket: size_bucket(rows), tuned per size class
 BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'
 
 
@@ -48,9 +55,9 @@ def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexp
 
 
 @autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
-@triton.jit
+@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
 def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
-                grp_order, qk_scale,
+                grp_order, qk_scale, n_bucket, n_rows,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     pid = tl.program_id(0)
@@ -115,18 +122,21 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
 
     l_i = tl.where(ok, l_i, 1.0)  # padding rows (never stored) would divide 0 by 0
     tl.store(OUT + q_off, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
-    tl.store(LSE + rows * HQ + i_h, m_i + tl.math.log2(l_i), mask=ok)
+    tl.store(LSE + i_h * n_rows + rows, m_i + tl.math.log2(l_i), mask=ok)
 
 
 @autotune({"num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
-@triton.jit
-def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_anchor, grp_blocks, tiles,
-                         ranges, qk_scale, sm_scale,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                         BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
+@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, block_anchor, grp_blocks, tiles, ranges,
+                    qk_scale, sm_scale, n_bucket, n_rows,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, FUSED_DQ: tl.constexpr):
     # One program: BLOCK_N context keys of one kv head. Groups [lo, full) see part of them,
     # [full, end) all of them (ranges from common.tiles.context_group_ranges); keys nobody
-    # sees get zero gradients. GQA heads are summed here (no atomics).
+    # sees get zero gradients. GQA heads are summed here (no atomics). With FUSED_DQ the
+    # groups' dQ from these keys is added to DQ_ACC (fp32, unscaled) with atomics: 5 GEMMs per
+    # tile pair instead of 4 here and 3 more in _bwd_dq_ctx_kernel, but the order of the
+    # additions, hence the last bits of dQ, varies from run to run.
     pid = tl.program_id(0)
     i_tile, i_kh = pid // HKV, pid % HKV
     seq = tl.load(tiles + 2 * i_tile)
@@ -150,49 +160,40 @@ def _bwd_dkdv_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, cu_seqlens, block_
     # Padding rows of a group load as zeros (q, dO, lse, delta) and add exactly nothing.
     for g in range(G):
         i_h = i_kh * G + g
-        for i_g in range(g_lo, g_full):
+        for i_g in range(g_lo, g_end):
             rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
             q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
             q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
             do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
-            lse = tl.load(LSE + rows * HQ + i_h, mask=ok, other=0.0)
-            delta = tl.load(DELTA + rows * HQ + i_h, mask=ok, other=0.0)
+            lse = tl.load(LSE + i_h * n_rows + rows, mask=ok, other=0.0)
+            delta = tl.load(DELTA + i_h * n_rows + rows, mask=ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-            pT = tl.where(cols[:, None] < anchor[None, :], pT, 0.0)
+            if i_g < g_full:  # partly visible: each row sees the keys before its anchor
+                pT = tl.where(cols[:, None] < anchor[None, :], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
-        for i_g in range(g_full, g_end):
-            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
-            q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
-            do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
-            lse = tl.load(LSE + rows * HQ + i_h, mask=ok, other=0.0)
-            delta = tl.load(DELTA + rows * HQ + i_h, mask=ok, other=0.0)
-            pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
-            dv += tl.dot(pT.to(do.dtype), do)
-            dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
-            dk += tl.dot(dsT.to(q.dtype), q)
+            if FUSED_DQ:
+                tl.atomic_add(DQ_ACC + q_off, tl.dot(tl.trans(dsT.to(k.dtype)), k), mask=ok[:, None], sem="relaxed")
     tl.store(DKC + kv_base + kv_off, (dk * sm_scale).to(DKC.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DVC + kv_base + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
 
 
 @autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
-@triton.jit
-def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_seqlens, block_anchor, grp_blocks,
-                          grp_seq, grp_amin, grp_amax, grp_order, qk_scale, sm_scale,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                          BPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
-    # One program: a group and one kv head, looping over its query heads. dQ comes from the
-    # context and the own blocks; the own blocks' keys are seen by this group only, so their
-    # dK/dV (summed over the query heads) are finished here too.
+@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin,
+                       grp_amax, grp_order, qk_scale, n_bucket, n_rows,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
+    # Deterministic dQ from the context: one program per group and query head recomputes the
+    # scores and dP of every context tile it sees (3 GEMMs) and writes DQ_ACC (fp32, unscaled).
     pid = tl.program_id(0)
-    i_g = tl.load(grp_order + pid // HKV)
-    i_kh = pid % HKV
+    i_g = tl.load(grp_order + pid // HQ)
+    i_h = pid % HQ
     seq = tl.load(grp_seq + i_g)
     if seq < 0:
         return
-    G: tl.constexpr = HQ // HKV
+    i_kh = i_h // (HQ // HKV)
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     amin = tl.load(grp_amin + i_g)
     amax = tl.load(grp_amax + i_g)
@@ -201,43 +202,69 @@ def _bwd_dq_dkvblk_kernel(Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, DKB, DVB, cu_se
     offs_n = tl.arange(0, BLOCK_N)
     kc_base = KC + bos * (HKV * D) + i_kh * D
     vc_base = VC + bos * (HKV * D) + i_kh * D
+    q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+    do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
+    lse = tl.load(LSE + i_h * n_rows + rows, mask=ok, other=0.0)
+    delta = tl.load(DELTA + i_h * n_rows + rows, mask=ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    full_end = (amin // BLOCK_N) * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
+        vT = tl.load(vc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
+        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+        ds = p * (tl.dot(do, vT) - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    for n0 in range(full_end, amax, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < amax
+        kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        vT = tl.load(vc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+        p = tl.where(cols[None, :] < anchor[:, None], p, 0.0)
+        ds = p * (tl.dot(do, vT) - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    tl.store(DQ_ACC + q_off, dq, mask=ok[:, None])
+
+
+@autotune({"num_warps": [4, 8], "num_stages": [1, 2]}, _KEY, BLOCK_FALLBACK)
+@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_anchor, grp_blocks, grp_seq, grp_order,
+                    qk_scale, sm_scale, n_bucket, n_rows,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
+                    BLOCK_M: tl.constexpr, OFFS64: tl.constexpr):
+    # One program: a group and one kv head, looping over its query heads. The blocks' own keys
+    # are seen by their own block only, so their dK/dV (summed over the query heads) are
+    # finished here, and dQ = (context part from DQ_ACC + own part) * scale is written.
+    pid = tl.program_id(0)
+    i_g = tl.load(grp_order + pid // HKV)
+    i_kh = pid % HKV
+    seq = tl.load(grp_seq + i_g)
+    if seq < 0:
+        return
+    G: tl.constexpr = HQ // HKV
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
+    offs_d = tl.arange(0, D)
     kb_off = rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
     kb = tl.load(KB + kb_off, mask=ok[:, None], other=0.0)  # (BLOCK_M, D)
     vb = tl.load(VB + kb_off, mask=ok[:, None], other=0.0)
     own = (slot[:, None] == slot[None, :]) & ok[None, :]
     dkb = tl.zeros([BLOCK_M, D], tl.float32)
     dvb = tl.zeros([BLOCK_M, D], tl.float32)
-    full_end = (amin // BLOCK_N) * BLOCK_N
     for g in range(G):
         i_h = i_kh * G + g
         q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
         q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
         do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
-        lse = tl.load(LSE + rows * HQ + i_h, mask=ok, other=0.0)
-        delta = tl.load(DELTA + rows * HQ + i_h, mask=ok, other=0.0)
-        dq = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(0, full_end, BLOCK_N):
-            kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
-            vT = tl.load(vc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
-            p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
-            ds = p * (tl.dot(do, vT) - delta[:, None])
-            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
-        for n0 in range(full_end, amax, BLOCK_N):
-            cols = n0 + offs_n
-            col_ok = cols < amax
-            kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-            vT = tl.load(vc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-            p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
-            p = tl.where(cols[None, :] < anchor[:, None], p, 0.0)
-            ds = p * (tl.dot(do, vT) - delta[:, None])
-            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+        lse = tl.load(LSE + i_h * n_rows + rows, mask=ok, other=0.0)
+        delta = tl.load(DELTA + i_h * n_rows + rows, mask=ok, other=0.0)
         p = tl.math.exp2(tl.dot(q, tl.trans(kb)) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_M)
         p = tl.where(own, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
-        dq += tl.dot(ds.to(kb.dtype), kb)
+        dq = tl.load(DQ_ACC + q_off, mask=ok[:, None], other=0.0) + tl.dot(ds.to(kb.dtype), kb)
+        tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
         dvb += tl.dot(tl.trans(p.to(do.dtype)), do)
         dkb += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
     tl.store(DKB + kb_off, (dkb * sm_scale).to(DKB.dtype.element_ty), mask=ok[:, None])
     tl.store(DVB + kb_off, dvb.to(DVB.dtype.element_ty), mask=ok[:, None])
 
@@ -247,9 +274,25 @@ def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, 
     block_m = max(tile_rows(GROUP_ROWS, head_dim, dtype), triton.next_power_of_2(block_size))
     common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m,
                   OFFS64=False)
-    ctx_block = tile_rows(CTX_BLOCK_N, head_dim, dtype)
-    return [(_fwd_kernel, common), (_bwd_dkdv_ctx_kernel, {**common, "BLOCK_N": ctx_block}),
-            (_bwd_dq_dkvblk_kernel, common)]
+    ctx = {**common, "BLOCK_N": tile_rows(CTX_BLOCK_N, head_dim, dtype, CTX_ROW_BYTES)}
+    return [(_fwd_kernel, common), (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": True}),
+            (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}), (_bwd_dq_ctx_kernel, common), (_bwd_own_kernel, common)]
+
+
+@functools.cache
+def unservable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int, deterministic: bool,
+               cap: int) -> str | None:
+    """Why the kernels that such a call launches cannot run on capability `cap` (no config fits in
+    shared memory), or None. Compiles what the autotuner would compile at the launch anyway."""
+    for tuner, constexprs in compile_cases(head_dim, heads, kv_heads, dtype, block_size):
+        if constexprs.get("FUSED_DQ", not deterministic) == deterministic or (
+                tuner is _bwd_dq_ctx_kernel and not deterministic):
+            continue
+        try:
+            fitting_configs(tuner, dtype, constexprs, cap)
+        except UserError as err:
+            return str(err)
+    return None
 
 
 def _offs64(q) -> bool:
@@ -286,37 +329,46 @@ def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, pl
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
     o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    lse = torch.empty((HQ, q.shape[0]), dtype=torch.float32, device=q.device)
     _fwd_kernel[(plan.order.numel() * HQ,)](
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
-        plan.amax, plan.order, scale * LOG2E,
+        plan.amax, plan.order, scale * LOG2E, size_bucket(q.shape[0]), q.shape[0],
         HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
     return o, lse
 
 
 def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan, block_size,
-                     scale):
+                     scale, deterministic):
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
-    delta = attention_delta(do, o)  # rowsum(dO * O), (rows, HQ) fp32
+    delta = attention_delta(do, o)  # rowsum(dO * O), (HQ, rows) fp32
     dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
     dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
+    # dQ from the context, fp32 and unscaled: accumulated with atomics by the dK/dV kernel, or
+    # written by a kernel of its own in a fixed order (deterministic).
+    dq_acc = (torch.empty if deterministic else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
     consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
-    _bwd_dkdv_ctx_kernel[(plan.ctx_tiles.shape[0] * HKV,)](
-        q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, cu_seqlens, block_anchor, plan.blocks, plan.ctx_tiles,
-        plan.ctx_ranges, scale * LOG2E, scale, BLOCK_N=plan.ctx_block, **consts)
-    _bwd_dq_dkvblk_kernel[(plan.order.numel() * HKV,)](
-        q, k_ctx, v_ctx, k_blk, v_blk, do, lse, delta, dq, dk_blk, dv_blk, cu_seqlens, block_anchor, plan.blocks,
-        plan.seq, plan.amin, plan.amax, plan.order, scale * LOG2E, scale, **consts)
+    bucket = size_bucket(q.shape[0])
+    _bwd_ctx_kernel[(plan.ctx_tiles.shape[0] * HKV,)](
+        q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, dq_acc, cu_seqlens, block_anchor, plan.blocks,
+        plan.ctx_tiles, plan.ctx_ranges, scale * LOG2E, scale, bucket, q.shape[0], BLOCK_N=plan.ctx_block,
+        FUSED_DQ=not deterministic, **consts)
+    if deterministic:
+        _bwd_dq_ctx_kernel[(plan.order.numel() * HQ,)](
+            q, k_ctx, v_ctx, do, lse, delta, dq_acc, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
+            plan.amax, plan.order, scale * LOG2E, bucket, q.shape[0], **consts)
+    _bwd_own_kernel[(plan.order.numel() * HKV,)](
+        q, k_blk, v_blk, do, lse, delta, dq_acc, dq, dk_blk, dv_blk, block_anchor, plan.blocks, plan.seq, plan.order,
+        scale * LOG2E, scale, bucket, q.shape[0], **consts)
     return dq, dk_ctx, dv_ctx, dk_blk, dv_blk
 
 
 class DFlashBlockAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale):
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale, deterministic):
         o, lse = dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale)
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor)
-        ctx.args = (plan, block_size, scale)
+        ctx.args = (plan, block_size, scale, deterministic)
         return o
 
     @staticmethod
@@ -324,16 +376,16 @@ class DFlashBlockAttentionFunction(torch.autograd.Function):
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor = ctx.saved_tensors
         grads = dflash_block_bwd(do.contiguous(), q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens,
                                  block_anchor, *ctx.args)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_seq, block_anchor, block_size,
-                                  scale, cu_seqlens_cpu=None):
+                                  scale, cu_seqlens_cpu=None, deterministic=False):
     check_triton_inputs(q)
     cu_seqlens, block_seq, block_anchor = cu_seqlens.contiguous(), block_seq.contiguous(), block_anchor.contiguous()
     d, dtype = q.shape[-1], q.dtype
     plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], tile_rows(GROUP_ROWS, d, dtype),
-                 tile_rows(CTX_BLOCK_N, d, dtype), cu_seqlens_cpu)
+                 tile_rows(CTX_BLOCK_N, d, dtype, CTX_ROW_BYTES), cu_seqlens_cpu)
     return DFlashBlockAttentionFunction.apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(),
                                               k_blk.contiguous(), v_blk.contiguous(), cu_seqlens, block_anchor,
-                                              plan, block_size, scale)
+                                              plan, block_size, scale, deterministic)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.backend import resolve_backend
+from ..common.backend import auto_falls_back, resolve_backend
 from ..common.checks import check_index, check_max_seqlen, check_qkv
 from .naive import varlen_attention_naive
 
@@ -19,6 +19,7 @@ def varlen_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Attention inside each packed sample, never across samples (differentiable).
 
@@ -38,6 +39,10 @@ def varlen_attention(
             The library backends need a true max_seqlen.
         cu_seqlens_cpu: optional CPU copy of cu_seqlens; with it the Triton launcher sizes
             its grid exactly without reading cu_seqlens back from the device.
+        deterministic: Triton backward only. False: dQ is accumulated with atomics (5 GEMMs per
+            tile pair; its last bits vary from run to run). True: a second kernel recomputes it
+            in a fixed order (7 GEMMs, bitwise repeatable), as flash-attn's `deterministic=True`.
+            None (default): `torch.are_deterministic_algorithms_enabled()`.
 
     Returns:
         (T, Hq, D) in q's dtype.
@@ -69,6 +74,12 @@ def varlen_attention(
         from .libraries import varlen_attention_library
 
         return varlen_attention_library(impl, q, k, v, cu_seqlens, int(max_seqlen), causal, scale)
-    from .triton_kernels import varlen_attention_triton
+    from .triton_kernels import unservable, varlen_attention_triton
 
-    return varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu)
+    deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+    if backend == "auto" and auto_falls_back(unservable, q.shape[-1], q.shape[1], k.shape[1], q.dtype, causal,
+                                             deterministic):
+        from .libraries import varlen_attention_library
+
+        return varlen_attention_library("flex", q, k, v, cu_seqlens, int(max_seqlen), causal, scale)
+    return varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic)

@@ -1,22 +1,28 @@
-"""Triton kernels for packed varlen attention: forward, and the FA2 two-kernel backward.
+"""Triton kernels for packed varlen attention: forward, and the FA2 backward: dK/dV with dQ
+accumulated by atomics (5 GEMMs per tile pair), or deterministic, dQ in a second kernel (7).
 
-Layout: q/o (T, HQ, D), k/v (T, HKV, D), contiguous; lse and delta (T, HQ) fp32; lse is in
-base 2 (scores are pre-multiplied by scale * log2(e) so the kernels use exp2).
+Layout: q/o (T, HQ, D), k/v (T, HKV, D), contiguous; lse and delta (HQ, T) fp32 (n_rows = T),
+so that a tile's rows load contiguously; lse is in base 2 (scores are pre-multiplied by
+scale * log2(e) so the kernels use exp2).
 Grids are flat: program = tile_list_entry * heads + head, tile lists from common.tiles.
 No sequence length is a kernel argument (they are read from cu_seqlens), so nothing
 recompiles when lengths or sample counts change; the autotune key is the head
-dim, head counts and causal flag (and the dtypes, which Triton adds).
+dim, head counts, causal flag and size class (size_bucket; Triton adds the dtypes).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from ...errors import UserError
 from ..common.backend import is_interpreting
+from ..common.compile_check import current_capability, fitting_configs
 from ..common.delta import attention_delta
 from ..common.tiles import TILE_CACHE, sequence_tiles
-from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_rows
+from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, size_bucket, tile_rows
 
 # Tile sizes that shape the tile lists are fixed per kernel (the list is built before the
 # launch); only the inner loop's step is autotuned. The interpreter uses small tiles so that
@@ -24,16 +30,29 @@ from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, tile_row
 # Before tile_rows (halved for rows over 256 bytes).
 FWD_BLOCK_M = 32 if is_interpreting() else 128
 DKV_BLOCK_N = 32 if is_interpreting() else 128
+DKV_ROW_BYTES = 128  # halve DKV_BLOCK_N above this: its dK/dV accumulators spill at head dim 128 in bf16
 DQ_BLOCK_M = 32 if is_interpreting() else 128
 _INNER = [16] if is_interpreting() else [32, 64]
 _FWD_INNER = [16] if is_interpreting() else [64, 128]
-_KEY = ["HQ", "HKV", "D", "CAUSAL"]
+_KEY = ["HQ", "HKV", "D", "CAUSAL", "n_bucket"]  # n_bucket: size_bucket(rows), tuned per size class
+# Hopper and datacenter Blackwell (wgmma, tcgen05) read dot operands from shared memory; sm_80 and
+# sm_120a (mma.sync) hold them in registers, where a 128-row query tile of 256-byte rows (head
+# dim 128 in bf16) spills in every config: the query tiles get half the rows there.
+_SMEM_OPERAND_ARCHS = (90, 100)
+
+
+def _query_rows(full: int, head_dim: int, dtype: torch.dtype, cap: int) -> int:
+    return tile_rows(full, head_dim, dtype, 256 if cap in _SMEM_OPERAND_ARCHS else 128)
+
+
+def _capability(x: torch.Tensor) -> int:
+    return current_capability() if x.is_cuda else _SMEM_OPERAND_ARCHS[0]  # (the interpreter's tiles are fixed)
 VARLEN_FALLBACK = 'backend="torch_varlen" (or "flash_attn" where installed, or the reference "torch")'
 
 
 @autotune({"BLOCK_N": _FWD_INNER, "num_warps": [4, 8], "num_stages": [2, 3]}, _KEY, VARLEN_FALLBACK)
-@triton.jit
-def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale,
+@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, n_bucket, n_rows,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
@@ -97,16 +116,19 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale,
     o = acc / l_i[:, None]
     o_base = OUT + bos * (HQ * D) + i_h * D
     tl.store(o_base + (rows[:, None] * (HQ * D) + offs_d[None, :]), o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + bos * HQ + i_h + rows * HQ, m_i + tl.math.log2(l_i), mask=row_ok)
+    tl.store(LSE + i_h * n_rows + bos + rows, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
 @autotune({"BLOCK_M": _INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, VARLEN_FALLBACK)
-@triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scale, sm_scale,
+@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_seqlens, tiles, qk_scale, sm_scale, n_bucket, n_rows,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr):
     # One program: BLOCK_N keys of one kv head; loops over the HQ // HKV query heads that read
-    # them (GQA summed here, no atomics) and over the query tiles that see them.
+    # them (GQA summed here, no atomics) and over the query tiles that see them. With FUSED_DQ
+    # each query tile's dQ from these keys is added to DQ_ACC (fp32, unscaled) with atomics:
+    # 5 GEMMs per tile pair instead of 4 here and 3 in _bwd_dq_kernel, but the order of the
+    # additions, hence the last bits of dQ, varies from run to run.
     pid = tl.program_id(0)
     i_tile, i_kh = pid // HKV, pid % HKV
     seq = tl.load(tiles + 2 * i_tile)
@@ -143,32 +165,42 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens, tiles, qk_scal
             q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
             q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
             do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+            lse = tl.load(LSE + i_h * n_rows + bos + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + i_h * n_rows + bos + rows, mask=row_ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
             pT = tl.where(cols[:, None] <= rows[None, :], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
+            if FUSED_DQ:
+                tl.atomic_add(DQ_ACC + q_base + q_off, tl.dot(tl.trans(dsT.to(k.dtype)), k), mask=row_ok[:, None],
+                              sem="relaxed")
         for m0 in range(tl.maximum(diag_end, lo), L, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < L
             q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
             q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
             do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+            lse = tl.load(LSE + i_h * n_rows + bos + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + i_h * n_rows + bos + rows, mask=row_ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+            if FUSED_DQ and not CAUSAL:
+                # keys past L load as zeros but their p does not vanish: unmasked, ds could overflow
+                # (float16) and inf * 0 would put NaN into dQ
+                pT = tl.where(col_ok[:, None], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
+            if FUSED_DQ:
+                tl.atomic_add(DQ_ACC + q_base + q_off, tl.dot(tl.trans(dsT.to(k.dtype)), k), mask=row_ok[:, None],
+                              sem="relaxed")
     tl.store(DK + kv_base + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + kv_base + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @autotune({"BLOCK_N": _INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, VARLEN_FALLBACK)
-@triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_scale,
+@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_scale, n_bucket, n_rows,
                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
@@ -188,8 +220,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_
     q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
     q = tl.load(Q + q_base + q_off, mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + q_base + q_off, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bos * HQ + i_h + rows * HQ, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + i_h * n_rows + bos + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + i_h * n_rows + bos + rows, mask=row_ok, other=0.0)
     k_base = K + bos * (HKV * D) + i_kh * D
     v_base = V + bos * (HKV * D) + i_kh * D
     dq = tl.zeros([BLOCK_M, D], tl.float32)
@@ -224,15 +256,33 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_
     tl.store(DQ + q_base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> list:
-    """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
+def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, cap: int) -> list:
+    """(autotuned kernel, constexprs) of every kernel as the launchers below call it on capability `cap`."""
     cases = []
     for causal in (True, False):
         common = dict(HQ=heads, HKV=kv_heads, D=head_dim, CAUSAL=causal)
-        cases += [(_fwd_kernel, {**common, "BLOCK_M": tile_rows(FWD_BLOCK_M, head_dim, dtype)}),
-                  (_bwd_dkdv_kernel, {**common, "BLOCK_N": tile_rows(DKV_BLOCK_N, head_dim, dtype)}),
-                  (_bwd_dq_kernel, {**common, "BLOCK_M": tile_rows(DQ_BLOCK_M, head_dim, dtype)})]
+        dkdv = {**common, "BLOCK_N": tile_rows(DKV_BLOCK_N, head_dim, dtype, DKV_ROW_BYTES)}
+        cases += [(_fwd_kernel, {**common, "BLOCK_M": _query_rows(FWD_BLOCK_M, head_dim, dtype, cap)}),
+                  (_bwd_dkdv_kernel, {**dkdv, "FUSED_DQ": True}), (_bwd_dkdv_kernel, {**dkdv, "FUSED_DQ": False}),
+                  (_bwd_dq_kernel, {**common, "BLOCK_M": _query_rows(DQ_BLOCK_M, head_dim, dtype, cap)})]
     return cases
+
+
+@functools.cache
+def unservable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, causal: bool, deterministic: bool,
+               cap: int) -> str | None:
+    """Why the kernels that such a call launches cannot run on capability `cap` (no config fits in
+    shared memory), or None. Compiles what the autotuner would compile at the launch anyway."""
+    for tuner, constexprs in compile_cases(head_dim, heads, kv_heads, dtype, cap):
+        if constexprs["CAUSAL"] != causal or constexprs.get("FUSED_DQ", not deterministic) == deterministic:
+            continue
+        if tuner is _bwd_dq_kernel and not deterministic:
+            continue
+        try:
+            fitting_configs(tuner, dtype, constexprs, cap)
+        except UserError as err:
+            return str(err)
+    return None
 
 
 def _tiles(cu_seqlens, block, total, causal, cu_seqlens_cpu):
@@ -243,47 +293,55 @@ def _tiles(cu_seqlens, block, total, causal, cu_seqlens_cpu):
 def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu):
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    block_m = tile_rows(FWD_BLOCK_M, D, q.dtype)
+    block_m = _query_rows(FWD_BLOCK_M, D, q.dtype, _capability(q))
     tiles = _tiles(cu_seqlens, block_m, T, causal, cu_seqlens_cpu)
     o = torch.empty_like(q)
-    lse = torch.empty((T, HQ), dtype=torch.float32, device=q.device)
-    _fwd_kernel[(tiles.shape[0] * HQ,)](q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E,
+    lse = torch.empty((HQ, T), dtype=torch.float32, device=q.device)
+    _fwd_kernel[(tiles.shape[0] * HQ,)](q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E, size_bucket(T), T,
                                         HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=block_m)
     return o, lse
 
 
-def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, causal, scale, cu_seqlens_cpu):
+def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic):
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    delta = attention_delta(do, o)  # rowsum(dO * O), (rows, HQ) fp32
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    block_n, block_m = tile_rows(DKV_BLOCK_N, D, q.dtype), tile_rows(DQ_BLOCK_M, D, q.dtype)
+    delta = attention_delta(do, o)  # rowsum(dO * O), (HQ, rows) fp32
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # Without determinism dQ is accumulated (fp32, unscaled) by the dK/dV kernel's atomics
+    # (deterministic: an empty tensor the kernel never touches, so the signature stays the same).
+    dq_acc = torch.zeros((0,) if deterministic else q.shape, dtype=torch.float32, device=q.device)
+    block_n = tile_rows(DKV_BLOCK_N, D, q.dtype, DKV_ROW_BYTES)
     kv_tiles = _tiles(cu_seqlens, block_n, T, False, cu_seqlens_cpu)
-    _bwd_dkdv_kernel[(kv_tiles.shape[0] * HKV,)](q, k, v, do, lse, delta, dk, dv, cu_seqlens, kv_tiles,
-                                                 scale * LOG2E, scale, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal,
-                                                 BLOCK_N=block_n)
+    _bwd_dkdv_kernel[(kv_tiles.shape[0] * HKV,)](q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens, kv_tiles,
+                                                 scale * LOG2E, scale, size_bucket(T), T, HQ=HQ, HKV=HKV, D=D,
+                                                 CAUSAL=causal, BLOCK_N=block_n, FUSED_DQ=not deterministic)
+    if not deterministic:
+        return dq_acc.mul_(scale).to(q.dtype), dk, dv
+    dq = torch.empty_like(q)
+    block_m = _query_rows(DQ_BLOCK_M, D, q.dtype, _capability(q))
     q_tiles = _tiles(cu_seqlens, block_m, T, causal, cu_seqlens_cpu)
     _bwd_dq_kernel[(q_tiles.shape[0] * HQ,)](q, k, v, do, lse, delta, dq, cu_seqlens, q_tiles, scale * LOG2E,
-                                             scale, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=block_m)
+                                             scale, size_bucket(T), T, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal,
+                                             BLOCK_M=block_m)
     return dq, dk, dv
 
 
 class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu):
+    def forward(ctx, q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic):
         o, lse = varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.args = (causal, scale, cu_seqlens_cpu)
+        ctx.args = (causal, scale, cu_seqlens_cpu, deterministic)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = varlen_bwd(do.contiguous(), q, k, v, o, lse, cu_seqlens, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu=None):
+def varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu=None, deterministic=False):
     check_triton_inputs(q)
     return VarlenAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
-                                         causal, scale, cu_seqlens_cpu)
+                                         causal, scale, cu_seqlens_cpu, deterministic)
