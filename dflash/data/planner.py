@@ -19,7 +19,7 @@ with rows, the frozen target's with tokens).
 Dealing to ranks: round robin, or with `balance` by cost (`costs` per sample, from
 `dflash.data.cost`): ZeRO-3 waits for the slowest rank at every forward, so the ranks of one
 micro-batch index get micro-batches of similar cost, and runs of `mix` indices (about a step)
-hold about as many samples each, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
+keep a mean length near the epoch's, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
 
 Every sample is used exactly once per epoch, every rank gets the same number of
 micro-batches, and the plan is a pure function of (lengths, rows, costs, settings, seed,
@@ -326,7 +326,7 @@ def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundar
         costs: `(N,)` cost per sample (`CostModel.sample_costs`) for `balance`; None: tokens.
         balance: deal micro-batches of similar cost to the ranks of each index (`_deal`);
             False: round robin in plan order.
-        mix: indices per run when balancing (runs hold about equal samples); set it to the
+        mix: indices per run when balancing (runs keep the epoch's mean length); set it to the
             micro-batches per rank and step, so that steps keep mixing lengths.
 
     Returns:
