@@ -19,7 +19,7 @@ with rows, the frozen target's with tokens).
 Dealing to ranks: round robin, or with `balance` by cost (`costs` per sample, from
 `dflash.data.cost`): ZeRO-3 waits for the slowest rank at every forward, so the ranks of one
 micro-batch index get micro-batches of similar cost, and runs of `mix` indices (about a step)
-hold about as many samples each, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
+keep a mean length near the epoch's, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
 
 Every sample is used exactly once per epoch, every rank gets the same number of
 micro-batches, and the plan is a pure function of (lengths, rows, costs, settings, seed,
@@ -44,6 +44,7 @@ DEFAULT_BUCKETS = 6
 DEFAULT_MIX = 4  # micro-batch indices per run of the dealer (set it to the micro-batches per step)
 DEAL_DEPTH = 8  # runs per dealing window: wider windows match costs closer but line steps up by length
 COST_TOLERANCE = 0.02  # micro-batches whose costs differ by less are interchangeable when dealing
+SPREAD_IQR = 4.0  # micro-batches whose deviation from the mean length is an outlier by this are spread when dealing
 
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:
@@ -178,49 +179,72 @@ def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str,
     return batches
 
 
-def _deal(batches: list, batch_costs: np.ndarray, batch_sizes: np.ndarray, world_size: int, mix: int,
-          rng: np.random.Generator) -> list:
+def _deal(batches: list, batch_costs: np.ndarray, batch_sizes: np.ndarray, batch_tokens: np.ndarray,
+          world_size: int, mix: int, rng: np.random.Generator) -> list:
     """Reorder micro-batches so that global index i * W + r is rank r's i-th micro-batch, with
     similar costs at every index i and mixed lengths over consecutive indices.
+
+    A step's mean length differs from the epoch's by D / samples, D = sum over its samples of
+    (length - epoch mean length) = the sum of its micro-batches' deviations `dev` (tokens -
+    samples x epoch mean); so the dealer keeps the D of every run of `mix` indices (about one
+    step) near zero.
 
     Windows of W x mix x DEAL_DEPTH consecutive micro-batches (of the already random order) are
     sorted by cost, compared in steps of COST_TOLERANCE (inside a step the random order stays,
     so cost-alike micro-batches of different lengths share an index), and cut into groups of W:
-    one group per index, so the ranks of an index wait little for each other. The groups of a
-    window are then drafted into runs of `mix` indices (about one step each) so that every run
-    holds about as many samples as the others: a step's mean length then stays near the epoch's
-    instead of following one cost (hence length) class. Runs, and groups inside a run, come in
-    random order. Inside a run the costliest micro-batch of each group goes to the rank with the
-    least work so far in the run, so that ranks also finish the step together (ZeRO-1/2 wait once
-    per step).
+    one group per index, so the ranks of an index wait little. Outliers of `dev` (more than
+    SPREAD_IQR interquartile ranges from the median: micro-batches of very many short samples)
+    can form a cost level of their own whose D no other group offsets; before the cut they move
+    up the cost order (into slightly dearer groups, so their ranks wait a little, never the
+    others) to at most about ceil(outliers / runs) per group, so that every run can get some.
+    The groups of a window are then drafted into runs of `mix` indices: largest |D| first, a
+    negative group to the run of the highest D so far, a positive one to the lowest. Runs come
+    in random order inside their window (a short one last, so steps stay aligned with runs),
+    groups in random order inside their run. Inside a run the costliest micro-batch of each
+    group goes to the rank with the least work so far in the run, so that ranks also finish the
+    step together (ZeRO-1/2 wait once per step).
     """
     n = len(batches)
+    dev = batch_tokens - batch_sizes * (batch_tokens.sum() / batch_sizes.sum())
     window = np.arange(n) // (world_size * mix * DEAL_DEPTH)
-    level = np.floor(np.log(np.maximum(batch_costs, 1e-300)) / np.log1p(COST_TOLERANCE))
-    groups = np.lexsort((level, window)).reshape(-1, world_size)  # windows hold whole groups: n % W == 0
-    g_window = window[groups[:, 0]]
-    # Steps differ in mean length mostly by how many (short) samples they hold: inside a window,
-    # the groups, fullest first, each join the run (of mix) with the fewest samples so far.
-    g_samples = batch_sizes[groups].sum(axis=1)
-    by_samples = np.lexsort((-g_samples, g_window))
-    counts = np.bincount(g_window)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    counts = np.bincount(window) // world_size  # groups per window (windows hold whole groups: n % W == 0)
     runs_in = -(-counts // mix)
-    run_samples = np.zeros((counts.size, int(runs_in.max())))
-    run_samples[np.arange(run_samples.shape[1]) >= runs_in[:, None]] = np.inf  # windows with fewer runs
-    run_size = np.zeros(run_samples.shape, dtype=np.int64)
+    level = np.floor(np.log(np.maximum(batch_costs, 1e-300)) / np.log1p(COST_TOLERANCE))
+    order = np.lexsort((level, window))  # cost order inside each window
+    # outliers move up the cost order: the j-th of a window to position >= its own, spaced W / cap apart
+    q25, q50, q75 = np.percentile(dev, [25, 50, 75])
+    outlier = np.abs(dev[order] - q50) > SPREAD_IQR * (q75 - q25)
+    key = np.arange(n, dtype=np.float64)
+    at = np.flatnonzero(outlier)
+    if at.size:
+        win = window[at]
+        per_window = np.bincount(win, minlength=counts.size)
+        spacing = (world_size / np.maximum(1, -(-per_window // runs_in)))[win]
+        j = np.arange(at.size) - np.concatenate([[0], np.cumsum(per_window)[:-1]])[win]
+        # max over earlier outliers i of the window of (position_i + (j - i) x spacing); positions grow
+        # with the window, so one running maximum over all windows restarts at each window's first
+        key[at] = j * spacing + np.maximum.accumulate(at - j * spacing)
+    groups = order[np.lexsort((key, window[order]))].reshape(-1, world_size)
+    g_window = window[groups[:, 0]]
+    g_dev = dev[groups].sum(axis=1)
+    by_size = np.lexsort((-np.abs(g_dev), g_window))
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    run_dev = np.zeros((counts.size, int(runs_in.max())))
+    full = np.arange(run_dev.shape[1]) >= runs_in[:, None]  # windows with fewer runs
+    run_size = np.zeros(run_dev.shape, dtype=np.int64)
     run_local = np.empty(len(groups), dtype=np.int64)
     for p in range(int(counts.max())):
         win = np.flatnonzero(counts > p)
-        g = by_samples[first[win] + p]
-        r = np.argmin(run_samples[win], axis=1)
+        g = by_size[first[win] + p]
+        r = np.argmin(np.where(full[win], np.inf, np.sign(g_dev[g])[:, None] * run_dev[win]), axis=1)
         run_local[g] = r
-        run_samples[win, r] += g_samples[g]
+        run_dev[win, r] += g_dev[g]
         run_size[win, r] += 1
-        run_samples[win[run_size[win, r] == mix], r[run_size[win, r] == mix]] = np.inf  # full
+        full[win, r] |= run_size[win, r] == mix
     run = np.concatenate([[0], np.cumsum(runs_in)[:-1]])[g_window] + run_local
-    # runs in random order inside their window, groups in random order inside their run
+    # runs in random order inside their window (a short run last), groups in random order inside their run
     run_key = rng.random(int(runs_in.sum()))
+    run_key[np.bincount(run, minlength=run_key.size) < mix] = 2.0
     seq = np.lexsort((rng.random(len(groups)), run_key[run], g_window))
     run, groups = run[seq], groups[seq]
     # Inside a run, the costliest micro-batch of each group goes to the rank with the least work so far.
@@ -278,7 +302,8 @@ def plan_epoch(lengths, token_budget: int, order: str, layout: str, *, boundarie
     sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
     flat, starts = np.concatenate(batches), np.concatenate([[0], np.cumsum(sizes)[:-1]])
     batch_costs = np.add.reduceat(costs[flat], starts)
-    return _deal(batches, batch_costs, sizes, world_size, mix, rng)
+    batch_tokens = np.add.reduceat(lengths[flat], starts).astype(np.float64)
+    return _deal(batches, batch_costs, sizes, batch_tokens, world_size, mix, rng)
 
 
 def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
@@ -301,7 +326,7 @@ def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundar
         costs: `(N,)` cost per sample (`CostModel.sample_costs`) for `balance`; None: tokens.
         balance: deal micro-batches of similar cost to the ranks of each index (`_deal`);
             False: round robin in plan order.
-        mix: indices per run when balancing (runs hold about equal samples); set it to the
+        mix: indices per run when balancing (runs keep the epoch's mean length); set it to the
             micro-batches per rank and step, so that steps keep mixing lengths.
 
     Returns:

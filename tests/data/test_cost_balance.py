@@ -230,3 +230,24 @@ def test_checkpoints_from_before_cost_balancing_resume_into_an_unbalanced_planne
     assert BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2)).load_state_dict(state) == []
     with pytest.raises(UserError, match="balance: checkpoint False -> now True"):
         BatchPlanner(lengths, PlannerConfig(token_budget=4096, world_size=2, balance=True)).load_state_dict(state)
+
+
+def test_a_cost_level_of_many_short_samples_does_not_clump_one_step():
+    """A few micro-batches of very many short samples, cheaper than the dearest but alone at their
+    cost level (fewer than W of them per dealing window), must not all join one index: that step's
+    mean length would sit far below the epoch's. Per-step length mixing stays at least the
+    round-robin plan's."""
+    rng = np.random.default_rng(3)
+    short = rng.integers(8, 17, size=14_000)  # ~20 micro-batches of ~680 samples
+    middle = rng.integers(200, 1000, size=4_000)
+    long = rng.integers(1000, 2000, size=3_000)
+    lengths = np.concatenate([short, middle, long])
+    # cost levels: middle ~8K per micro-batch, short ~12K, long ~16K
+    costs = lengths * np.concatenate([np.full(short.size, 1.5), np.ones(middle.size), np.full(long.size, 2.0)])
+    kw = dict(boundaries=[16, 1000], world_size=16, costs=costs, mix=4)
+    steps = []
+    for balance in (False, True):
+        plan = plan_batches(lengths, 8192, "bucketed", "packed", balance=balance, **kw)
+        batches = [plan[r][i] for i in range(len(plan[0])) for r in range(16)]
+        steps.append([np.concatenate(batches[s:s + 64]) for s in range(0, len(batches), 64)])
+    assert length_r2(lengths, steps[1]) <= length_r2(lengths, steps[0])
