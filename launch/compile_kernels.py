@@ -29,7 +29,7 @@ from tqdm import tqdm  # noqa: E402
 
 from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config  # noqa: E402
 
-REPORTED = ("CAUSAL", "B", "BLOCK_M", "BLOCK_N", "FUSED_DQ")  # constexprs that tell a kernel's cases apart
+REPORTED = ("CAUSAL", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ")  # constexprs that tell a kernel's cases apart
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

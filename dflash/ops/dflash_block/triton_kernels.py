@@ -37,14 +37,16 @@ BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'
 
 
 @triton.jit
-def _group_rows(grp_blocks, block_anchor, i_g, B: tl.constexpr, BPG: tl.constexpr, BLOCK_M: tl.constexpr,
-                OFFS64: tl.constexpr):
-    """Row indices, validity and anchors of the BLOCK_M query rows of group i_g. The rows are
-    int64 only when the block tensors' offsets need it (OFFS64): int64 offset tensors cost
-    registers, enough to make every config spill."""
+def _group_rows(grp_blocks, block_anchor, i_g, part, B: tl.constexpr, BPG: tl.constexpr, BLOCK_M: tl.constexpr,
+                PER_PART: tl.constexpr, OFFS64: tl.constexpr):
+    """Row indices, validity, anchors and slots of the query rows of group i_g's blocks
+    [part * PER_PART, (part + 1) * PER_PART) (all of them: part 0, PER_PART = BPG), BLOCK_M rows.
+    The rows are int64 only when the block tensors' offsets need it (OFFS64): int64 offset
+    tensors cost registers, enough to make every config spill."""
     r = tl.arange(0, BLOCK_M)
-    slot = r // B
-    blk = tl.load(grp_blocks + i_g * BPG + slot, mask=slot < BPG, other=-1)
+    local = r // B
+    slot = part * PER_PART + local
+    blk = tl.load(grp_blocks + i_g * BPG + slot, mask=(local < PER_PART) & (slot < BPG), other=-1)
     ok = blk >= 0
     if OFFS64:
         rows = blk.to(tl.int64) * B + r % B
@@ -70,7 +72,7 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     amin = tl.load(grp_amin + i_g)
     amax = tl.load(grp_amax + i_g)
-    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, 0, B, BPG, BLOCK_M, BPG, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
@@ -161,7 +163,7 @@ def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, blo
     for g in range(G):
         i_h = i_kh * G + g
         for i_g in range(g_lo, g_end):
-            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
+            rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, 0, B, BPG, BLOCK_M, BPG, OFFS64)
             q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
             q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
             do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
@@ -197,7 +199,7 @@ def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anch
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     amin = tl.load(grp_amin + i_g)
     amax = tl.load(grp_amax + i_g)
-    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, 0, B, BPG, BLOCK_M, BPG, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     kc_base = KC + bos * (HKV * D) + i_kh * D
@@ -232,25 +234,29 @@ def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anch
 def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_anchor, grp_blocks, grp_seq, grp_order,
                     qk_scale, sm_scale, n_bucket, n_rows,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
-                    BLOCK_M: tl.constexpr, OFFS64: tl.constexpr):
-    # One program: a group and one kv head, looping over its query heads. The blocks' own keys
-    # are seen by their own block only, so their dK/dV (summed over the query heads) are
-    # finished here, and dQ = (context part from DQ_ACC + own part) * scale is written.
+                    OWN_M: tl.constexpr, PER_PART: tl.constexpr, OFFS64: tl.constexpr):
+    # One program: PER_PART blocks (OWN_M rows) of a group and one kv head, looping over its
+    # query heads. The blocks' own keys are seen by their own block only, so their dK/dV
+    # (summed over the query heads) are finished here, and dQ = (context part from DQ_ACC + own
+    # part) * scale is written. Blocks are independent here, so a group is split into parts:
+    # half-size tiles keep every head-dim-128 config from spilling.
+    PARTS: tl.constexpr = (BPG + PER_PART - 1) // PER_PART
     pid = tl.program_id(0)
-    i_g = tl.load(grp_order + pid // HKV)
-    i_kh = pid % HKV
+    i_g = tl.load(grp_order + pid // (HKV * PARTS))
+    i_kh = (pid // PARTS) % HKV
     seq = tl.load(grp_seq + i_g)
     if seq < 0:
         return
     G: tl.constexpr = HQ // HKV
-    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, B, BPG, BLOCK_M, OFFS64)
+    rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, pid % PARTS, B, BPG, OWN_M, PER_PART,
+                                         OFFS64)
     offs_d = tl.arange(0, D)
     kb_off = rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
-    kb = tl.load(KB + kb_off, mask=ok[:, None], other=0.0)  # (BLOCK_M, D)
+    kb = tl.load(KB + kb_off, mask=ok[:, None], other=0.0)  # (OWN_M, D)
     vb = tl.load(VB + kb_off, mask=ok[:, None], other=0.0)
     own = (slot[:, None] == slot[None, :]) & ok[None, :]
-    dkb = tl.zeros([BLOCK_M, D], tl.float32)
-    dvb = tl.zeros([BLOCK_M, D], tl.float32)
+    dkb = tl.zeros([OWN_M, D], tl.float32)
+    dvb = tl.zeros([OWN_M, D], tl.float32)
     for g in range(G):
         i_h = i_kh * G + g
         q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
@@ -258,7 +264,7 @@ def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_ancho
         do = tl.load(DO + q_off, mask=ok[:, None], other=0.0)
         lse = tl.load(LSE + i_h * n_rows + rows, mask=ok, other=0.0)
         delta = tl.load(DELTA + i_h * n_rows + rows, mask=ok, other=0.0)
-        p = tl.math.exp2(tl.dot(q, tl.trans(kb)) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_M)
+        p = tl.math.exp2(tl.dot(q, tl.trans(kb)) * qk_scale - lse[:, None])  # (OWN_M, OWN_M)
         p = tl.where(own, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
         dq = tl.load(DQ_ACC + q_off, mask=ok[:, None], other=0.0) + tl.dot(ds.to(kb.dtype), kb)
@@ -269,14 +275,22 @@ def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_ancho
     tl.store(DVB + kb_off, dvb.to(DVB.dtype.element_ty), mask=ok[:, None])
 
 
+def _own_tile(block_m: int, block_size: int) -> tuple[int, int]:
+    """(rows, blocks) of one _bwd_own_kernel program: half a group where a block fits in half."""
+    own_m = max(triton.next_power_of_2(block_size), block_m // 2)
+    return own_m, own_m // block_size
+
+
 def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16) -> list:
     """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
     block_m = max(tile_rows(GROUP_ROWS, head_dim, dtype), triton.next_power_of_2(block_size))
     common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m,
                   OFFS64=False)
     ctx = {**common, "BLOCK_N": tile_rows(CTX_BLOCK_N, head_dim, dtype, CTX_ROW_BYTES)}
+    own_m, per_part = _own_tile(block_m, block_size)
+    own = {**{k: v for k, v in common.items() if k != "BLOCK_M"}, "OWN_M": own_m, "PER_PART": per_part}
     return [(_fwd_kernel, common), (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": True}),
-            (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}), (_bwd_dq_ctx_kernel, common), (_bwd_own_kernel, common)]
+            (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}), (_bwd_dq_ctx_kernel, common), (_bwd_own_kernel, own)]
 
 
 @functools.cache
@@ -357,9 +371,11 @@ def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, bloc
         _bwd_dq_ctx_kernel[(plan.order.numel() * HQ,)](
             q, k_ctx, v_ctx, do, lse, delta, dq_acc, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
             plan.amax, plan.order, scale * LOG2E, bucket, q.shape[0], **consts)
-    _bwd_own_kernel[(plan.order.numel() * HKV,)](
+    own_m, per_part = _own_tile(plan.block_m, block_size)
+    _bwd_own_kernel[(plan.order.numel() * HKV * triton.cdiv(plan.per_group, per_part),)](
         q, k_blk, v_blk, do, lse, delta, dq_acc, dq, dk_blk, dv_blk, block_anchor, plan.blocks, plan.seq, plan.order,
-        scale * LOG2E, scale, bucket, q.shape[0], **consts)
+        scale * LOG2E, scale, bucket, q.shape[0], HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group,
+        OWN_M=own_m, PER_PART=per_part, OFFS64=consts["OFFS64"])
     return dq, dk_ctx, dv_ctx, dk_blk, dv_blk
 
 
