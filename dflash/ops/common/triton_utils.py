@@ -84,10 +84,14 @@ def size_bucket(rows: int) -> int:
 
 
 def tile_rows(full: int, head_dim: int, dtype: torch.dtype, row_bytes: int = 256) -> int:
-    """Rows of a tile that shapes a tile list: `full`, halved when a row is over `row_bytes` (by
-    default float32 at head dim 128 and any dtype at 256), where no config of the full tile fits
-    or avoids spilling (launch/compile_kernels.py)."""
-    return full if is_interpreting() or head_dim * dtype.itemsize <= row_bytes else full // 2
+    """Rows of a tile that shapes a tile list: `full`, halved for every doubling of the row size
+    past `row_bytes` (by default float32 at head dim 128 and any dtype at 256 get half, float32 at
+    256 a quarter), down to 16, where no config of the larger tile fits or avoids spilling
+    (launch/compile_kernels.py)."""
+    rows, size = full, head_dim * dtype.itemsize
+    while not is_interpreting() and size > row_bytes and rows > 16:
+        rows, size = rows // 2, size // 2
+    return rows
 
 
 def check_triton_inputs(q) -> None:

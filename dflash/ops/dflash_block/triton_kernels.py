@@ -30,7 +30,7 @@ from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, size_buc
 
 GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger), before tile_rows
 CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list), before tile_rows
-CTX_ROW_BYTES = 128  # halve CTX_BLOCK_N above this: its dK/dV accumulators spill at head dim 128 in bf16
+CTX_ROW_BYTES = 128  # halve CTX_BLOCK_N per doubling above this: its dK/dV accumulators spill at 128 rows
 _CTX_STEP = [16] if is_interpreting() else [32, 64, 128]  # context step of forward and dQ (autotuned)
 _KEY = ["HQ", "HKV", "D", "B", "n_bucket"]  # n_bucket: size_bucket(rows), tuned per size class
 BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'

@@ -30,7 +30,7 @@ from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, size_buc
 # Before tile_rows (halved for rows over 256 bytes).
 FWD_BLOCK_M = 32 if is_interpreting() else 128
 DKV_BLOCK_N = 32 if is_interpreting() else 128
-DKV_ROW_BYTES = 128  # halve DKV_BLOCK_N above this: its dK/dV accumulators spill at head dim 128 in bf16
+DKV_ROW_BYTES = 128  # halve DKV_BLOCK_N per doubling above this: its dK/dV accumulators spill at 128 rows
 DQ_BLOCK_M = 32 if is_interpreting() else 128
 _INNER = [16] if is_interpreting() else [32, 64]
 _FWD_INNER = [16] if is_interpreting() else [64, 128]
