@@ -285,7 +285,7 @@ def main():
             report["results"][case] = res
             for op in ("varlen", "block"):
                 for name, r in res[op].items():
-                    print(f"{case:18s} {op:6s} {name:14s} {_line(r)}")
+                    print(f"{case:18s} {op:6s} {name:27s} {_line(r)}")
             # Rewritten after every case, so a run cut short by a time limit keeps its numbers.
             (out / "bench_kernels.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'bench_kernels.json'}")
