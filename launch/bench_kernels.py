@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -32,11 +31,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.data import seed_like_lengths  # noqa: E402
-from dflash.errors import UserError, exit_on_user_error  # noqa: E402
-from dflash.ops import dflash_block_attention, varlen_attention  # noqa: E402
-from dflash.ops.common.compile_check import PIN_ENV  # noqa: E402
+from dflash.data import seed_like_lengths
+from dflash.errors import UserError, exit_on_user_error
+from dflash.ops import dflash_block_attention, varlen_attention
+from dflash.ops.common.compile_check import PIN_ENV
 
 PATTERNS = ("seed-like", "constant", "uniform", "long-tail", "bimodal")
 

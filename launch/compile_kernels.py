@@ -22,12 +22,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile sizes and real JIT functions, not the interpreter's
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config  # noqa: E402
+from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config
 
 REPORTED = ("CAUSAL", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ")  # constexprs that tell a kernel's cases apart
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
