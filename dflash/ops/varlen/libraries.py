@@ -32,14 +32,18 @@ def varlen_attention_library(backend, q, k, v, cu_seqlens, max_seqlen, causal, s
 
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
                                       causal=causal)
-    from ..common.flex import flex_attention_packed
+    from ..common.flex import flex_attention_packed, packed_block_mask
 
     t = q.shape[0]
-    doc = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device),
-                                  (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=t)
 
-    def mask_mod(b, h, i, j):
-        same = doc[i] == doc[j]
-        return same & (j <= i) if causal else same
+    def document_mask():
+        doc = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device),
+                                      (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=t)
 
-    return flex_attention_packed(q, k, v, mask_mod, scale)
+        def mask_mod(b, h, i, j):
+            same = doc[i] == doc[j]
+            return same & (j <= i) if causal else same
+        return mask_mod
+
+    mask = packed_block_mask((cu_seqlens,), ("varlen", t, causal), document_mask, t, t)
+    return flex_attention_packed(q, k, v, mask, scale)
