@@ -7,7 +7,8 @@ scale * log2(e) so the kernels use exp2).
 Grids are flat: program = tile_list_entry * heads + head, tile lists from common.tiles.
 No sequence length is a kernel argument (they are read from cu_seqlens), so nothing
 recompiles when lengths or sample counts change; the autotune key is the head
-dim, head counts, causal flag and size class (size_bucket; Triton adds the dtypes).
+dim, head counts, size class (size_bucket) and every variant flag (CAUSAL, OFFS64, FUSED_DQ;
+Triton adds the dtypes). Deterministic mode runs pinned configs (common.triton_utils.launch).
 """
 from __future__ import annotations
 
