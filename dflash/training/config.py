@@ -21,6 +21,8 @@ from dflash.models.config import GAMMA_BY_BLOCK_SIZE
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import parse_list
 
+TARGET_PARTITIONS = ("none", "zero3")
+
 
 def _opt(default, help: str, list_options: dict | None = None):
     """An option: its default, its `--help` text and, for a comma-separated list, how to check it."""
@@ -61,12 +63,13 @@ class TrainConfig:
     row_budget: int = _opt(
         0,
         "drafter block rows per micro-batch at most (block size x anchors per sample, summed; the drafter's "
-        "activations grow with them); 0: no cap",
+        "activations grow with them); 0: the most that fits in --memory-gib by the memory plan (no cap when no "
+        "memory is known: a CPU run without --memory-gib)",
     )
     balance: bool = _opt(
-        False,
+        True,
         "deal micro-batches of similar cost (target tokens and attention, drafter rows) to the ranks of each "
-        "micro-step, so that ranks wait less for each other",
+        "micro-step, so that ranks wait less for each other (changes nothing on one rank)",
     )
     cost_model: str = _opt(
         "",
@@ -106,6 +109,22 @@ class TrainConfig:
         "recompute drafter layers in backward: less activation memory, about a third more drafter compute",
     )
     dtype: str = _opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
+    target_partition: str = _opt(
+        "none",
+        f"{', '.join(TARGET_PARTITIONS)}: zero3 partitions the frozen target's parameters across all ranks "
+        "(DeepSpeed ZeRO-3, a layer gathered as it runs): for targets larger than one GPU; none keeps a full copy "
+        "per rank (fastest when it fits)",
+    )
+    target_offload: bool = _opt(
+        False,
+        "with --target-partition zero3: keep the target's partitions in CPU memory (copied to the GPU layer by "
+        "layer; slower, for targets larger than all GPUs together)",
+    )
+    memory_gib: float = _opt(
+        0.0,
+        "accelerator memory per rank the run must fit in, GiB (0: the GPU's total memory; a CPU run: no limit); "
+        "the memory plan refuses a run that cannot fit, before anything loads, and sizes --row-budget",
+    )
     attention_backend: str = _opt("auto", f"dflash.ops backend: {', '.join(ATTENTION_BACKENDS)} (auto: Triton on "
                                   "CUDA; torch_varlen / flash_attn serve the target, the drafter then uses flex)")
     seed: int = _opt(0, "seed of the planner, anchors, split and initialisation")
@@ -271,12 +290,13 @@ def _typed(value, f: dataclasses.Field, where: str):
 
 
 _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear", "constant"),
-            "dtype": ("auto", "bf16", "fp32"), "attention_backend": ATTENTION_BACKENDS}
+            "dtype": ("auto", "bf16", "fp32"), "attention_backend": ATTENTION_BACKENDS,
+            "target_partition": TARGET_PARTITIONS}
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
                  "speculate_turns", "checkpoint_every", "seed", "row_budget")
-_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction")
+_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
     "block_size": (lambda v: v >= 2, "must be >= 2 (slot 0 holds the anchor)"),
@@ -286,6 +306,7 @@ _RANGES = {
     "lr": (lambda v: v > 0, "must be positive"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
+    "memory_gib": (lambda v: v >= 0, "must be >= 0 (0: the GPU's own)"),
 }
 
 
@@ -323,6 +344,8 @@ def _validate_relations(c: TrainConfig) -> None:
             _bad("cost_model", str(e))
     if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:
         _bad("gamma", f"no default for block size {c.block_size}; give --gamma")
+    if c.target_offload and c.target_partition != "zero3":
+        _bad("target_offload", "offloads the partitions of --target-partition zero3; add it, or drop --target-offload")
     if c.force_resume and not c.resume:
         _bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:

@@ -53,24 +53,31 @@ class Evaluator:
         B, rank, world_size = self.cfg.block_size, dist.get_rank(), dist.get_world_size()
         target, engine = self.models.target.model, self.models.engine
         batches, chunks = self._plan()
-        # Round-robin over ranks. Every rank runs the same number of forwards (ZeRO-3 gathers
-        # parameters collectively), so a rank with fewer repeats one and discards it.
-        forwards = max(sum(chunks[r::world_size]) for r in range(world_size))
-        stats, done = WalkStats(B), 0
+        # Round robin over ranks, in rounds that every rank runs alike: one target forward and as
+        # many drafter forwards as the busiest rank of the round (a partitioned target and ZeRO-3
+        # gather parameters collectively, in the same order everywhere); extra forwards run on a
+        # stand-in batch and are discarded.
+        stats = WalkStats(B)
+        padded = chunks + [0] * (-len(chunks) % world_size)  # a rank past the last batch scores nothing
+        rounds = [padded[i:i + world_size] for i in range(0, len(padded), world_size)]
+        stand_in = None
+        if len(padded) > len(chunks) or any(c < max(r) for r in rounds for c in r):
+            batch = self._batch(batches[next((k for k, c in enumerate(chunks) if c), 0)]).to(self.device)
+            stand_in = (batch, target.features(batch), every_anchor(batch, B))
 
         def forward(batch, features, anchors):
             return engine(batch, features, anchors=anchors)
 
-        for k in range(rank, len(batches), world_size):
-            batch = self._batch(batches[k]).to(self.device)
-            chunk = every_anchor(batch, B)
-            stats.add(score_and_walk(forward, batch, target.features(batch), chunk, block_size=B))
-            done += len(chunk)
-        if done < forwards:
-            batch = self._batch(batches[next(k for k, c in enumerate(chunks) if c)]).to(self.device)
-            features, anchors = target.features(batch), every_anchor(batch, B)[0]
-            for _ in range(forwards - done):
-                forward(batch, features, anchors)
+        for i, forwards in enumerate(rounds):
+            k = i * world_size + rank
+            if k < len(batches):
+                batch = self._batch(batches[k]).to(self.device)
+                stats.add(score_and_walk(forward, batch, target.features(batch), every_anchor(batch, B),
+                                         block_size=B))
+            else:
+                target.features(stand_in[0])
+            for _ in range(max(forwards) - forwards[rank]):
+                forward(stand_in[0], stand_in[1], stand_in[2][0])
         total = stats.to_tensor(self.device)
         dist.all_reduce(total)
         return WalkStats.from_tensor(total, B).metrics()

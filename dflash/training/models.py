@@ -23,10 +23,13 @@ class LoadedTarget(NamedTuple):
 
 
 def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_features: int = 5,
-                attention_backend: str = "auto", mask_token: bool = True) -> LoadedTarget:
+                attention_backend: str = "auto", mask_token: bool = True, partition: str = "none",
+                offload: bool = False) -> LoadedTarget:
     """Tokenizer and frozen target of a Hugging Face folder, tapped at `target_layer_ids` (default: the
     official rule with `num_features` taps); with `mask_token`, the DFlash mask token is added to the
-    tokenizer (a spare embedding row)."""
+    tokenizer (a spare embedding row). `partition` "zero3": the target's parameters are partitioned
+    across the ranks (`dflash.training.partition`; collective, every rank calls this), with
+    `offload` in CPU memory; the model is then a `PartitionedTarget`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.data.prepare import check_tokenizer_files
@@ -38,10 +41,19 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
         raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
     check_tokenizer_files(target_path, "--target")
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
+    if partition == "zero3":
+        from dflash.training import partition as zero3
+
+        config = zero3.target_zero3_config(target_path, dtype, offload=offload, device=device)
+        hf = zero3.load_partitioned_hf(target_path, dtype, config)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
     try:
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
+        if partition == "zero3":
+            model = zero3.PartitionedTarget(model, zero3.target_zero3_config(target_path, dtype, offload=offload,
+                                                                             device=device, hf=hf))
         mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows) if mask_token else None
     except ValueError as e:
         raise UserError(f"--target {target_path}: {e}") from None
@@ -50,7 +62,8 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
 
 def load_train_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
     return load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
-                       num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
+                       num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
+                       partition=cfg.target_partition, offload=cfg.target_offload)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):

@@ -26,6 +26,7 @@ from dflash.training.ds_config import training_ds_config
 from dflash.training.evaluator import Evaluator
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
 from dflash.training.models import LoadedTarget, Models, load_train_target
+from dflash.training.partition import target_bytes, target_summary
 from dflash.training.ranks import on_rank0
 from dflash.training.run_folder import RunFolder
 from dflash.training.shared_fs import check_shared_paths
@@ -136,6 +137,8 @@ class Trainer:
                   f"ZeRO-{self.models.zero_stage}; {len(d.train_idx):,} train / {len(d.eval_idx):,} eval samples "
                   f"({len(d.store) - d.usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
                   f"budget {cfg.token_budget:,}, {cfg.step_tokens:,} tokens/rank/step, {d.total_steps} steps")
+        self.target_bytes = target_bytes(target.model)
+        self._say(target_summary(self.target_bytes, cfg, self.world_size))
         resumed = cfg.resume and self._resume()
         if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
             (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
@@ -260,7 +263,9 @@ class Trainer:
         if self.rank == 0 and self.metrics.path.is_file():
             plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
             self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
-        if cfg.export and cfg.speculate_turns and self.data.eval_idx.size and self.rank == 0:
+        # a partitioned target cannot decode on one rank alone (its layers are gathered collectively)
+        if cfg.export and cfg.speculate_turns and self.data.eval_idx.size and self.rank == 0 \
+                and cfg.target_partition == "none":
             result["speculate"] = self._speculate_heldout(drafter_dir)
         self.run_folder.release()
         return result
@@ -305,19 +310,20 @@ class Trainer:
         queued device work included) and work in its slot, so one all_reduce gathers them all."""
         self.accelerator.synchronize()
         own = time.perf_counter() - t0
-        per_rank = torch.zeros(5, self.world_size, dtype=torch.float64, device=self.device)
+        per_rank = torch.zeros(7, self.world_size, dtype=torch.float64, device=self.device)
+        memory = target_bytes(self.models.target.model)
         per_rank[:, self.rank] = torch.tensor([own, sum(m.real_tokens for m in micro),
-                                               sum(m.computed_tokens for m in micro), busy, waited],
-                                              dtype=torch.float64)
+                                               sum(m.computed_tokens for m in micro), busy, waited,
+                                               memory["resident"], memory["gathered"]], dtype=torch.float64)
         counts = torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device)
         for t in (sums, slot, per_rank, counts):
             dist.all_reduce(t)
         seconds = time.perf_counter() - t0
-        rank_seconds, rank_real, rank_computed, rank_busy, rank_waited = per_rank.tolist()
+        rank_seconds, rank_real, rank_computed, rank_busy, rank_waited, resident, gathered = per_rank.tolist()
         real, computed = sum(rank_real), sum(rank_computed)
         grad_norm = self.models.engine.get_global_grad_norm()
         metrics = step_metrics(sums.tolist(), slot)
-        measured = not bool(per_rank[3:].isnan().any())  # only on the steps planned for a log
+        measured = not bool(per_rank[3:5].isnan().any())  # only on the steps planned for a log
         record = {
             "epoch": epoch, "loss": metrics["loss"], "anchor_tau": metrics["anchor_tau"],
             "lr": self.models.scheduler.get_last_lr()[0],
@@ -332,6 +338,8 @@ class Trainer:
             "rank_busy_seconds": rank_busy if measured else None,
             "rank_wait_seconds": rank_waited if measured else None,
             "wait_fraction": sum(rank_waited) / (self.world_size * seconds) if measured else None,
+            # per rank: target parameters held between forwards, and the most gathered at once (partitioned)
+            "target_resident_bytes": [int(b) for b in resident], "target_gathered_bytes": [int(b) for b in gathered],
         }
         if timings is not None:  # every rank's micro-batches: cost features and measured seconds
             mine = [[*m.cost_features.tolist(), t] for m, t in zip(micro, timings, strict=True)]
