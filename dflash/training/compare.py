@@ -74,7 +74,7 @@ def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, sa
         order, layout = mode.removesuffix(COST).split("-")
         mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
                                        max_steps=max_steps, export=False, progress=False, resume=False, overwrite=True,
-                                       stop_at_step=0, log_every=1, balance=cfg.balance or mode.endswith(COST),
+                                       stop_at_step=0, log_every=1, balance=mode.endswith(COST),
                                        time_micro_batches=True)
         trainer = Trainer(mode_cfg, target=target)
         if target is None:

@@ -61,7 +61,8 @@ class TrainingData:
 
     Attributes: `store` (the token store at `store_path`), `train_idx` / `eval_idx` (store
     indices), `lengths` (of the training samples), `flop_model` (the FLOP cost of a sample),
-    `planner` (epoch plans and the run's position), `steps[epoch]` (micro-step ranges of each
+    `planner` (epoch plans and the run's position), `balance` (dealt by cost: --balance on
+    several ranks), `steps[epoch]` (micro-step ranges of each
     optimizer step), `total_steps`, `maker` (collates a micro-batch and draws its anchors),
     `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them).
     """
@@ -93,17 +94,19 @@ class TrainingData:
                                           drafter_layers=cfg.draft_layers, num_features=len(target_layer_ids),
                                           block_size=cfg.block_size)
         rows = costs = None
-        if cfg.balance or cfg.row_budget:
+        # dealing by cost is between ranks: one rank plans as without it (the same plan, the same checkpoints)
+        self.balance = balance = cfg.balance and world_size > 1
+        if balance or cfg.row_budget:
             rows = drafter_rows(store_candidates(store)[self.train_idx], store.supervised[self.train_idx],
                                 cfg.block_size, cfg.num_anchors)
-        if cfg.balance:
+        if balance:
             model = CostModel.load(cfg.cost_model) if cfg.cost_model else self.flop_model
             costs = model.sample_costs(self.lengths, rows)
-        mix = max(1, round(cfg.step_tokens / cfg.token_budget)) if cfg.balance else DEFAULT_MIX
+        mix = max(1, round(cfg.step_tokens / cfg.token_budget)) if balance else DEFAULT_MIX
         self.planner = BatchPlanner(self.lengths, PlannerConfig(
             token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout, boundaries=cfg.boundaries,
             seed=cfg.seed, world_size=world_size, window=cfg.packing_window, row_budget=cfg.row_budget or None,
-            balance=cfg.balance, mix=mix, buckets=cfg.buckets), rows=rows, costs=costs)
+            balance=balance, mix=mix, buckets=cfg.buckets), rows=rows, costs=costs)
         self.steps = [step_ranges(self.planner.plan(e), self.lengths, cfg.step_tokens) for e in range(cfg.epochs)]
         self.total_steps = sum(len(s) for s in self.steps)
         if cfg.max_steps:

@@ -44,8 +44,8 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
     if partition == "zero3":
         from dflash.training import partition as zero3
 
-        config = zero3.target_zero3_config(target_path, dtype, offload=offload, device=device)
-        hf = zero3.load_partitioned_hf(target_path, dtype, config)
+        with zero3.zero3_loading(zero3.target_zero3_config(target_path, dtype, offload=offload, device=device)):
+            hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
     try:

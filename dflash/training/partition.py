@@ -16,6 +16,7 @@ collective); the trainer's micro-steps do, and the evaluator pads its walk to eq
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -48,15 +49,15 @@ def target_zero3_config(path: str | Path, dtype: torch.dtype, *, offload: bool, 
             "bf16": {"enabled": dtype == torch.bfloat16}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
-def load_partitioned_hf(path: str | Path, dtype: torch.dtype, ds_config: dict):
-    """The Hugging Face model of `path`, built and loaded straight into ZeRO-3 partitions."""
-    from transformers import AutoModelForCausalLM
+@contextmanager
+def zero3_loading(ds_config: dict):
+    """Inside, transformers' `from_pretrained` builds the model under `deepspeed.zero.Init` and
+    loads the checkpoint module by module straight into the partitions (`HfDeepSpeedConfig`)."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    # transformers builds under zero.Init and loads module by module while this object lives
-    zero3 = HfDeepSpeedConfig(ds_config)
+    zero3 = HfDeepSpeedConfig(ds_config)  # transformers holds a weak reference: it acts while this lives
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        yield
     finally:
         del zero3
 

@@ -24,6 +24,7 @@ from dflash.training.config import TrainConfig
 from dflash.training.data import TrainingData, prepare_token_store
 from dflash.training.ds_config import training_ds_config
 from dflash.training.evaluator import Evaluator
+from dflash.training.memory import accelerator_memory, run_plan, size_run
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
 from dflash.training.models import LoadedTarget, Models, load_train_target
 from dflash.training.partition import target_bytes, target_summary
@@ -117,6 +118,11 @@ class Trainer:
                                                    world_size=self.world_size, grad_clip=cfg.grad_clip)
         if not Path(cfg.data).exists():
             raise UserError(f"--data {cfg.data}: no such file or folder")
+        # the memory plan refuses a run that cannot fit, and sizes the row budget, from config.json alone
+        self.memory_plan = run_plan(cfg, ds_config, dtype_bytes=self.dtype.itemsize, world_size=self.world_size)
+        row_budget, memory_line = size_run(self.memory_plan, accelerator_memory(self.device, cfg.memory_gib),
+                                           token_budget=cfg.token_budget, row_budget=cfg.row_budget)
+        self.cfg = cfg = dataclasses.replace(cfg, row_budget=row_budget)
         self.run_folder = RunFolder(self.output_dir)
         on_rank0(lambda: self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite), "claiming the run folder")
 
@@ -136,9 +142,13 @@ class Trainer:
         self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, "
                   f"ZeRO-{self.models.zero_stage}; {len(d.train_idx):,} train / {len(d.eval_idx):,} eval samples "
                   f"({len(d.store) - d.usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
-                  f"budget {cfg.token_budget:,}, {cfg.step_tokens:,} tokens/rank/step, {d.total_steps} steps")
+                  f"budget {cfg.token_budget:,}, {cfg.step_tokens:,} tokens/rank/step, {d.total_steps} steps; "
+                  + ("micro-batches dealt to the ranks by cost (--balance: ranks wait less for each other)"
+                     if d.balance else "round robin to the ranks (--no-balance)" if self.world_size > 1
+                     else "one rank: no dealing"))
         self.target_bytes = target_bytes(target.model)
         self._say(target_summary(self.target_bytes, cfg, self.world_size))
+        self._say(memory_line)
         resumed = cfg.resume and self._resume()
         if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
             (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")

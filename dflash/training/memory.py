@@ -1,0 +1,443 @@
+"""The memory plan: the bytes one rank needs for a training run, before anything loads.
+
+    peak = static + max(target phase, drafter phase)
+
+static: the target's parameters (a full copy; or 1/W of them, the small ones kept gathered,
+two layers gathered at once, and the drafter's replicated embedding and lm_head when
+partitioned), the drafter's weights, gradients and AdamW state as the ZeRO stage splits them,
+and DeepSpeed's bucket buffers. The target phase is its feature forward of one micro-batch
+(no grad: one layer's intermediates and the tapped states per token); the drafter phase is its
+forward and backward: per token the features, the fused context and every layer's context keys
+and values; per block row (block size x anchors of every sample) every layer's saved
+activations, and the larger of the loss's lm_head chunk and one layer's backward buffers.
+
+The coefficients count what each op saves for backward in this code (`dflash.models.drafter`,
+RMSNorm in fp32, the block attention's Triton kernels) at the training dtype; the estimate is
+checked against measured peaks of CPU runs (`launch/plan_memory.py --measure`, docs/BENCHMARKS.md).
+On top of the peak, a GPU loses memory the tensors never see (CUDA context, NCCL buffers,
+allocator fragmentation): `RESERVE_FRACTION` of the memory and `RESERVE_BYTES` are kept free.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from dflash.errors import UserError
+
+GIB = 2**30
+RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffers
+RESERVE_FRACTION = 0.05  # allocator fragmentation
+CE_CHUNK_ROWS = 1024  # dflash.models.loss.DEFAULT_CHUNK_ROWS (not imported: that pulls in torch models)
+
+# Public config.json sizes of targets the README plans for (the language model's text config).
+MODEL_PRESETS = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
+    "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                        tie_word_embeddings=False, full_attention_interval=4, attn_output_gate=True,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    "qwen3.5-122b-a10b": dict(model_type="qwen3_5_moe_text", hidden_size=3072, num_hidden_layers=48,
+                              num_attention_heads=32, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                              tie_word_embeddings=False, full_attention_interval=4, attn_output_gate=True,
+                              linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+                              num_experts_per_tok=8, moe_intermediate_size=1024, shared_expert_intermediate_size=1024),
+}
+
+
+def load_model_config(model: str | Path, flag: str = "--model"):
+    """The language model's config: a preset name, a config.json, or a Hugging Face folder."""
+    from transformers import AutoConfig
+
+    name = str(model)
+    if name in MODEL_PRESETS:
+        return AutoConfig.for_model(**MODEL_PRESETS[name])
+    path = Path(name)
+    if path.is_file():
+        path = path.parent if path.name == "config.json" else path
+    if not (path / "config.json").is_file():
+        raise UserError(f"{flag} {name}: neither a preset ({', '.join(MODEL_PRESETS)}) nor a config.json or a "
+                        "Hugging Face model folder")
+    try:
+        return AutoConfig.from_pretrained(str(path)).get_text_config(decoder=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{path / 'config.json'}: not a config transformers can read ({e})") from None
+
+
+@dataclass(frozen=True)
+class TargetSizes:
+    """Parameter counts of a target, from transformers' own model class built on the meta device."""
+
+    params: int  # all parameters
+    largest_layer: int  # the largest decoder layer
+    small: int  # tensors of at most hidden-size elements (norms, biases: kept gathered when partitioned)
+    embed: int  # embedding rows x hidden
+    lm_head: int  # 0 when tied to the embedding
+    hidden: int
+    token_width: int  # elements per token of the widest layer's projection outputs (its forward intermediates)
+    vocab: int
+    head_dim: int  # width of the RoPE tables
+
+
+def _layer_width(layer, top_k: int) -> int:
+    """Output elements per token of a layer's projections; expert tensors (experts x out x in)
+    count top_k experts, as routing sends each token to that many."""
+    width = 0
+    for module in layer.modules():
+        for p in module.parameters(recurse=False):
+            if p.dim() == 2:
+                width += p.shape[0]
+            elif p.dim() == 3:
+                width += top_k * p.shape[1]
+    return width
+
+
+def target_sizes(config) -> TargetSizes:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"target {config.model_type}: transformers cannot build it to count its parameters ({e})") \
+            from None
+    hidden = int(config.hidden_size)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    layers = model.base_model.layers
+    top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)
+    return TargetSizes(
+        params=sum(p.numel() for p in model.parameters()),
+        largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        small=sum(p.numel() for p in model.parameters() if p.numel() <= hidden),
+        embed=embed.numel(), lm_head=0 if head is embed else head.numel(), hidden=hidden,
+        token_width=max(_layer_width(layer, top_k) for layer in layers), vocab=int(embed.shape[0]),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // config.num_attention_heads))
+
+
+@dataclass(frozen=True)
+class DrafterSizes:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    features: int  # tapped target layers
+
+    @classmethod
+    def from_target(cls, config, *, layers: int, features: int) -> DrafterSizes:
+        """The drafter DFlash builds for `config` (its hidden size, heads and MLP width; an MoE
+        target without a dense width: its routed experts' width per token)."""
+        heads = int(config.num_attention_heads)
+        width = getattr(config, "intermediate_size", None) or \
+            int(config.num_experts_per_tok) * int(config.moe_intermediate_size)
+        return cls(hidden=int(config.hidden_size), intermediate=int(width), heads=heads,
+                   kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+                   head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+                   layers=layers, features=features)
+
+    @property
+    def layer_params(self) -> int:
+        H, D = self.hidden, self.head_dim
+        return (2 * H * self.heads * D + 2 * H * self.kv_heads * D + 3 * H * self.intermediate + 2 * H + 2 * D)
+
+    @property
+    def params(self) -> int:
+        return self.features * self.hidden * self.hidden + self.layers * self.layer_params + 2 * self.hidden
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """What the run looks like: ranks, precision, ZeRO stage and offloads, drafter options."""
+
+    world_size: int = 1
+    dtype_bytes: int = 2  # bf16 (2) or fp32 (4): target, drafter and activations alike
+    zero_stage: int = 2
+    bucket_elements: int = 0  # ZeRO-1/2 reduce + allgather bucket elements
+    offload_optimizer: bool = False
+    offload_param: bool = False  # the drafter's parameters (ZeRO-3 offload_param)
+    target_partition: str = "none"
+    target_offload: bool = False
+    activation_checkpointing: bool = False
+    block_size: int = 16
+    num_anchors: int = 512
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict, **kwargs) -> MemorySetup:
+        zero = ds_config.get("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
+        buckets = 0
+        if stage in (1, 2):
+            buckets = int(zero.get("reduce_bucket_size", 5e8)) + int(zero.get("allgather_bucket_size", 5e8))
+
+        def offloaded(key):
+            return zero.get(key, {}).get("device", "none") not in ("none", None)
+
+        return cls(zero_stage=stage, bucket_elements=buckets, offload_optimizer=offloaded("offload_optimizer"),
+                   offload_param=offloaded("offload_param"), **kwargs)
+
+
+class MemoryPlan:
+    """Bytes per rank of a run: `static()` items, and `peak(tokens, rows)` of a micro-batch of
+    `tokens` tokens and `rows` drafter block rows (what the planner's budgets cap)."""
+
+    def __init__(self, target: TargetSizes, drafter: DrafterSizes, setup: MemorySetup):
+        self.target, self.drafter, self.setup = target, drafter, setup
+
+    # ---- static ---------------------------------------------------------------------------
+    def target_items(self) -> dict:
+        t, s, b = self.target, self.setup, self.setup.dtype_bytes
+        if s.target_partition == "none":
+            return {"target (a full copy)": t.params * b}
+        items = {"target partition (1/W)": math.ceil(t.params / s.world_size) * b,
+                 "target norms and biases (kept gathered)": t.small * b,
+                 "target layers gathered (running + prefetched)": 2 * t.largest_layer * b,
+                 "embedding and lm_head copies for the drafter": (t.embed + t.lm_head) * b}
+        if s.target_offload:
+            items["target partition (1/W)"] = 0  # in host memory
+        return items
+
+    def drafter_items(self) -> dict:
+        d, s, b, W = self.drafter, self.setup, self.setup.dtype_bytes, self.setup.world_size
+        P = d.params
+        state = 0 if s.offload_optimizer else math.ceil(P / W) * 12  # fp32 master copy, AdamW moments
+        if s.zero_stage == 3:
+            weights = 0 if s.offload_param else math.ceil(P / W) * b
+            return {"drafter weights (1/W) and a gathered layer": weights + 2 * d.layer_params * b,
+                    "drafter gradients (1/W)": math.ceil(P / W) * b, "drafter optimizer state": state}
+        grads = P * b if s.zero_stage == 1 else math.ceil(P / W) * b
+        return {"drafter weights": P * b, "drafter gradients": grads + s.bucket_elements * b,
+                "drafter optimizer state": state}
+
+    def static(self) -> dict:
+        return {**self.target_items(), **self.drafter_items()}
+
+    def host_bytes(self) -> int:
+        """What the offloads keep in host memory per rank."""
+        t, d, s, b = self.target, self.drafter, self.setup, self.setup.dtype_bytes
+        host = math.ceil(t.params / s.world_size) * b if s.target_partition == "zero3" and s.target_offload else 0
+        if s.offload_optimizer:
+            host += math.ceil(d.params / s.world_size) * 12
+        if s.offload_param and s.zero_stage == 3:
+            host += math.ceil(d.params / s.world_size) * b
+        return host
+
+    # ---- per micro-batch ------------------------------------------------------------------
+    def target_phase(self, tokens: int) -> int:
+        """The feature forward (no grad): residual stream, tapped states, RoPE tables, ids and one
+        layer's projection outputs and its RMSNorm's fp32 copy; at the end the taps and their
+        concatenation."""
+        t, K, b = self.target, self.drafter.features, self.setup.dtype_bytes
+        inside = (K + 2) * t.hidden * b + 4 * t.hidden + t.token_width * b
+        return tokens * (max(inside, (2 * K + 1) * t.hidden * b) + 2 * t.head_dim * b + 16)
+
+    def per_token(self) -> int:
+        """Drafter phase, per context token: the features, the fused context (fc output, its
+        RMSNorm's saved tensors, the context every layer projects) and every layer's context keys
+        (projection, k_norm, RoPE) and values, and the context's RoPE tables."""
+        d, b = self.drafter, self.setup.dtype_bytes
+        kv = d.kv_heads * d.head_dim
+        layer = (4 + 3 * b) * kv + 4 * d.kv_heads
+        kept = 0 if self.setup.activation_checkpointing else d.layers * layer
+        return d.features * d.hidden * b + (4 + 2 * b) * d.hidden + 4 + 2 * d.head_dim * b + 16 + kept
+
+    def layer_per_row(self) -> int:
+        """What one drafter layer saves for backward per block row: two RMSNorms feeding
+        projections (fp32 input, normed, output), queries and block keys (projection, norm, RoPE),
+        block values, the attention output and its log-sum-exp, and the MLP's gate, activation, up
+        and product."""
+        d, b = self.drafter, self.setup.dtype_bytes
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        norms = 2 * ((4 + 2 * b) * d.hidden + 4)
+        attention = (4 + 3 * b) * q + 8 * d.heads + (4 + 3 * b) * kv + 4 * d.kv_heads
+        return norms + attention + 4 * b * d.intermediate
+
+    def per_row(self) -> int:
+        """Drafter phase, per block row: every layer's saved activations (only its input with
+        activation checkpointing; the first layer's input, the embedding, needs no gradient), the
+        final norm, the loss's saved gradient, the blocks' RoPE tables, ids, labels and weights."""
+        d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
+        if s.activation_checkpointing:
+            layers = d.layers * d.hidden * b
+        else:
+            layers = d.layers * self.layer_per_row() - 4 * d.hidden
+        scored = (s.block_size - 1) / s.block_size
+        return int(layers + (4 + b) * d.hidden + 4 + scored * d.hidden * b + 2 * d.head_dim * b + 48)
+
+    def transient(self, tokens: int, rows: int) -> int:
+        """At the end of the forward, in the loss: the final states and their scored rows, and
+        one lm_head chunk (logits, their fp32 softmax, the chunk's input gradient); the backward
+        frees saved activations as fast as it makes gradients. With activation checkpointing, the
+        backward's recomputed layer and its gradients instead, when larger."""
+        d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
+        chunk = min(CE_CHUNK_ROWS, rows)
+        scored = rows * (s.block_size - 1) // s.block_size
+        loss = (rows + scored + chunk) * d.hidden * b + chunk * self.target.vocab * (4 + (b if b < 4 else 0))
+        if not s.activation_checkpointing:
+            return loss
+        kv = d.kv_heads * d.head_dim
+        layer = rows * (self.layer_per_row() + b * (d.intermediate + d.hidden)) \
+            + tokens * ((4 + 3 * b) * kv + 4 * d.kv_heads)  # recomputed, and its MLP's gradient
+        return max(loss, layer)
+
+    def drafter_phase(self, tokens: int, rows: int) -> int:
+        return tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows)
+
+    def peak(self, tokens: int, rows: int) -> dict:
+        """Bytes at the peak of a micro-batch, by item; "total" sums them."""
+        items = dict(self.static())
+        target, drafter = self.target_phase(tokens), self.drafter_phase(tokens, rows)
+        if target > drafter:
+            items[f"target features forward of {tokens:,} tokens"] = target
+        else:
+            items[f"drafter forward and backward of {tokens:,} tokens, {rows:,} rows"] = drafter
+        items["total"] = sum(items.values())
+        return items
+
+    # ---- what fits -------------------------------------------------------------------------
+    @staticmethod
+    def usable(memory: int) -> int:
+        """Bytes the tensors may use of `memory` (the reserve kept free)."""
+        return int(memory * (1 - RESERVE_FRACTION)) - RESERVE_BYTES
+
+    def min_rows(self) -> int:
+        """Every micro-batch must hold one sample's blocks: block size x anchors rows."""
+        return self.setup.block_size * self.setup.num_anchors
+
+    def rows_that_fit(self, memory: int, tokens: int) -> int:
+        """The most block rows a micro-batch of `tokens` tokens may score (0: not even none)."""
+        room = self.usable(memory) - sum(self.static().values())
+        if room < self.target_phase(tokens) or room < self.drafter_phase(tokens, 0):
+            return 0
+        lo, hi = 0, 1
+        while self.drafter_phase(tokens, hi) <= room:
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.drafter_phase(tokens, mid) <= room else (lo, mid)
+        return lo
+
+    def tokens_that_fit(self, memory: int, rows: int) -> int:
+        """The largest token budget whose micro-batches fit with `rows` block rows (0: none)."""
+        room = self.usable(memory) - sum(self.static().values())
+        lo, hi = 0, 1
+
+        def fits(tokens):
+            return self.target_phase(tokens) <= room and self.drafter_phase(tokens, rows) <= room
+
+        if not fits(1):
+            return 0
+        while fits(hi) and hi < 2**40:
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def to_dict(self) -> dict:
+        return {"target": asdict(self.target), "drafter": asdict(self.drafter), "setup": asdict(self.setup)}
+
+    def partitioned(self) -> MemoryPlan:
+        return MemoryPlan(self.target, self.drafter, replace(self.setup, target_partition="zero3"))
+
+
+def plan_for(config, setup: MemorySetup, *, draft_layers: int, features: int) -> MemoryPlan:
+    return MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=draft_layers, features=features),
+                      setup)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 4 else f"{n / 2**20:.2f} MiB"
+
+
+def describe(items: dict) -> str:
+    return "; ".join(f"{k} {gib(v)}" for k, v in items.items() if k != "total" and v)
+
+
+def dumps(plan: MemoryPlan) -> str:
+    return json.dumps(plan.to_dict())
+
+
+def accelerator_memory(device, memory_gib: float) -> int | None:
+    """Bytes per rank the run must fit in: --memory-gib, else a GPU's total; None on the CPU (no limit)."""
+    import torch
+
+    if memory_gib:
+        return int(memory_gib * GIB)
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return None
+
+
+def run_plan(cfg, ds_config: dict, *, dtype_bytes: int, world_size: int) -> MemoryPlan:
+    """The plan of a training run (`TrainConfig`), from the target's config.json alone."""
+    if not (Path(cfg.target) / "config.json").is_file():
+        raise UserError(f"--target {cfg.target}: not a Hugging Face model folder (no config.json)")
+    config = load_model_config(cfg.target, flag="--target")
+    features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_target_features
+    setup = MemorySetup.from_ds_config(
+        ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=cfg.target_partition,
+        target_offload=cfg.target_offload, activation_checkpointing=cfg.activation_checkpointing,
+        block_size=cfg.block_size, num_anchors=cfg.num_anchors)
+    return plan_for(config, setup, draft_layers=cfg.draft_layers, features=features)
+
+
+def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:
+    """Changes of one flag that make the run fit, each with its estimated peak."""
+    s, rows = plan.setup, plan.min_rows()
+    found = []
+
+    def fits(p: MemoryPlan, t: int = tokens) -> bool:
+        return p.rows_that_fit(memory, t) >= p.min_rows()
+
+    if s.target_partition == "none" and fits(plan.partitioned()):
+        found.append(f"--target-partition zero3 (peak {gib(plan.partitioned().peak(tokens, rows)['total'])})")
+    if not s.activation_checkpointing and fits(MemoryPlan(plan.target, plan.drafter,
+                                                          replace(s, activation_checkpointing=True))):
+        found.append("--activation-checkpointing")
+    budget = plan.tokens_that_fit(memory, rows)
+    if budget:
+        found.append(f"--token-budget {budget:,} or less")
+    anchors = next((a for a in (256, 128, 64, 32, 16) if a < s.num_anchors and
+                    fits(MemoryPlan(plan.target, plan.drafter, replace(s, num_anchors=a)))), None)
+    if anchors:
+        found.append(f"--num-anchors {anchors}")
+    if s.zero_stage < 3:
+        found.append("a ZeRO-3 --deepspeed_config (ds_configs/zero3.json) to partition the drafter's state too")
+    return found
+
+
+def size_run(plan: MemoryPlan, memory: int | None, *, token_budget: int, row_budget: int) -> tuple[int, str]:
+    """The row budget to plan with and the header's line on memory; refuses (UserError) a run that
+    cannot fit: what needs how much, and which flags would make it fit."""
+    rows = max(row_budget, plan.min_rows())
+    if memory is None:
+        peak = plan.peak(token_budget, rows)
+        return row_budget, (f"memory plan (per rank, tensor bytes): {gib(peak['total'])} at {token_budget:,} tokens "
+                            f"and {rows:,} drafter rows (+{gib(plan.per_row() * 1000)} per 1,000 rows); row budget "
+                            f"{f'{row_budget:,} (--row-budget)' if row_budget else 'none'}: no memory limit to plan "
+                            "against (a CPU run without --memory-gib)")
+    usable, fit = plan.usable(memory), plan.rows_that_fit(memory, token_budget)
+    if fit < rows:
+        peak = plan.peak(token_budget, rows)
+        asked = f"--row-budget {row_budget:,}" if row_budget > plan.min_rows() else \
+            f"one sample's {rows:,} drafter rows (--block-size x --num-anchors)"
+        ways = _alternatives(plan, memory, token_budget)
+        raise UserError(
+            f"memory plan: this run needs about {gib(peak['total'])} per rank, more than the {gib(usable)} usable "
+            f"of {gib(memory)} (--memory-gib; {RESERVE_FRACTION:.0%} and {gib(RESERVE_BYTES)} kept free for the CUDA "
+            f"context, communication and fragmentation) with --token-budget {token_budget:,} and {asked}:\n  "
+            + describe(peak).replace("; ", "\n  ")
+            + ("\nit would fit with: " + "; or ".join(ways) if ways else "")
+            + "\n(estimate: launch/plan_memory.py; nothing was loaded)")
+    chosen = row_budget or fit
+    why = "--row-budget" if row_budget else "the most that fits by the memory plan"
+    peak = plan.peak(token_budget, chosen)
+    return chosen, (f"memory plan (per rank): {gib(peak['total'])} of {gib(usable)} usable ({gib(memory)}) at "
+                    f"{token_budget:,} tokens and {chosen:,} drafter rows; row budget {chosen:,} ({why})")

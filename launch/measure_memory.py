@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""Check the memory plan against a real run: train a few steps and compare, on every rank, the
+measured peak of tensor bytes with the plan's estimate for the micro-batches that ran.
+
+Takes train.py's options (the run folder is overwritten); on the CPU the peak counts every tensor
+storage alive after each op (`dflash.models.flops.measure_peak_tensor_bytes`), the target's
+parameters counted as loaded. Prints one JSON line per rank:
+{"rank", "measured", "estimate", "error" (estimate / measured - 1), "tokens", "rows", "items"}.
+
+  deepspeed --num_gpus 2 launch/measure_memory.py --target T --data D --output-dir /tmp/m \\
+      --token-budget 2048 --target-partition zero3 --measure-steps 3
+"""
+import json
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+
+from dflash.errors import exit_on_user_error  # noqa: E402
+from dflash.training.config import load_config  # noqa: E402
+from dflash.training.ranks import single_process_env  # noqa: E402
+
+
+def _take(argv: list[str], flag: str, default: int) -> tuple[list[str], int]:
+    if flag not in argv:
+        return argv, default
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:], int(argv[i + 1])
+
+
+@exit_on_user_error
+def main(argv=None):
+    from dflash.models.flops import measure_peak_tensor_bytes
+
+    argv, steps = _take(list(sys.argv[1:] if argv is None else argv), "--measure-steps", 3)
+    cfg = load_config([*argv, "--overwrite", "--no-export", "--speculate-turns", "0", "--max-steps", str(steps),
+                       "--eval-every", str(10**6), "--checkpoint-every", str(10**6), "--no-progress"],
+                      description=__doc__)
+    single_process_env(os.environ, torch.cuda.device_count())
+    import torch.distributed as dist
+
+    from dflash.devices import resolve_dtype
+    from dflash.training.models import load_train_target
+    from dflash.training.partition import target_bytes
+    from dflash.training.trainer import Trainer, init_distributed
+
+    init_distributed()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    target = load_train_target(cfg, device, resolve_dtype(cfg.dtype, device))
+    loaded = target_bytes(target.model)
+    seen = []
+
+    def run():
+        trainer = Trainer(cfg, target=target)
+        stream = trainer._stream
+
+        def tapped():
+            for item in stream:
+                seen.extend(item[2])
+                yield item
+
+        trainer._stream = tapped()
+        while trainer.step < steps:
+            trainer.train_step()
+        return trainer
+
+    peak, trainer = measure_peak_tensor_bytes(run)
+    measured = peak + loaded["resident"] + loaded["shared"]
+    plan, B = trainer.memory_plan, cfg.block_size
+    batches = [(m.computed_tokens, m.anchors.num_blocks * B) for m in seen]
+    tokens, rows = max(batches, key=lambda tr: plan.peak(*tr)["total"])
+    items = plan.peak(tokens, rows)
+    # the reserve is not tensors: the CPU check compares tensor bytes alone
+    record = {"rank": dist.get_rank(), "measured": measured, "estimate": items["total"],
+              "error": items["total"] / measured - 1, "tokens": tokens, "rows": rows, "items": items}
+    print(json.dumps(record), flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Will a training run fit? The memory plan per rank, before anything loads.
+
+For the target of --model (a preset, a config.json or a model folder: transformers builds it on
+the meta device to count its parameters), the drafter settings, the token budget, the ZeRO stage
+of --deepspeed_config, the world size and the GPU memory, prints the peak per rank with the
+target replicated (a full copy per rank) and partitioned (--target-partition zero3, with and
+without --target-offload), what it is made of, the most drafter rows a micro-batch of the token
+budget may score (the row budget train.py takes when none is given), and the largest token budget
+that fits. train.py runs the same plan at start and refuses a run that cannot fit.
+
+Examples:
+  python launch/plan_memory.py --model qwen3-8b --world-size 8 --gpu-memory-gib 80
+  python launch/plan_memory.py --model /models/Qwen3.5-122B-A10B --world-size 8 --gpu-memory-gib 141 \\
+      --deepspeed_config ds_configs/zero3.json --token-budget 16384
+"""
+import argparse
+import json
+import sys
+
+from dflash.errors import UserError, exit_on_user_error
+from dflash.training.memory import (
+    GIB,
+    MODEL_PRESETS,
+    RESERVE_BYTES,
+    RESERVE_FRACTION,
+    MemoryPlan,
+    MemorySetup,
+    gib,
+    load_model_config,
+    plan_for,
+)
+
+VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_partition="zero3"),
+            "zero3+offload": dict(target_partition="zero3", target_offload=True)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-8b",
+                   help=f"target: a preset ({', '.join(MODEL_PRESETS)}), a config.json or a model folder "
+                   "(default %(default)s)")
+    p.add_argument("--world-size", type=int, default=8, help="ranks (GPUs) in all (default %(default)s)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU, GiB (default %(default)s)")
+    p.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch (default %(default)s)")
+    p.add_argument("--row-budget", type=int, default=0,
+                   help="drafter rows per micro-batch to estimate at (default: one sample's, block size x anchors)")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", default="ds_configs/zero2.json",
+                   help="the drafter's DeepSpeed JSON: ZeRO stage, buckets, offloads (default %(default)s)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training dtype (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="drafter block size (default %(default)s)")
+    p.add_argument("--num-anchors", type=int, default=512, help="anchors per sample at most (default %(default)s)")
+    p.add_argument("--draft-layers", type=int, default=5, help="drafter layers (default %(default)s)")
+    p.add_argument("--num-target-features", type=int, default=5, help="tapped target layers (default %(default)s)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute drafter layers in backward")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p.parse_args(argv)
+
+
+def _ds_config(path: str, world_size: int) -> dict:
+    from dflash.training.ds_config import load_ds_config
+
+    return load_ds_config(path, world_size=world_size, grad_clip=1.0, bf16=True)
+
+
+def summarize(plan: MemoryPlan, memory: int, tokens: int, rows: int) -> dict:
+    peak = plan.peak(tokens, rows)
+    return {"peak": peak["total"], "items": {k: v for k, v in peak.items() if k != "total"},
+            "host_per_rank": plan.host_bytes(), "fits": plan.rows_that_fit(memory, tokens) >= rows,
+            "row_budget_that_fits": plan.rows_that_fit(memory, tokens),
+            "token_budget_that_fits": plan.tokens_that_fit(memory, plan.min_rows())}
+
+
+def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> None:
+    t = next(iter(plans.values())).target
+    size = gib(t.params * (2 if args.dtype == "bf16" else 4))
+    print(f"{args.model}: {t.params / 1e9:.2f}B parameters ({size} {args.dtype}), largest layer "
+          f"{t.largest_layer / 1e6:.0f}M; {args.world_size} x {args.gpu_memory_gib:g} GiB, "
+          f"{gib(MemoryPlan.usable(memory))} usable per GPU ({RESERVE_FRACTION:.0%} and {gib(RESERVE_BYTES)} kept "
+          f"free); {args.deepspeed_config}, {args.dtype}, token budget {args.token_budget:,}, {rows:,} drafter rows")
+    head = f"{'target':<15}{'peak/GPU':>11}{'fits':>6}{'host/rank':>11}{'rows that fit':>15}{'tokens that fit':>17}"
+    print(head)
+    print("-" * len(head))
+    for name, r in results.items():
+        print(f"{name:<15}{r['peak'] / GIB:>10.1f}G{'yes' if r['fits'] else 'NO':>6}{r['host_per_rank'] / GIB:>10.1f}G"
+              f"{r['row_budget_that_fits']:>15,}{r['token_budget_that_fits']:>17,}")
+    for name, r in results.items():
+        print(f"\n{name}:")
+        for item, value in r["items"].items():
+            print(f"  {item:<62}{gib(value):>14}")
+    print("\nrows that fit: the row budget train.py takes at this token budget (--row-budget 0); tokens that fit: "
+          "the largest --token-budget with one sample's rows (block size x anchors)")
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    for flag in ("world_size", "token_budget", "block_size", "num_anchors", "draft_layers", "num_target_features"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.gpu_memory_gib > 0:
+        raise UserError(f"--gpu-memory-gib must be positive, got {args.gpu_memory_gib}")
+    config = load_model_config(args.model)
+    ds_config = _ds_config(args.deepspeed_config, args.world_size)
+    memory = int(args.gpu_memory_gib * GIB)
+    base = dict(world_size=args.world_size, dtype_bytes=2 if args.dtype == "bf16" else 4,
+                activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
+                num_anchors=args.num_anchors)
+    plans = {name: plan_for(config, MemorySetup.from_ds_config(ds_config, **base, **variant),
+                            draft_layers=args.draft_layers, features=args.num_target_features)
+             for name, variant in VARIANTS.items()}
+    rows = max(args.row_budget, args.block_size * args.num_anchors)
+    results = {name: summarize(plan, memory, args.token_budget, rows) for name, plan in plans.items()}
+    if args.json:
+        json.dump({"model": args.model, "world_size": args.world_size, "gpu_memory": memory,
+                   "token_budget": args.token_budget, "rows": rows, "plan": next(iter(plans.values())).to_dict(),
+                   **results}, sys.stdout, indent=2)
+        print()
+        return results
+    print_table(args, plans, results, memory, rows)
+    return results
+
+
+if __name__ == "__main__":
+    main()
