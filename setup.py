@@ -48,6 +48,7 @@ setup(
         "train": [
             "deepspeed>=0.19",
             "transformers>=4.56",
+            "accelerate",  # transformers needs it to load a target straight into ZeRO-3 partitions
             "datasets>=3.0",
             "safetensors",
             "tokenizers",

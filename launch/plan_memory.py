@@ -16,6 +16,7 @@ Examples:
 """
 import argparse
 import json
+import os
 import sys
 
 from dflash.errors import UserError, exit_on_user_error
@@ -58,6 +59,10 @@ def parse_args(argv=None):
 
 
 def _ds_config(path: str, world_size: int) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed parses the JSON; no guessing aloud on stdout
     from dflash.training.ds_config import load_ds_config
 
     return load_ds_config(path, world_size=world_size, grad_clip=1.0, bf16=True)

@@ -79,7 +79,8 @@ class TargetSizes:
     embed: int  # embedding rows x hidden
     lm_head: int  # 0 when tied to the embedding
     hidden: int
-    token_width: int  # elements per token of the widest layer's projection outputs (its forward intermediates)
+    mlp_width: int  # outputs per token of the widest MLP's projections (MoE: the routed experts' and shared)
+    mixer_width: int  # outputs per token of the widest attention / linear-attention block's projections
     vocab: int
     head_dim: int  # width of the RoPE tables
 
@@ -111,12 +112,15 @@ def target_sizes(config) -> TargetSizes:
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     layers = model.base_model.layers
     top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)
+    mlps = [getattr(layer, "mlp", None) for layer in layers]
     return TargetSizes(
         params=sum(p.numel() for p in model.parameters()),
         largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
         small=sum(p.numel() for p in model.parameters() if p.numel() <= hidden),
         embed=embed.numel(), lm_head=0 if head is embed else head.numel(), hidden=hidden,
-        token_width=max(_layer_width(layer, top_k) for layer in layers), vocab=int(embed.shape[0]),
+        mlp_width=max(_layer_width(m, top_k) if m is not None else 0 for m in mlps),
+        mixer_width=max(_layer_width(layer, top_k) - (_layer_width(m, top_k) if m is not None else 0)
+                        for layer, m in zip(layers, mlps, strict=True)), vocab=int(embed.shape[0]),
         head_dim=int(getattr(config, "head_dim", None) or hidden // config.num_attention_heads))
 
 
@@ -197,7 +201,6 @@ class MemoryPlan:
             return {"target (a full copy)": t.params * b}
         items = {"target partition (1/W)": math.ceil(t.params / s.world_size) * b,
                  "target norms and biases (kept gathered)": t.small * b,
-                 "target layers gathered (running + prefetched)": 2 * t.largest_layer * b,
                  "embedding and lm_head copies for the drafter": (t.embed + t.lm_head) * b}
         if s.target_offload:
             items["target partition (1/W)"] = 0  # in host memory
@@ -211,7 +214,9 @@ class MemoryPlan:
             weights = 0 if s.offload_param else math.ceil(P / W) * b
             return {"drafter weights (1/W) and a gathered layer": weights + 2 * d.layer_params * b,
                     "drafter gradients (1/W)": math.ceil(P / W) * b, "drafter optimizer state": state}
-        grads = P * b if s.zero_stage == 1 else math.ceil(P / W) * b
+        # the micro-batches of a step accumulate: the full gradients of the last backward beside the
+        # reduced partition, and the reduce and all-gather buckets
+        grads = P * b + math.ceil(P / W) * b
         return {"drafter weights": P * b, "drafter gradients": grads + s.bucket_elements * b,
                 "drafter optimizer state": state}
 
@@ -229,13 +234,24 @@ class MemoryPlan:
         return host
 
     # ---- per micro-batch ------------------------------------------------------------------
+    def gathered(self) -> int:
+        """Target layers gathered while the features run (partitioned): the running one and the
+        prefetched next; released before the drafter runs."""
+        if self.setup.target_partition == "none":
+            return 0
+        return 2 * self.target.largest_layer * self.setup.dtype_bytes
+
     def target_phase(self, tokens: int) -> int:
-        """The feature forward (no grad): residual stream, tapped states, RoPE tables, ids and one
-        layer's projection outputs and its RMSNorm's fp32 copy; at the end the taps and their
-        concatenation."""
+        """The feature forward (no grad), with the gathered layers when partitioned. Per token: the
+        tapped states, the layer's input, residual and normed states, the RoPE tables and ids, and
+        the larger of the MLP's intermediates (1.5x its projection outputs: gate, up and their
+        product alive at once) and the attention's (2x its projection outputs: projections, fp32
+        q/k norms, RoPE). Against measured peaks of single layers (docs/BENCHMARKS.md): +2..+27% in
+        bf16, up to +55% in fp32 when attention dominates (tiny MLPs); the drafter phase usually
+        dominates."""
         t, K, b = self.target, self.drafter.features, self.setup.dtype_bytes
-        inside = (K + 2) * t.hidden * b + 4 * t.hidden + t.token_width * b
-        return tokens * (max(inside, (2 * K + 1) * t.hidden * b) + 2 * t.head_dim * b + 16)
+        inside = max(1.5 * b * t.mlp_width, 2 * b * t.mixer_width)
+        return int(tokens * ((K + 4) * b * t.hidden + inside + 2 * t.head_dim * b + 16)) + self.gathered()
 
     def per_token(self) -> int:
         """Drafter phase, per context token: the features, the fused context (fc output, its
@@ -282,8 +298,9 @@ class MemoryPlan:
         if not s.activation_checkpointing:
             return loss
         kv = d.kv_heads * d.head_dim
+        # the recomputed layer, its MLP's gradients, and the context's key, value and state gradients
         layer = rows * (self.layer_per_row() + b * (d.intermediate + d.hidden)) \
-            + tokens * ((4 + 3 * b) * kv + 4 * d.kv_heads)  # recomputed, and its MLP's gradient
+            + tokens * ((4 + 5 * b) * kv + 4 * d.kv_heads + b * d.hidden)
         return max(loss, layer)
 
     def drafter_phase(self, tokens: int, rows: int) -> int:
@@ -408,8 +425,8 @@ def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:
                     fits(MemoryPlan(plan.target, plan.drafter, replace(s, num_anchors=a)))), None)
     if anchors:
         found.append(f"--num-anchors {anchors}")
-    if s.zero_stage < 3:
-        found.append("a ZeRO-3 --deepspeed_config (ds_configs/zero3.json) to partition the drafter's state too")
+    if s.zero_stage < 3 and fits(MemoryPlan(plan.target, plan.drafter, replace(s, zero_stage=3, bucket_elements=0))):
+        found.append("--deepspeed_config ds_configs/zero3.json (the drafter's weights and state partitioned too)")
     return found
 
 

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
 from dflash.demo import DATA as DEMO_DATA
 from dflash.demo import TARGET as DEMO_TARGET
@@ -64,19 +65,25 @@ def test_two_ranks_with_uneven_micro_batches_give_the_gradient_of_one_batch(tiny
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,layout,order", [
-    ("zero2", "packed", "shuffle"), ("zero2", "padded", "sorted"), ("zero3", "packed", "bucketed"),
-    ("zero3", "padded", "shuffle"),
+@pytest.mark.parametrize("config,layout,order,partition", [
+    ("zero2", "packed", "shuffle", "none"), ("zero2", "padded", "sorted", "none"),
+    ("zero3", "packed", "bucketed", "none"), ("zero3", "padded", "shuffle", "zero3"),
 ])
-def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order):
+def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order, partition):
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     decode = ["--speculate-turns", 2] if order == "shuffle" and config == "zero2" else []
     proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
-                                         "--deepspeed_config", f"ds_configs/{config}.json", *decode))
+                                         "--deepspeed_config", f"ds_configs/{config}.json", *decode,
+                                         "--target-partition", partition))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     train = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3]
+    # the target's bytes per rank: all of it, or half (and a few norms) when partitioned over the two ranks
+    full = sum(t.numel() * 4 for t in load_file(target / "model.safetensors").values())
+    share = [b / full for b in train[-1]["target_resident_bytes"]]
+    assert share == [1.0, 1.0] if partition == "none" else all(0.5 <= s < 0.52 for s in share), share
+    assert "micro-batches dealt to the ranks by cost (--balance" in proc.stdout
     assert all(math.isfinite(r["loss"]) and r["real_tokens"] > 0 and r["anchor_tau"] >= 1 for r in train)
     assert all((r["efficiency"] == 1.0) == (layout == "packed") for r in train)
     final = read_metrics(out, "eval")[-1]  # evaluated at the end
@@ -122,6 +129,10 @@ BAD_OPTIONS = [
     (["--boundaries", "900,300"], "--boundaries: values must be strictly increasing, got '900,300'"),
     (["--row-budget", "100"], "--row-budget: must be 0 or at least block size x anchors (1024) so that every sample "
                               "fits, got 100"),
+    (["--target-partition", "zero2"], "--target-partition: must be one of none, zero3, got 'zero2'"),
+    (["--target-offload"], "--target-offload: offloads the partitions of --target-partition zero3; add it, or drop "
+                           "--target-offload"),
+    (["--memory-gib", "-1"], "--memory-gib: must be >= 0 (0: the GPU's own), got -1.0"),
     (["--balance", "--cost-model", "nope.json"], "--cost-model: nope.json: not a cost model JSON of per_token, "
      "per_pair, per_row, per_row_key, per_sample, per_batch, unit ([Errno 2] No such file or directory: 'nope.json')"),
 ]

@@ -1,0 +1,40 @@
+"""Run under `deepspeed --num_gpus 2`: the target replicated, partitioned (ZeRO-3) and partitioned
+with its partitions offloaded; packed and padded features of each must be bitwise equal, three
+calls each (the first records DeepSpeed's trace, the later ones prefetch). Prints one JSON line
+per rank: whether all were equal, and the target bytes of each."""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
+target_path, store_path = args[0], args[1]
+
+from dflash.data.collate import collate_packed, collate_padded  # noqa: E402
+from dflash.data.token_store import TokenStore  # noqa: E402
+from dflash.training.models import load_target  # noqa: E402
+from dflash.training.partition import largest_layer_numel, target_bytes  # noqa: E402
+from dflash.training.trainer import init_distributed  # noqa: E402
+
+init_distributed()
+store = TokenStore(store_path)
+batches = [collate_packed(store, [0, 1, 2, 3]), collate_padded(store, [4, 5, 6], pad_id=0), collate_packed(store, [7])]
+kwargs = dict(target_layer_ids=[1, 2], attention_backend="torch")
+replicated = load_target(target_path, "cpu", torch.float32, **kwargs)
+reference = [replicated.model.features(b) for b in batches]
+result = {"rank": dist.get_rank(), "equal": True}
+for name, extra in (("zero3", {}), ("offload", {"offload": True})):
+    loaded = load_target(target_path, "cpu", torch.float32, partition="zero3", **extra, **kwargs)
+    model = loaded.model
+    for _ in range(3):
+        for batch, expected in zip(batches, reference, strict=True):
+            result["equal"] &= torch.equal(model.features(batch), expected)
+    shared = model.shared_weights()
+    result["equal"] &= torch.equal(shared.embed, replicated.model.shared_weights().embed)
+    result["equal"] &= torch.equal(shared.lm_head, replicated.model.shared_weights().lm_head)
+    result["equal"] &= loaded.mask_id == replicated.mask_id and model.num_embedding_rows == \
+        replicated.model.num_embedding_rows
+    result[name] = {**target_bytes(model), "layer": largest_layer_numel(loaded.hf) * 4}
+result["replicated"] = target_bytes(replicated.model)
+print(json.dumps(result), flush=True)

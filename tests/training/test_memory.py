@@ -1,0 +1,155 @@
+"""The memory plan: its parameter counts against the real models, its estimate against the measured
+peak of a training micro-step, its refusal; and the partitioned target's features on two ranks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dflash.data.batch import PackedBatch
+from dflash.errors import UserError
+from dflash.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash.models.flops import measure_peak_tensor_bytes
+from dflash.training.memory import (
+    GIB,
+    DrafterSizes,
+    MemoryPlan,
+    MemorySetup,
+    load_model_config,
+    plan_for,
+    size_run,
+    target_sizes,
+)
+
+from ..conftest import ROOT
+from .conftest import run_deepspeed, tiny_train_args
+
+
+def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
+    target, _ = tiny_run_inputs
+    sizes = target_sizes(load_model_config(target))
+    hf = AutoModelForCausalLM.from_pretrained(target)
+    assert sizes.params == sum(p.numel() for p in hf.parameters())
+    assert sizes.largest_layer == max(sum(p.numel() for p in layer.parameters()) for layer in hf.model.layers)
+    assert sizes.embed == hf.model.embed_tokens.weight.numel() and sizes.lm_head == hf.lm_head.weight.numel()
+    assert sizes.small == sum(p.numel() for p in hf.parameters() if p.numel() <= hf.config.hidden_size)
+
+
+def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
+    config = load_model_config(tiny_run_inputs[0])
+    drafter = DFlashDrafter(DrafterConfig.from_target(config, mask_token_id=0, num_draft_layers=3,
+                                                      target_layer_ids=[0, 1, 2]))
+    sizes = DrafterSizes.from_target(config, layers=3, features=3)
+    assert sizes.params == sum(p.numel() for p in drafter.parameters())
+    assert sizes.layer_params == sum(p.numel() for p in drafter.layers[0].parameters())
+
+
+def test_presets_have_their_public_sizes():
+    billions = {name: target_sizes(load_model_config(name)).params / 1e9
+                for name in ("qwen3-8b", "qwen3.5-27b", "qwen3.5-122b-a10b")}
+    assert billions == pytest.approx({"qwen3-8b": 8.19, "qwen3.5-27b": 26.90, "qwen3.5-122b-a10b": 122.11}, abs=0.01)
+
+
+@pytest.mark.parametrize("dtype,checkpointing", [(torch.bfloat16, False), (torch.float32, True)])
+def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing):
+    """Features, drafter forward and backward through the Triton kernels (the GPU's path; here in
+    the interpreter): the plan's bytes against every tensor storage alive after each op."""
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024)
+    target = TargetModel(AutoModelForCausalLM.from_config(config).to(dtype), [0, 1], attention_backend="triton")
+    drafter = DFlashDrafter(DrafterConfig.from_target(config, mask_token_id=511, num_draft_layers=2,
+                                                      target_layer_ids=[0, 1]),
+                            target.shared_weights(), num_anchors=8, attention_backend="triton",
+                            activation_checkpointing=checkpointing).to(dtype)
+    lengths = [150, 100]
+    cu = torch.tensor([0, 150, 250], dtype=torch.int32)
+    batch = PackedBatch(input_ids=torch.randint(0, 500, (250,)), loss_mask=torch.ones(250, dtype=torch.bool),
+                        position_ids=torch.cat([torch.arange(n) for n in lengths]), cu_seqlens=cu,
+                        cu_seqlens_cpu=cu.clone(), max_seqlen=150, sample_ids=torch.arange(2))
+    anchors = drafter.anchors(batch, epoch=0, seed=0)
+
+    def step():
+        drafter(batch, target.features(batch), anchors=anchors).loss_sum.backward()
+
+    measured, _ = measure_peak_tensor_bytes(step)
+    plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=2, features=2),
+                      MemorySetup(dtype_bytes=dtype.itemsize, num_anchors=8, activation_checkpointing=checkpointing))
+    tokens, rows = 250, anchors.num_blocks * 16
+    estimate = max(plan.target_phase(tokens), plan.drafter_phase(tokens, rows))
+    assert -0.02 <= estimate / measured - 1 <= 0.06, (estimate, measured)
+
+
+def qwen_plan(name, partition="none", stage=2, world_size=8):
+    setup = MemorySetup(world_size=world_size, dtype_bytes=2, zero_stage=stage, bucket_elements=10**8,
+                        target_partition=partition)
+    return plan_for(load_model_config(name), setup, draft_layers=5, features=5)
+
+
+def test_the_row_budget_is_the_most_rows_that_fit():
+    plan, memory = qwen_plan("qwen3-8b"), 80 * GIB
+    rows, line = size_run(plan, memory, token_budget=16384, row_budget=0)
+    usable = plan.usable(memory)
+    assert plan.peak(16384, rows)["total"] <= usable < plan.peak(16384, rows + 1)["total"]
+    assert f"row budget {rows:,} (the most that fits by the memory plan)" in line
+    assert size_run(plan, memory, token_budget=16384, row_budget=9000)[0] == 9000
+    assert size_run(plan, None, token_budget=16384, row_budget=0)[0] == 0  # no limit known: no cap
+
+
+def test_a_run_that_cannot_fit_is_refused_with_what_how_much_and_which_flag():
+    plan = qwen_plan("qwen3.5-122b-a10b")
+    with pytest.raises(UserError) as e:
+        size_run(plan, 80 * GIB, token_budget=16384, row_budget=0)
+    message = str(e.value)
+    assert "memory plan: this run needs about 2" in message and "more than the 74.00 GiB usable of 80.00 GiB" in message
+    assert "target (a full copy) 227.45 GiB" in message and "--target-partition zero3 (peak" in message
+    rows, _ = size_run(plan.partitioned(), 80 * GIB, token_budget=16384, row_budget=0)
+    assert rows >= plan.min_rows()
+
+
+@pytest.mark.slow
+def test_train_refuses_a_run_that_cannot_fit_before_loading_anything(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"),
+                           *tiny_train_args(target, data, out, "--memory-gib", 2.2)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # 2.2 GiB leave 0.09 GiB for tensors: ZeRO-2's 2 x 5e7-element buckets (ds_configs/zero2.json) do not fit
+    assert "error: memory plan: this run needs about" in proc.stderr and "--memory-gib" in proc.stderr
+    assert "it would fit with: --deepspeed_config ds_configs/zero3.json" in proc.stderr
+    assert "nothing was loaded" in proc.stderr
+    assert not out.exists() and "Traceback" not in proc.stderr  # not even the run folder was claimed
+
+
+def test_plan_memory_compares_the_target_replicated_and_partitioned(capsys):
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        import plan_memory
+    finally:
+        sys.path.pop(0)
+    plan_memory.main(["--model", "qwen3.5-122b-a10b", "--world-size", "8", "--gpu-memory-gib", "80", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert not result["replicated"]["fits"] and result["zero3"]["fits"] and result["zero3+offload"]["fits"]
+    assert result["zero3"]["peak"] < result["replicated"]["peak"] and result["zero3+offload"]["host_per_rank"] > 0
+
+
+@pytest.mark.slow
+def test_partitioned_target_gives_the_replicated_features_bitwise_with_half_the_bytes(tiny_run_inputs, tiny_store):
+    target, _ = tiny_run_inputs
+    proc = run_deepspeed([str(target), str(tiny_store)], script=ROOT / "tests" / "training" / "partition_script.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["equal"] for r in ranks)
+    for r in ranks:
+        full = r["replicated"]["full"]
+        assert r["replicated"]["resident"] == full and r["replicated"]["gathered"] == 0
+        for placed in (r["zero3"], r["offload"]):
+            # 1/W of every tensor, plus the norms kept gathered; at most the running and the prefetched layer
+            assert placed["full"] == full and 0.5 <= placed["resident"] / full < 0.52
+            assert 0 < placed["gathered"] <= 2 * placed["layer"] + 0.05 * full
+            assert placed["shared"] > 0
