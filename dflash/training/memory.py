@@ -75,6 +75,7 @@ class TargetSizes:
 
     params: int  # all parameters
     largest_layer: int  # the largest decoder layer
+    largest_tensor: int  # the largest parameter tensor of a decoder layer
     small: int  # tensors of at most hidden-size elements (norms, biases: kept gathered when partitioned)
     embed: int  # embedding rows x hidden
     lm_head: int  # 0 when tied to the embedding
@@ -116,6 +117,7 @@ def target_sizes(config) -> TargetSizes:
     return TargetSizes(
         params=sum(p.numel() for p in model.parameters()),
         largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        largest_tensor=max(p.numel() for layer in layers for p in layer.parameters()),
         small=sum(p.numel() for p in model.parameters() if p.numel() <= hidden),
         embed=embed.numel(), lm_head=0 if head is embed else head.numel(), hidden=hidden,
         mlp_width=max(_layer_width(m, top_k) if m is not None else 0 for m in mlps),
@@ -235,11 +237,13 @@ class MemoryPlan:
 
     # ---- per micro-batch ------------------------------------------------------------------
     def gathered(self) -> int:
-        """Target layers gathered while the features run (partitioned): the running one and the
-        prefetched next; released before the drafter runs."""
+        """Target parameters gathered at once while the features run (partitioned), released
+        before the drafter runs: the embedding alone, or two layers (the running one and the
+        prefetched next; the prefetch stops past that limit, one tensor over at most)."""
+        t = self.target
         if self.setup.target_partition == "none":
             return 0
-        return 2 * self.target.largest_layer * self.setup.dtype_bytes
+        return max(t.embed, 2 * t.largest_layer + t.largest_tensor) * self.setup.dtype_bytes
 
     def target_phase(self, tokens: int) -> int:
         """The feature forward (no grad), with the gathered layers when partitioned. Per token: the

@@ -31,8 +31,9 @@ def target_zero3_config(path: str | Path, dtype: torch.dtype, *, offload: bool, 
     """DeepSpeed config of the frozen target: ZeRO-3 over all ranks, no optimizer.
 
     Parameters up to hidden-size elements (norms, biases) stay gathered after their first use.
-    With `hf` (the partitioned model), the prefetch bucket is its largest decoder layer (the next
-    layer is fetched while one runs) and at most three such layers are gathered at once.
+    With `hf` (the partitioned model), the prefetch bucket is its largest decoder layer, and at
+    most two such layers are gathered at once (DeepSpeed prefetches at every module until that
+    limit): the running one and the next.
     """
     import torch.distributed as dist
     from transformers import AutoConfig
@@ -41,7 +42,7 @@ def target_zero3_config(path: str | Path, dtype: torch.dtype, *, offload: bool, 
     zero = {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": int(text.hidden_size)}
     if hf is not None:
         layer = largest_layer_numel(hf)
-        zero.update(stage3_prefetch_bucket_size=layer, stage3_max_live_parameters=3 * layer)
+        zero.update(stage3_prefetch_bucket_size=layer, stage3_max_live_parameters=2 * layer)
     if offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.device(device).type == "cuda"}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,

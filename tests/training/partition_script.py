@@ -1,7 +1,7 @@
 """Run under `deepspeed --num_gpus 2`: the target replicated, partitioned (ZeRO-3) and partitioned
 with its partitions offloaded; packed and padded features of each must be bitwise equal, three
-calls each (the first records DeepSpeed's trace, the later ones prefetch). Prints one JSON line
-per rank: whether all were equal, and the target bytes of each."""
+calls each (the first records DeepSpeed's trace, the later ones prefetch). Rank 0 prints one JSON
+line per rank: whether all were equal, and the target bytes of each."""
 import json
 import sys
 
@@ -35,6 +35,11 @@ for name, extra in (("zero3", {}), ("offload", {"offload": True})):
     result["equal"] &= torch.equal(shared.lm_head, replicated.model.shared_weights().lm_head)
     result["equal"] &= loaded.mask_id == replicated.mask_id and model.num_embedding_rows == \
         replicated.model.num_embedding_rows
-    result[name] = {**target_bytes(model), "layer": largest_layer_numel(loaded.hf) * 4}
+    layers = loaded.hf.model.layers
+    result[name] = {**target_bytes(model), "layer": largest_layer_numel(loaded.hf) * 4,
+                    "tensor": max(p.ds_numel for layer in layers for p in layer.parameters()) * 4}
 result["replicated"] = target_bytes(replicated.model)
-print(json.dumps(result), flush=True)
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, result)
+if dist.get_rank() == 0:  # one line per rank, from one process: never interleaved
+    print("\n".join(json.dumps(r) for r in every), flush=True)
