@@ -27,7 +27,8 @@ from dflash.training.shared_fs import PROBE, check_shared_paths
 from ..conftest import ROOT
 from .conftest import read_metrics, run_deepspeed, tiny_train_args, without_timings
 
-# ZeRO-3, 4 steps per epoch; the multi-node run stops after step 3 (inside epoch 0) and resumes
+# ZeRO-3, micro-batches dealt by cost (the default): 3 steps in epoch 0; the multi-node run stops after
+# step 2 (inside epoch 0) and resumes
 COMMON = ("--step-tokens", 600, "--max-steps", 5, "--deepspeed_config", ROOT / "ds_configs" / "zero3.json")
 
 
@@ -82,11 +83,11 @@ def test_two_nodes_checkpoint_resume_and_export_like_one_node_then_resume_on_one
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     two = tmp_path / "two"  # JSONL data: prepared by rank 0 into the run folder that node 1 reads too
-    first = ok(two_nodes(tiny_train_args(target, data, two, *COMMON, "--stop-at-step", 3), tmp_path))
+    first = ok(two_nodes(tiny_train_args(target, data, two, *COMMON, "--stop-at-step", 2), tmp_path))
     for node, (_, out, err) in enumerate(first):
         assert f"nnodes=2, num_local_procs=1, node_rank={node}" in out + err, "two launchers, one rank each"
-    assert "dflash: 2 rank(s)" in first[0][1] and [r["step"] for r in read_metrics(two)] == [1, 2, 3]
-    checkpoint = two / "checkpoints" / "step-00000003"
+    assert "dflash: 2 rank(s)" in first[0][1] and [r["step"] for r in read_metrics(two)] == [1, 2]
+    checkpoint = two / "checkpoints" / "step-00000002"
     assert (checkpoint / "COMPLETE").is_file()
     assert {p.name for p in checkpoint.glob("zero_pp_rank_*_optim_states.pt")} == {
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}, \
@@ -94,7 +95,7 @@ def test_two_nodes_checkpoint_resume_and_export_like_one_node_then_resume_on_one
     assert not (two / "drafter").exists()
 
     second = ok(two_nodes(tiny_train_args(target, data, two, *COMMON, "--resume"), tmp_path))
-    assert "at step 3 (epoch 0" in second[0][1], "resumed inside the epoch"
+    assert "at step 2 (epoch 0" in second[0][1], "resumed inside the epoch"
     assert [r["step"] for r in read_metrics(two)] == [1, 2, 3, 4, 5]
     assert history(two) == history(one), "same losses, tau, lr, grad norms and evaluations"
     mine, theirs = load_file(two / "drafter" / "model.safetensors"), load_file(one / "drafter" / "model.safetensors")
