@@ -156,7 +156,10 @@ class DrafterConfig:
     is_causal: bool | None = None  # overrides every layer's causality (engines' top-level is_causal)
 
     def __post_init__(self) -> None:
-        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        try:
+            check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        except ValueError as e:
+            raise ValueError(f"dflash_config.target_layer_ids: {e}") from None
         self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
         if self.is_causal is not None and not isinstance(self.is_causal, bool):
             raise ValueError(f"is_causal must be true, false or absent, got {self.is_causal!r}")
@@ -285,6 +288,11 @@ class DrafterConfig:
             out["is_causal"] = self.is_causal
         return out
 
+    @staticmethod
+    def gives_num_target_layers(d: dict[str, Any]) -> bool:
+        """Whether a config.json says how many layers its target has (others leave it out)."""
+        return "num_target_layers" in (d.get("dflash_config") or {}) or "num_target_layers" in d
+
     @classmethod
     def from_json_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         """Read our config.json or one written by others in the official format.
@@ -320,7 +328,7 @@ class DrafterConfig:
             rope = dict(d.get("rope_scaling") or {"rope_type": "default"})
             rope["rope_theta"] = d.get("rope_theta", 10000.0)
         heads = d["num_attention_heads"]
-        num_target_layers = d.get("num_target_layers")
+        num_target_layers = pick("num_target_layers")
         if num_target_layers is None:
             # Written by others without it: the smallest target the taps are valid for.
             num_target_layers = max(layer_ids) + 2
@@ -361,6 +369,27 @@ class DrafterConfig:
         d.pop("rope_theta")
         d.pop("is_causal", None)
         return Qwen3Config(**d)
+
+
+def check_fits_target(config: DrafterConfig, target_config, num_embedding_rows: int | None = None, *,
+                      num_target_layers_given: bool = True) -> None:
+    """Raise ValueError naming the drafter's config.json field that does not fit the target: the
+    hidden size (the target's embedding and lm_head are lent), the vocabulary (embedding rows),
+    the tapped layers and the number of target layers the drafter was trained on."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    rows = num_embedding_rows if num_embedding_rows is not None else text.vocab_size
+    if config.hidden_size != hidden:
+        raise ValueError(f"hidden_size is {config.hidden_size}, the target's is {hidden}")
+    if config.vocab_size != rows:
+        raise ValueError(f"vocab_size is {config.vocab_size}, the target's embedding has {rows} rows")
+    if num_target_layers_given and config.num_target_layers != layers:
+        raise ValueError(f"num_target_layers is {config.num_target_layers} (the target it was trained on), this "
+                         f"target has {layers} layers")
+    try:
+        check_target_layer_ids(config.target_layer_ids, layers)
+    except ValueError as e:
+        raise ValueError(f"dflash_config.target_layer_ids: {e}") from None
 
 
 def check_layer_types(layer_types, num_layers: int, sliding_window) -> list[str]:

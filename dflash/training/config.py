@@ -17,9 +17,20 @@ from pathlib import Path
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.errors import UserError
-from dflash.models.config import GAMMA_BY_BLOCK_SIZE
+from dflash.models.config import FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import parse_list
+
+
+def layer_type(name: str) -> str:
+    """A drafter layer type from its short or full name (sliding / full, or as in config.json)."""
+    full = {"sliding": SLIDING, "full": FULL}.get(name, name)
+    if full not in LAYER_TYPES:
+        raise ValueError(name)
+    return full
+
+
+layer_type.expected = "sliding or full"
 
 
 def _opt(default, help: str, list_options: dict | None = None):
@@ -101,6 +112,20 @@ class TrainConfig:
         list_options={"distinct": True, "minimum": 0},
     )
     num_target_features: int = _opt(5, "number of taps when --target-layer-ids is not given")
+    drafter_layer_types: tuple[str, ...] | None = _opt(
+        None,
+        "attention of each drafter layer, e.g. sliding,sliding,sliding,sliding,full: a sliding layer sees the last "
+        "--sliding-window positions and is causal within the block, as vLLM and SGLang serve it (default: all full)",
+        list_options={"cast": layer_type},
+    )
+    sliding_window: int = _opt(0, "positions a sliding drafter layer sees, its own included (config.json "
+                               "sliding_window; needed with sliding layers)")
+    init_drafter: str = _opt(
+        "",
+        "start from this drafter folder (official format, ours or a released one): its weights, block size, mask "
+        "token, tapped layers and layer types, checked against the target; the optimizer starts fresh (--resume "
+        "still continues a checkpoint)",
+    )
     activation_checkpointing: bool = _opt(
         False,
         "recompute drafter layers in backward: less activation memory, about a third more drafter compute",
@@ -206,9 +231,64 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
         values.update(_read_yaml(args.config))
     cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     values.update(cli)
+    explicit = set(values)  # the user's own options (YAML and flags), not the demo preset's
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
+    if values.get("init_drafter"):
+        values = _from_init_drafter(values, explicit)
     return resolve(TrainConfig(**values))
+
+
+# TrainConfig options that --init-drafter takes from the drafter's config.json.
+_INIT_OPTIONS = ("block_size", "draft_layers", "target_layer_ids", "num_target_features", "drafter_layer_types",
+                 "sliding_window")
+
+
+def init_drafter_config(folder: str, target: str):
+    """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
+    (raises UserError naming the field that disagrees). Reads config files only."""
+    import json
+
+    from transformers import AutoConfig
+
+    from dflash.models.config import DrafterConfig, check_fits_target
+
+    path = Path(folder)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise UserError(f"--init-drafter {folder}: not a drafter folder in the official format (config.json and "
+                        "model.safetensors)")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        drafter = DrafterConfig.from_json_dict(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--init-drafter {path / 'config.json'}: {e}") from None
+    try:
+        target_config = AutoConfig.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
+    try:
+        check_fits_target(drafter, target_config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+    except ValueError as e:
+        raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
+    return drafter
+
+
+def _from_init_drafter(values: dict, explicit: set) -> dict:
+    """values with the drafter options taken from --init-drafter; an explicit option that
+    contradicts the drafter is an error naming both."""
+    c = init_drafter_config(values["init_drafter"], values.get("target", TrainConfig.target))
+    taken = {
+        "block_size": c.block_size, "draft_layers": c.num_hidden_layers,
+        "target_layer_ids": tuple(c.target_layer_ids), "num_target_features": c.num_target_features,
+        "drafter_layer_types": tuple(c.layer_types), "sliding_window": c.sliding_window or 0,
+    }
+    for name, value in taken.items():
+        given = values.get(name)
+        if name in explicit and given is not None and given != value and not (
+                name == "drafter_layer_types" and tuple(map(layer_type, given)) == value):
+            raise UserError(f"{_flag(name)} {given!r} contradicts --init-drafter {values['init_drafter']}, whose "
+                            f"value is {value!r} (leave {_flag(name)} out)")
+    return {**values, **taken}
 
 
 def resolve(c: TrainConfig) -> TrainConfig:
@@ -315,6 +395,14 @@ def validate(c: TrainConfig) -> None:
         bad("weight_decay", f"must be >= 0, got {c.weight_decay}")
     if c.grad_clip < 0:
         bad("grad_clip", f"must be >= 0 (0: no clipping), got {c.grad_clip}")
+    if c.drafter_layer_types is not None and len(c.drafter_layer_types) != c.draft_layers:
+        bad("drafter_layer_types", f"gives {len(c.drafter_layer_types)} types for {c.draft_layers} drafter layers "
+                                   "(--draft-layers): one per layer")
+    sliding = c.drafter_layer_types is not None and SLIDING in map(layer_type, c.drafter_layer_types)
+    if sliding and c.sliding_window < 1:
+        bad("sliding_window", "sliding drafter layers need a window >= 1 (positions seen, the query's own included)")
+    if not sliding and c.sliding_window:
+        bad("sliding_window", "no drafter layer is sliding (--drafter-layer-types)")
     if c.force_resume and not c.resume:
         bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:
