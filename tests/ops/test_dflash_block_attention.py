@@ -134,6 +134,33 @@ def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtyp
         check_close(name, got, want, lo)
 
 
+# The sliding-layer rule (and the overrides) in the kernels: windows shorter than a context tile
+# (16 rows in the interpreter), spanning several, shorter than the block; anchors at 0, at the end.
+SLIDING_CASES = [
+    pytest.param([40, 1, 23], 5, 4, 4, 2, 64, torch.float32, None, 6, True, id="fp32-d64-gqa2-w6"),
+    pytest.param([50, 37], 4, 4, 4, 2, 32, torch.bfloat16, None, 21, True, id="bf16-d32-w21"),
+    pytest.param([50, 6], 3, 6, 2, 2, 32, torch.float32, None, 3, True, id="fp32-block6-w3"),
+    pytest.param([1, 40, 2], 0, 4, 2, 1, 32, torch.float32, EDGES, 5, True, id="edges-w5"),
+    pytest.param([45, 9], 3, 4, 2, 1, 32, torch.float32, None, 7, False, id="bidirectional-w7"),
+    pytest.param([45, 9], 3, 4, 2, 1, 32, torch.float32, None, None, True, id="full-causal"),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("lengths,per_seq,block_size,hq,hkv,d,dtype,anchors,window,causal", SLIDING_CASES)
+def test_triton_sliding_variants_match_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, window,
+                                                 causal, deterministic, check_close):
+    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
+    variant = dict(window=window, causal=causal)
+    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic, **variant)
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64, **variant)
+    low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", **variant)
+    check_close("out", out, ref, low)
+    for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
+                                   strict=True):
+        check_close(name, got, want, lo)
+
+
 @pytest.mark.parametrize("seed", [3, 4])
 def test_triton_matches_reference_random_batches(seed, check_close):
     g = torch.Generator().manual_seed(seed)
@@ -258,4 +285,4 @@ def test_auto_falls_back_to_flex_where_no_triton_config_fits(monkeypatch, check_
     with pytest.warns(UserWarning, match='no config fits sm_120a.*backend="auto" uses FlexAttention'):
         out = dflash_block_attention(*inputs, cu, seq, anchor, 4)
     check_close("out", out, dflash_block_attention(*inputs, cu, seq, anchor, 4, backend="torch"))
-    assert asked == [(32, 4, 2, torch.float32, 4, False, 120)]
+    assert asked == [(32, 4, 2, torch.float32, 4, False, False, False, 120)]

@@ -103,22 +103,15 @@ def dflash_block_attention(
 
         return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
                                            block_size, scale, window, causal)
-    if window is not None or causal:
-        if backend == "triton":
-            raise NotImplementedError('backend="triton" has no sliding-window / causal variant yet; '
-                                      'use backend="flex" or "torch"')
-        from .flex import dflash_block_attention_flex
-
-        return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
-                                           block_size, scale, window, causal)
     from .triton_kernels import dflash_block_attention_triton, unservable
 
     deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     if backend == "auto" and auto_falls_back(unservable, q.shape[-1], q.shape[1], k_ctx.shape[1], q.dtype,
-                                             block_size, deterministic):
+                                             block_size, deterministic, window is not None, causal):
         from .flex import dflash_block_attention_flex
 
         return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
-                                           block_size, scale)
+                                           block_size, scale, window, causal)
     return dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
-                                         block_anchor, block_size, scale, cu_seqlens_cpu, deterministic)
+                                         block_anchor, block_size, scale, cu_seqlens_cpu, deterministic, window,
+                                         causal)
