@@ -100,6 +100,20 @@ class _DrafterCache:
         self.length = 0
 
 
+def _layer_mask(window, causal, start, B, device):
+    """(B, start + B) bool: query slot k (position start+k) sees key position p; None: all."""
+    if window is None and not causal:
+        return None
+    q = torch.arange(start, start + B, device=device)[:, None]
+    p = torch.arange(start + B, device=device)[None, :]
+    keep = p <= q if causal else torch.ones(B, start + B, dtype=torch.bool, device=device)
+    if window is not None:
+        keep &= q - p < window
+        if not causal:
+            keep &= p - q < window
+    return keep
+
+
 def _draft(drafter: DFlashDrafter, cache: _DrafterCache, features: torch.Tensor, anchor_token: int) -> list[int]:
     """Append the context features of positions cache.length.. to the cache, then draft the block
     anchored right after them; returns the B-1 drafted tokens (argmax of slots 1..B-1)."""
@@ -126,8 +140,11 @@ def _draft(drafter: DFlashDrafter, cache: _DrafterCache, features: torch.Tensor,
         k = torch.cat([cache.k[i][:start], _apply_rope(attn.k_norm(attn.k_proj(h).view(B, Hkv, D)), *rope_blk)])
         v = torch.cat([cache.v[i][:start], attn.v_proj(h).view(B, Hkv, D)])
         k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)  # GQA
-        # no mask: every context row lies before the anchor, and the block sees itself both ways
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        # full layers: no mask (every context row lies before the anchor, the block sees itself both
+        # ways); sliding layers: the layer's window and causal order, by position (key j at j)
+        mask = _layer_mask(attn.window, attn.causal, start, B, device)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask)
         x = x + attn.o_proj(o[0].transpose(0, 1).reshape(B, Hq * D))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.length = start

@@ -224,7 +224,8 @@ class Trainer:
         dcfg = DrafterConfig.from_target(hf.config, mask_token_id=mask_id, block_size=cfg.block_size,
                                          num_draft_layers=cfg.draft_layers,
                                          target_layer_ids=self.target.target_layer_ids,
-                                         vocab_size=self.target.num_embedding_rows)
+                                         vocab_size=self.target.num_embedding_rows,
+                                         layer_types=cfg.drafter_layer_types, sliding_window=cfg.sliding_window or None)
         drafter = DFlashDrafter(dcfg, self.target.shared_weights(), num_anchors=cfg.num_anchors,
                                 gamma=cfg.gamma, attention_backend=cfg.attention_backend,
                                 activation_checkpointing=cfg.activation_checkpointing)
