@@ -140,6 +140,28 @@ def load_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
     return LoadedTarget(tokenizer, hf, model, mask_id)
 
 
+def init_drafter(cfg: TrainConfig, target_config, target, options: dict):
+    """The DFlashDrafter of --init-drafter with its weights (fp32: DeepSpeed casts to the run's
+    dtype), checked against the loaded target's embedding; the optimizer starts fresh."""
+    import dataclasses as dc
+
+    from dflash.models import DFlashDrafter
+    from dflash.models.config import check_fits_target
+
+    drafter = DFlashDrafter.from_pretrained(cfg.init_drafter, **options).float()
+    try:
+        check_fits_target(drafter.config, target_config, target.num_embedding_rows)
+    except ValueError as e:
+        raise UserError(f"--init-drafter {cfg.init_drafter} does not fit --target {cfg.target}: {e}") from None
+    if drafter.config.target_layer_ids != list(target.target_layer_ids):
+        raise UserError(f"--init-drafter {cfg.init_drafter}: taps {drafter.config.target_layer_ids} but the target "
+                        f"extracts {list(target.target_layer_ids)}")
+    # Exported with the target's layer count even when the drafter's config left it out.
+    drafter.config = dc.replace(drafter.config, num_target_layers=target_config.num_hidden_layers)
+    drafter.attach(target.shared_weights())
+    return drafter
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, target: LoadedTarget | None = None):
         """`cfg`: resolved (`config.load_config` / `config.resolve`). `target`: an already loaded
@@ -221,14 +243,19 @@ class Trainer:
             self.total_steps = min(self.total_steps, cfg.max_steps)
 
         # drafter + DeepSpeed
-        dcfg = DrafterConfig.from_target(hf.config, mask_token_id=mask_id, block_size=cfg.block_size,
-                                         num_draft_layers=cfg.draft_layers,
-                                         target_layer_ids=self.target.target_layer_ids,
-                                         vocab_size=self.target.num_embedding_rows,
-                                         layer_types=cfg.drafter_layer_types, sliding_window=cfg.sliding_window or None)
-        drafter = DFlashDrafter(dcfg, self.target.shared_weights(), num_anchors=cfg.num_anchors,
-                                gamma=cfg.gamma, attention_backend=cfg.attention_backend,
-                                activation_checkpointing=cfg.activation_checkpointing)
+        options = dict(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention_backend=cfg.attention_backend,
+                       activation_checkpointing=cfg.activation_checkpointing)
+        if cfg.init_drafter:
+            drafter = init_drafter(cfg, hf.config, self.target, options)
+            mask_id = drafter.config.mask_token_id  # what the engines feed the drafter's mask slots
+        else:
+            dcfg = DrafterConfig.from_target(hf.config, mask_token_id=mask_id, block_size=cfg.block_size,
+                                             num_draft_layers=cfg.draft_layers,
+                                             target_layer_ids=self.target.target_layer_ids,
+                                             vocab_size=self.target.num_embedding_rows,
+                                             layer_types=cfg.drafter_layer_types,
+                                             sliding_window=cfg.sliding_window or None)
+            drafter = DFlashDrafter(dcfg, self.target.shared_weights(), **options)
         self.maker = MicroBatchMaker(str(store_path), cfg.layout, pad_id=tokenizer.pad_token_id or 0,
                                      mask_token_id=mask_id, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                                      gamma=drafter.gamma, seed=cfg.seed)

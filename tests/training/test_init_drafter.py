@@ -83,3 +83,48 @@ def test_num_target_layers_may_be_absent(tmp_path):
     del config["num_target_layers"]
     (folder / "config.json").write_text(json.dumps(config))
     assert load_config(["--init-drafter", str(folder)]).target_layer_ids == (1, 3)
+
+
+@pytest.mark.slow
+def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path):
+    """A drafter written by others (bf16 tensors, torch_dtype, rope_theta, sliding layers) starts a
+    run: its weights are the run's initial weights (a learning rate too small to move them leaves
+    the export equal to them), its layer types, window, taps and mask token are the run's."""
+    from safetensors.torch import load_file
+
+    from .conftest import read_metrics, run_deepspeed, tiny_train_args
+
+    target, data = tiny_run_inputs
+    hf = json.loads((target / "config.json").read_text())
+    config = DrafterConfig.from_target(type("T", (), {**hf, "rope_parameters": {"rope_type": "default",
+                                                                               "rope_theta": 1e6}}),
+                                       mask_token_id=hf["vocab_size"] - 1, block_size=8, num_draft_layers=2,
+                                       target_layer_ids=[0, 2], layer_types=[S, F], sliding_window=5)
+    folder = tmp_path / "released"
+    folder.mkdir()
+    torch.manual_seed(3)
+    weights = {k: v.to(torch.bfloat16) for k, v in DFlashDrafter(config, gamma=4.0).state_dict().items()}
+    save_file(weights, folder / "model.safetensors")
+    written = config.to_json_dict()
+    written["torch_dtype"] = written.pop("dtype")
+    written.pop("rope_parameters")
+    del written["num_target_layers"]  # released configs may leave it out
+    (folder / "config.json").write_text(json.dumps(written))
+
+    out = tmp_path / "run"
+    args = tiny_train_args(target, data, out, "--init-drafter", folder, "--max-steps", 2, "--lr", 1e-9)
+    for flag in ("--draft-layers", "--num-target-features"):  # taken from the drafter
+        i = args.index(flag)
+        del args[i:i + 2]
+    proc = run_deepspeed(args, num_ranks=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    exported = json.loads((out / "drafter" / "config.json").read_text())
+    assert exported["layer_types"] == [S, F] and exported["sliding_window"] == 5
+    assert exported["use_sliding_window"] is True and exported["block_size"] == 8
+    assert exported["dflash_config"] == {"mask_token_id": hf["vocab_size"] - 1, "target_layer_ids": [0, 2]}
+    assert exported["num_target_layers"] == hf["num_hidden_layers"]
+    trained = load_file(out / "drafter" / "model.safetensors")
+    assert trained.keys() == weights.keys()
+    for name, w in weights.items():
+        torch.testing.assert_close(trained[name].float(), w.float(), rtol=0, atol=1e-5, msg=name)
