@@ -149,8 +149,8 @@ def init_drafter(cfg: TrainConfig, target_config, target, options: dict):
     from dflash.models.config import check_fits_target
 
     drafter = DFlashDrafter.from_pretrained(cfg.init_drafter, **options).float()
-    try:
-        check_fits_target(drafter.config, target_config, target.num_embedding_rows)
+    try:  # the layer count was checked with the options (config.init_drafter_config); now the embedding rows
+        check_fits_target(drafter.config, target_config, target.num_embedding_rows, num_target_layers_given=False)
     except ValueError as e:
         raise UserError(f"--init-drafter {cfg.init_drafter} does not fit --target {cfg.target}: {e}") from None
     if drafter.config.target_layer_ids != list(target.target_layer_ids):
