@@ -127,6 +127,8 @@ def table(records) -> str:
         variant = " (atomic dQ)" if r["constexprs"].get("FUSED_DQ") else (
             " (deterministic)" if "FUSED_DQ" in r["constexprs"] else "")
         causal = {True: " causal", False: " full"}.get(r["constexprs"].get("CAUSAL"), "")
+        if "HAS_WINDOW" in r["constexprs"]:  # block attention: a drafter's sliding or full layers
+            causal = " sliding" if r["constexprs"]["HAS_WINDOW"] else " full"
         tile = ",".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in ("BLOCK_M", "BLOCK_N", "OWN_M"))
         key = (r["op"], f"`{r['kernel']}`{causal}{variant}", r["arch"], f"d{r['head_dim']} {r['dtype']}", tile)
         groups.setdefault(key, []).append(r)

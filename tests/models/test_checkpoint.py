@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig, Qwen3Config
 
-from dflash.models import CONFIG_KEYS, BlockPlan, DFlashDrafter, DrafterConfig
+from dflash.models import CONFIG_KEYS, Anchors, DFlashDrafter, DrafterConfig
 from dflash.models.target import SharedWeights
 
 from .official import official_dflash
@@ -263,13 +263,13 @@ def test_official_class_gives_the_same_outputs(tmp_path, layer_types, window, is
     feats = torch.randn(T, 3 * H)
     tokens = torch.randint(0, VOCAB, (T,))
     model = official.DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    plan = BlockPlan(torch.zeros(len(anchors), dtype=torch.int32), torch.tensor(anchors, dtype=torch.int32), B, 0)
+    blocks = Anchors(torch.zeros(len(anchors), dtype=torch.int32), torch.tensor(anchors, dtype=torch.int32), B, 0)
     ids = torch.full((len(anchors), B), MASK_ID)
     ids[:, 0] = tokens[anchors]
     pos = torch.tensor(anchors)[:, None] + torch.arange(B)
     cu = torch.tensor([0, T], dtype=torch.int32)
     with torch.no_grad():
-        ours = drafter.block_hidden(feats, ids.reshape(-1), pos.reshape(-1), torch.arange(T), (cu, cu), plan)
+        ours = drafter.block_hidden(feats, ids.reshape(-1), pos.reshape(-1), torch.arange(T), (cu, cu), blocks)
         for j, a in enumerate(anchors):
             theirs = model(position_ids=torch.arange(a + B)[None], noise_embedding=embed[ids[j]][None],
                            target_hidden=feats[:a][None])[0]
