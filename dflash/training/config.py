@@ -239,11 +239,6 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
     return resolve(TrainConfig(**values))
 
 
-# TrainConfig options that --init-drafter takes from the drafter's config.json.
-_INIT_OPTIONS = ("block_size", "draft_layers", "target_layer_ids", "num_target_features", "drafter_layer_types",
-                 "sliding_window")
-
-
 def init_drafter_config(folder: str, target: str):
     """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
     (raises UserError naming the field that disagrees). Reads config files only."""

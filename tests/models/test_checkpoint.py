@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash.models import CONFIG_KEYS, Anchors, DFlashDrafter, DrafterConfig
+from dflash.models.config import OPTIONAL_CONFIG_KEYS
 from dflash.models.target import SharedWeights
 
 from .official import official_dflash
@@ -235,7 +236,7 @@ def test_exported_config_carries_what_the_engines_read(tmp_path, layer_types, wi
     drafter = make_drafter(layer_types=layer_types, sliding_window=window, is_causal=is_causal)
     drafter.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert set(config) == CONFIG_KEYS | ({"is_causal"} if is_causal is not None else set())
+    assert set(config) == CONFIG_KEYS | (OPTIONAL_CONFIG_KEYS if is_causal is not None else set())
     for path, (where, expected) in ENGINE_FIELDS.items():
         assert _get(config, path) == expected(drafter.config), f"{path} (read at {where})"
     # The engines read the window and types through transformers' Qwen3Config of the file.
