@@ -31,7 +31,9 @@ def exit_with_error(line: str):
 
 
 def exit_on_user_error(main):
-    """Decorate a CLI `main`: a UserError becomes `error: ...` on stderr and exit status 2."""
+    """Decorate a CLI `main`: a UserError, or a fault of the environment that no code path named
+    more precisely (a full disk, a read-only or missing folder, a path of the wrong kind), becomes
+    one `error: ...` line on stderr and exit status 2."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -39,8 +41,52 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as err:
             exit_with_error(f"error: {err}")
+        except (OSError, RuntimeError) as err:
+            line = environment_error(err)
+            if line is None:
+                raise
+            exit_with_error(f"error: {line}")
 
     return wrapper
+
+
+# errno -> what it means for the user, for faults of the environment (not of dflash)
+_ENVIRONMENT = {
+    "ENOSPC": "the disk is full", "EDQUOT": "the disk quota is used up", "EROFS": "read-only file system",
+    "EACCES": "permission denied", "EPERM": "operation not permitted", "ENOTDIR": "a part of the path is not a folder",
+    "EISDIR": "is a folder, not a file", "EEXIST": "already exists", "EIO": "input/output error (a failing disk?)",
+    "ENAMETOOLONG": "file name too long", "EMFILE": "too many open files (raise `ulimit -n`)",
+}
+
+
+def os_reason(err: OSError, path=None) -> str:
+    """What an OSError means, in words; for a full disk, the free space where `path` (or the
+    error's file) lies."""
+    import errno
+
+    name = errno.errorcode.get(err.errno or 0, "")
+    reason = _ENVIRONMENT.get(name) or err.strerror or str(err)
+    if name in ("ENOSPC", "EDQUOT") and (path or err.filename):
+        reason += f" ({free_space(path or err.filename)})"
+    return reason
+
+
+def environment_error(err: BaseException) -> str | None:
+    """One line for a fault of the environment in `err` or an error it was raised from (None:
+    not one): the file it concerns and what happened, and, for a full disk, what to do."""
+    import errno
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and errno.errorcode.get(err.errno or 0) in _ENVIRONMENT:
+            where = f"{err.filename}: " if err.filename else ""
+            advice = "; free some space and run again" if disk_full(err) else ""
+            return f"{where}{os_reason(err)}{advice}"
+        if isinstance(err, RuntimeError) and "unexpected pos" in str(err):  # torch.save on a full disk
+            return "the disk is full while writing a file (torch.save); free some space and run again"
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def disk_full(err: BaseException) -> bool:
