@@ -15,6 +15,7 @@ the per-sample Python work matters and on an accelerator the GEMMs do.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -50,9 +51,13 @@ class CostModel:
 
         try:
             fields = json.loads(open(path).read())
-            return cls(**{k: (str(v) if k == "unit" else float(v)) for k, v in fields.items()})
+            model = cls(**{k: (str(v) if k == "unit" else float(v)) for k, v in fields.items()})
         except (OSError, ValueError, TypeError) as e:
             raise UserError(f"{path}: not a cost model JSON of {', '.join(asdict(cls()))} ({e})") from None
+        bad = [k for k, v in asdict(model).items() if k != "unit" and not math.isfinite(v)]
+        if bad:  # JSON as Python writes it allows NaN and Infinity
+            raise UserError(f"{path}: {bad[0]} is {fields[bad[0]]}; every coefficient of a cost model must be finite")
+        return model
 
     def sample_costs(self, lengths, rows) -> np.ndarray:
         """`(N,)` cost of every sample (without the per-micro-batch term)."""
