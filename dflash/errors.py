@@ -16,8 +16,8 @@ def say_error(line: str) -> None:
     sys.stderr.flush()
 
 
-def exit_with_error(line: str):
-    """Print `line` and exit with status 2. A rank of several first takes down its process group:
+def exit_with_error(line: str, status: int = 2):
+    """Print `line` and exit with `status`. A rank of several first takes down its process group:
     left to interpreter shutdown, the threads that talk to its peers can die in std::terminate
     (SIGABRT, status 250 instead of 2)."""
     say_error(line)
@@ -27,7 +27,7 @@ def exit_with_error(line: str):
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; the message is out
             pass
-    sys.exit(2)
+    sys.exit(status)
 
 
 def exit_on_user_error(main):

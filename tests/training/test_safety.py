@@ -328,7 +328,8 @@ def test_a_fault_of_the_environment_is_one_line_at_every_entry_point(capsys):
                        r"error: the disk is full while writing a file \(torch.save\); free some space and run again"),
                       (PermissionError(errno.EROFS, "Read-only file system", "/ro/run"),
                        r"error: /ro/run: read-only file system"),
-                      (IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"), r"error: /tmp: is a folder, not a file")]:
+                      (IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"),
+                       r"error: /tmp: is a folder, not a file")]:
         with pytest.raises(SystemExit) as exit_info:
             main(err)
         assert exit_info.value.code == 2
