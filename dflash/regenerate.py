@@ -313,9 +313,14 @@ class OutputLock:
             if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
         self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
+        except OSError as err:
+            self.__exit__()
+            raise UserError(f"--output {self.output}: cannot write in {self.path.parent} "
+                            f"({os_reason(err, self.path)})") from None
         return self
 
     def __exit__(self, *exc):
