@@ -37,6 +37,7 @@ from dflash.data.conversations import (
     read_conversations,
     render_chat,
 )
+from dflash.data.generation import generation_eos, stop_ids
 from dflash.errors import UserError, disk_full, os_reason
 from dflash.partial import replace_file
 
@@ -124,23 +125,8 @@ def _derived_seed(seed: int, *parts: int) -> int:
     return h
 
 
-def stop_ids(tokenizer, model_eos) -> list[int]:
-    """End-of-turn tokens: the tokenizer's eos plus the generation config's (e.g. Qwen3 lists both
-    `<|im_end|>` and `<|endoftext|>`)."""
-    ids = [] if model_eos is None else ([model_eos] if isinstance(model_eos, int) else list(model_eos))
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
 
 
-def generation_eos(target: str):
-    """The eos id(s) of the model's generation config (or its config), without loading weights."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(target).eos_token_id
-    except OSError:
-        return json.loads((Path(target) / "config.json").read_text()).get("eos_token_id")
 
 
 def _cut(tokens: list[int], stops: list[int], max_new_tokens: int) -> Generation:
@@ -653,17 +639,3 @@ def summary(stats: dict, output: str) -> str:
     ]
     return "\n".join(lines)
 
-
-def regeneration_limit(path: str | Path) -> int | None:
-    """The `meta.max_new_tokens` every line of a regenerated JSONL file shares (None: a file not
-    written by `regenerate`, or lines made with different limits). Decoding its prompts with that
-    limit reproduces its turns, which stop there."""
-    limits = set()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    limits.add(json.loads(line).get("meta", {}).get("max_new_tokens"))
-                except (json.JSONDecodeError, AttributeError):
-                    return None
-    return limits.pop() if len(limits) == 1 and None not in limits else None

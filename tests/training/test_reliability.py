@@ -274,7 +274,7 @@ def test_an_error_in_rank_0_preparation_is_one_line_on_every_rank(tiny_run_input
 # ---- signals: a stopped launcher stops every rank, and the run resumes (issue 28) ---------------
 def launch(args, out, name):
     """`deepspeed --num_gpus 2 fault_script.py ...` in its own session (as a terminal's job), logs in files."""
-    from .test_multinode import free_port
+    from dflash.training.ranks import free_port
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..common.backend import auto_falls_back, resolve_backend
-from ..common.checks import check_index, check_max_seqlen, check_qkv
+from ..common.checks import check_cu_seqlens, check_index, check_max_seqlen, check_qkv
 from .naive import varlen_attention_naive
 
 
@@ -27,7 +27,8 @@ def varlen_attention(
         q: (T, Hq, D) float32/bfloat16/float16, all samples' rows concatenated.
         k, v: (T, Hkv, D), same dtype and device; Hq a multiple of Hkv. Query head h reads
             key/value head h // (Hq // Hkv) (GQA, K/V are never repeated).
-        cu_seqlens: int32 (S+1,), sample i is rows [cu[i], cu[i+1]); cu[0] = 0, cu[S] = T.
+        cu_seqlens: int32 (S+1,), sample i is rows [cu[i], cu[i+1]); cu[0] = 0, cu[S] = T,
+            non-decreasing (checked on cu_seqlens_cpu when given, on CUDA without a host sync).
         max_seqlen: length of the longest sample (a Python int). Checked against cu_seqlens_cpu when
             given; the Triton kernels never rely on it (a wrong value cannot drop rows).
         causal: row i of a sample sees keys 0..i of that sample (else all of them).
@@ -62,6 +63,7 @@ def varlen_attention(
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows but k/v have {k.shape[0]}")
     check_index("cu_seqlens", cu_seqlens, q.device)
+    check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0], cu_seqlens_cpu)
     if cu_seqlens_cpu is not None:
         check_max_seqlen(cu_seqlens_cpu, max_seqlen)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
