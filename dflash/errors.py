@@ -9,6 +9,10 @@ class UserError(Exception):
     """Bad input or configuration: the message says what is wrong, where, and how to fix it."""
 
 
+class DiskFull(UserError):
+    """A write that failed for want of space and left nothing behind; callers may add what to do next."""
+
+
 def say_error(line: str) -> None:
     """One write of the whole line: ranks started with `python -u` share stderr, and print()'s
     separate write of the newline lets another rank's line land in between."""
@@ -17,12 +21,12 @@ def say_error(line: str) -> None:
 
 
 def exit_with_error(line: str, status: int = 2):
-    """Print `line` and exit with `status`. A rank of several first takes down its process group:
-    left to interpreter shutdown, the threads that talk to its peers can die in std::terminate
-    (SIGABRT, status 250 instead of 2)."""
+    """Print `line` and exit with `status`. A rank first takes down its process group: left to
+    interpreter shutdown, the threads of gloo can die in std::terminate (SIGABRT, status 250 instead
+    of 2), also in a one-rank group once it ran a collective."""
     say_error(line)
     dist = sys.modules.get("torch.distributed")  # loaded only if this process uses it
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist is not None and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; the message is out

@@ -59,10 +59,17 @@ def replace_file(path: Path, chunks) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):  # named by the file being written, not the temporary one
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     sync_folder(path.parent)
+
+
+def write_json(path: Path, value) -> None:
+    """`value` as indented JSON in `path`, all or nothing (`replace_file`)."""
+    replace_file(path, [(json.dumps(value, indent=2) + "\n").encode()])
 
 
 def sync_folder(path: Path) -> None:

@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
-from dflash.errors import UserError, disk_full, free_space
+from dflash.errors import DiskFull, UserError, disk_full, free_space
 from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
 from dflash.models.config import DrafterConfig, default_gamma
 from dflash.models.loss import DEFAULT_CHUNK_ROWS, acceptance_stats, chunked_weighted_ce, slot_weights
@@ -432,7 +432,7 @@ class DFlashDrafter(nn.Module):
         except (OSError, RuntimeError) as err:
             if not disk_full(err):
                 raise
-            raise UserError(f"{directory}: not exported: the disk is full ({free_space(directory.parent)}); "
+            raise DiskFull(f"{directory}: not exported: the disk is full ({free_space(directory.parent)}); "
                             "nothing was written" + (" and the previous export is unchanged" if directory.exists()
                                                      else "")) from None
         finally:

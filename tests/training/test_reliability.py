@@ -162,6 +162,27 @@ def test_resume_with_other_world_size_or_step_size_is_refused_unless_forced(refe
     assert steps[:8] == list(range(1, 9)) and len(steps) > 8
 
 
+def test_a_resume_with_options_that_shape_another_drafter_is_refused_before_anything_loads(reference,
+                                                                                          tiny_run_inputs, tmp_path):
+    from .conftest import make_tiny_target
+
+    target, data = tiny_run_inputs
+    other = make_tiny_target(tmp_path / "other", seed=1)  # the same architecture, other weights
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = (out / "config.json").read_bytes()
+    proc = run_deepspeed(tiny_train_args(other, data, out, *COMMON, "--resume", "--force-resume", "--gamma", 3,
+                                         "--target-layer-ids", "1,2", "--draft-layers", 2), num_ranks=1)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"error: --resume: {out / 'checkpoints' / 'step-00000008'} trained a drafter with other settings "
+            "(checkpoint -> now):\n") in proc.stderr
+    for line in ("--draft-layers: 1 -> 2", "--gamma: 7.0 -> 3.0", "--target-layer-ids: 1,1 -> 1,2",
+                 f"--target: {target} -> {other}"):
+        assert f"\n  {line}\n" in proc.stderr, line
+    assert "Loading weights" not in proc.stdout + proc.stderr, "refused before the target loads"
+    assert (out / "config.json").read_bytes() == before
+
+
 # ---- bad input -------------------------------------------------------------------------------
 BAD_DS_CONFIGS = [
     ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),

@@ -338,3 +338,38 @@ def test_a_fault_of_the_environment_is_one_line_at_every_entry_point(capsys):
         assert re.fullmatch(line + "\n", capsys.readouterr().err)
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
         main(RuntimeError("a bug"))
+
+
+@pytest.mark.parametrize("case", ["no chat template", "no spare embedding row"])
+def test_a_target_that_cannot_serve_the_run_is_refused_before_its_weights_load(tiny_run_inputs, tmp_path, case,
+                                                                              monkeypatch):
+    import shutil
+
+    import transformers
+
+    from dflash.training.config import load_config
+    from dflash.training.models import load_train_target
+
+    target, data = tiny_run_inputs
+    bad = tmp_path / "target"
+    shutil.copytree(target, bad)
+    if case == "no chat template":  # a base model's folder
+        (bad / "chat_template.jinja").unlink()
+        message = (f"--target {bad}: its tokenizer has no chat template, which renders the conversations of --data "
+                   f"{data}; give the chat (instruct) model's folder")
+    else:  # an embedding with a row per token and none spare for the mask token
+        tokens = len(transformers.AutoTokenizer.from_pretrained(str(bad)))
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "vocab_size": tokens}))
+        message = (f"--target {bad}: the mask token '<|MASK|>' would get id {tokens}, but the target's embedding has "
+                   f"{tokens} rows and the tokenizer {tokens} tokens: no row is spare. Either reuse a token your data "
+                   "never use as the mask: train.py --mask-token TEXT")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    cfg = load_config(["--target", str(bad), "--data", str(data)])
+    with pytest.raises(UserError) as err:
+        load_train_target(cfg, torch.device("cpu"), torch.float32)
+    assert str(err.value).startswith(message)

@@ -71,7 +71,8 @@ def test_two_ranks_with_uneven_micro_batches_give_the_gradient_of_one_batch(tiny
 def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order):
     target, data = tiny_run_inputs
     out = tmp_path / "run"
-    decode = ["--speculate-turns", 2] if order == "shuffle" and config == "zero2" else []
+    # the default rule (-1): one held-out turn per optimizer step, so this 3-step run decodes 3 (of 6)
+    decode = ["--speculate-turns", -1] if order == "shuffle" and config == "zero2" else []
     proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
                                          "--deepspeed_config", f"ds_configs/{config}.json", *decode))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -85,8 +86,8 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     assert (out / "speculate.json").is_file() == bool(decode)
     if decode:
         figure = json.loads((out / "speculate.json").read_text())
-        assert figure["turns"] == 2 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
-        assert "speculative decoding of 2 held-out turns: acceptance length" in proc.stdout
+        assert figure["turns"] == 3 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
+        assert "speculative decoding of 3 held-out turns: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
     assert (out / "drafter" / "model.safetensors").is_file()
@@ -132,6 +133,17 @@ def test_bad_options_name_the_flag(argv, message):
     with pytest.raises(UserError) as err:
         load_config(argv)
     assert str(err.value) == message
+
+
+def test_the_end_of_run_decode_scales_with_the_run():
+    from dflash.training.config import speculate_turns
+
+    default = load_config([])
+    assert [speculate_turns(default, steps) for steps in (4, 100, 5000)] == [4, 100, 100]
+    assert speculate_turns(load_config(["--speculate-turns", "7"]), 4) == 7, "an explicit number is kept"
+    assert speculate_turns(load_config(["--speculate-turns", "0"]), 5000) == 0, "0 skips it"
+    with pytest.raises(UserError, match=r"--speculate-turns: must be >= 0, or -1 \(one per optimizer step\)"):
+        load_config(["--speculate-turns", "-2"])
 
 
 def test_config_file_errors_name_the_file_and_key(tmp_path):
