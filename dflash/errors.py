@@ -45,7 +45,7 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as err:
             exit_with_error(f"error: {err}")
-        except (OSError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001 - anything else is raised again as it was
             line = environment_error(err)
             if line is None:
                 raise
@@ -87,15 +87,16 @@ def environment_error(err: BaseException) -> str | None:
             where = f"{err.filename}: " if err.filename else ""
             advice = "; free some space and run again" if disk_full(err) else ""
             return f"{where}{os_reason(err)}{advice}"
-        if isinstance(err, RuntimeError) and "unexpected pos" in str(err):  # torch.save on a full disk
-            return "the disk is full while writing a file (torch.save); free some space and run again"
+        if not isinstance(err, OSError) and disk_full(err):  # torch.save, safetensors: no errno, no file
+            return f"the disk is full while writing a file ({type(err).__name__}: {err}); free some space and run again"
         err = err.__cause__ or err.__context__
     return None
 
 
 def disk_full(err: BaseException) -> bool:
     """Whether `err`, or an error it was raised from, is a full disk. torch.save reports one as
-    a RuntimeError "unexpected pos ..." from its zip writer, with no errno."""
+    a RuntimeError "unexpected pos ..." from its zip writer, safetensors as a SafetensorError, with
+    no errno."""
     import errno
 
     seen = set()
@@ -104,6 +105,8 @@ def disk_full(err: BaseException) -> bool:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if isinstance(err, RuntimeError) and "unexpected pos" in str(err):
+            return True
+        if "No space left on device" in str(err):  # e.g. safetensors' SafetensorError (os error 28)
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -117,4 +120,8 @@ def free_space(path) -> str:
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
-    return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free"
+    free = shutil.disk_usage(path).free
+    for unit, power in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if free >= 2**power:
+            return f"{free / 2**power:.2f} {unit} free"
+    return f"{free} bytes free"

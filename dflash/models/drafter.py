@@ -429,7 +429,7 @@ class DFlashDrafter(nn.Module):
             if directory.exists():
                 os.replace(directory, work / "old")  # removed below, once the new one is in place
             os.replace(staged, directory)
-        except (OSError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001 - safetensors reports a full disk as a SafetensorError
             if not disk_full(err):
                 raise
             raise DiskFull(f"{directory}: not exported: the disk is full ({free_space(directory.parent)}); "
