@@ -97,13 +97,17 @@ class Stopped(KeyboardInterrupt):
         self.signal, self.why = signal.Signals(signum).name, why
 
 
-_stopping = {"signal": None, "why": "", "output_dir": None}
+_stopping = {"signal": None, "at": 0.0, "why": "", "output_dir": None}
 
 
 def _on_signal(signum, frame):
     if _stopping["signal"] is not None:
-        return  # the launcher follows Ctrl-C with SIGTERM: one stop, one message
-    _stopping["signal"] = signum
+        # The launcher follows Ctrl-C with SIGTERM at once: one stop, one message. A signal seconds
+        # later is a user whose rank hangs while stopping: exit now.
+        if time.monotonic() - _stopping["at"] > 3:
+            os._exit(128 + signum)
+        return
+    _stopping["signal"], _stopping["at"] = signum, time.monotonic()
     raise Stopped(signum, _stopping["why"] if signum == signal.SIGTERM else "")
 
 
