@@ -102,9 +102,9 @@ _stopping = {"signal": None, "at": 0.0, "why": "", "output_dir": None}
 
 def _on_signal(signum, frame):
     if _stopping["signal"] is not None:
-        # The launcher follows Ctrl-C with SIGTERM at once: one stop, one message. A signal seconds
-        # later is a user whose rank hangs while stopping: exit now.
-        if time.monotonic() - _stopping["at"] > 3:
+        # The launcher follows Ctrl-C with SIGTERM: one stop, one message. The same signal again
+        # seconds later is a user whose rank hangs while stopping: exit now.
+        if signum == _stopping["signal"] and time.monotonic() - _stopping["at"] > 3:
             os._exit(128 + signum)
         return
     _stopping["signal"], _stopping["at"] = signum, time.monotonic()
