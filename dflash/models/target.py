@@ -12,6 +12,7 @@ Padded micro-batches run the same layers with the ordinary attention mask (SDPA 
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,15 @@ def register_varlen_attention(padded_implementation: str = "sdpa") -> str:
     )
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[padded_implementation])
     return name
+
+
+@functools.cache
+def _mask_cache_keyword() -> str:
+    """The mask functions' cache argument: `past_key_values` in older transformers (the GPU image's
+    5.17), `cache` in newer ones."""
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 class TargetModel(nn.Module):
@@ -234,7 +244,7 @@ class TargetModel(nn.Module):
             config=self.model.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            cache=None,
+            **{_mask_cache_keyword(): None},
             position_ids=position_ids,
         )
         masks = {"full_attention": create_causal_mask(**kwargs)}

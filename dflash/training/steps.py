@@ -60,7 +60,7 @@ class MicroBatch:
 class MicroBatchMaker:
     """Collates one micro-batch and draws its anchors (runs inside loader workers)."""
 
-    def __init__(self, store_path: str, layout: str, *, pad_id: int, mask_token_id: int, block_size: int,
+    def __init__(self, store_path, layout: str, *, pad_id: int, mask_token_id: int, block_size: int,
                  num_anchors: int, gamma: float, seed: int):
         self.store_path, self.layout, self.pad_id = store_path, layout, pad_id
         self.mask_token_id, self.block_size, self.num_anchors = mask_token_id, block_size, num_anchors
@@ -71,9 +71,9 @@ class MicroBatchMaker:
     @property
     def store(self):
         if self._store is None:
-            from dflash.data.token_store import TokenStore
+            from dflash.data.synthetic import open_store
 
-            self._store = TokenStore(self.store_path)
+            self._store = open_store(self.store_path)  # a folder (mapped per worker) or a SyntheticStore
         return self._store
 
     def __getstate__(self):
