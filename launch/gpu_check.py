@@ -56,17 +56,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def use_carried_wheels(folder: Path) -> list[str]:
+def use_carried_wheels(folder: Path) -> tuple[list[str], list[str]]:
     """Put the packages carried in as wheels (folder/*.whl, made by `pip download` on a machine with
-    a network: docs/BENCHMARKS.md) on the path: each is unpacked once into folder/site (a wheel is a
-    zip of its installed files), which becomes a site directory (its .pth files are read too), first
-    on the path: the carried set was resolved together, and it may hold newer versions of what the
-    image has (pydantic 2.14 needs typing_extensions >= 4.16). Returns the wheels used."""
-    wheels = sorted(folder.glob("*.whl"))
-    if not wheels:
-        return []
-    site = folder / "site"
-    for wheel in wheels:
+    a network: docs/BENCHMARKS.md) on the path: each wheel this interpreter can run (its tags) is
+    unpacked once into folder/site-<interpreter> (a wheel is a zip of its installed files), which
+    becomes a site directory (its .pth files are read too), first on the path: the carried set was
+    resolved together, and it may hold newer versions of what the image has (pydantic 2.14 needs
+    typing_extensions >= 4.16). Returns the wheels used and those skipped (built for another Python)."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    supported = set(sys_tags())
+    used, skipped = [], []
+    for wheel in sorted(folder.glob("*.whl")):
+        (used if parse_wheel_filename(wheel.name)[3] & supported else skipped).append(wheel)
+    if not used:
+        return [], [w.name for w in skipped]
+    site = folder / f"site-{sys.implementation.cache_tag}"
+    for wheel in used:
         done = site / f".{wheel.name}.unpacked"
         if not done.exists():
             with zipfile.ZipFile(wheel) as z:
@@ -75,7 +82,7 @@ def use_carried_wheels(folder: Path) -> list[str]:
     site_module.addsitedir(str(site))
     sys.path.remove(str(site))
     sys.path.insert(0, str(site))
-    return [w.name for w in wheels]
+    return [w.name for w in used], [w.name for w in skipped]
 
 
 class Report:
@@ -314,7 +321,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed
-    wheels = use_carried_wheels(args.wheels)
+    wheels, skipped = use_carried_wheels(args.wheels)
+    if skipped:
+        print(f"carried wheels for another Python, not used: {', '.join(skipped)}", flush=True)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -325,7 +334,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"unknown stage(s) {unknown}; choose from {list(STAGES)}", file=sys.stderr)
         return 2
-    Report(out / "env.json", **environment(wheels))
+    Report(out / "env.json", **environment(wheels), carried_wheels_skipped=skipped)
     cfg = shapes(args.dry_run)
     summary = Report(out / "summary.json", stages={}, budget_s=args.budget)
     ok = True
