@@ -242,7 +242,7 @@ def e2e_options(dry_run: bool) -> tuple[list[str], int]:
         target = f"random:{ROOT / 'dflash' / 'demo' / 'assets' / 'target'}"
         return ["--target", target, "--data", "random:300", "--token-budget", "512", "--num-anchors", "8",
                 "--draft-layers", "1", "--num-target-features", "2", "--num-workers", "0"], 2
-    return ["--target", "random:qwen3-8b", "--data", "random"], 5
+    return ["--target", "random:qwen3-8b", "--data", "random"], 4
 
 
 def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
