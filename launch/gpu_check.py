@@ -106,9 +106,9 @@ def shapes(dry_run: bool) -> dict:
     """Qwen3-8B attention shapes on the GPU; tiny ones for the dry run."""
     if dry_run:
         return {"tokens": 64, "heads": 2, "kv_heads": 1, "head_dim": 32, "block_size": 4, "blocks": 8,
-                "dtype": "float32", "max_len": 48, "patterns": ("seed-like",)}
+                "dtype": "float32", "max_len": 48, "patterns": ("seed-like",), "dry_run": True}
     return {"tokens": 49152, "heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "blocks": 4096,
-            "dtype": "bfloat16", "max_len": 8192, "patterns": ("seed-like", "bimodal")}
+            "dtype": "bfloat16", "max_len": 8192, "patterns": ("seed-like", "bimodal"), "dry_run": False}
 
 
 def seed_like_batch(cfg: dict, seed: int = 0) -> list[int]:
@@ -256,8 +256,7 @@ def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
     from dflash.training.config import load_config
     from dflash.training.ranks import single_process_env
 
-    dry_run = cfg["dtype"] == "float32"
-    options, steps = e2e_options(dry_run)
+    options, steps = e2e_options(cfg["dry_run"])
     runs = out / "e2e_runs"
     train_cfg = load_config([*options, "--output-dir", str(runs), "--time-phases", "--no-progress"])
     single_process_env(os.environ, min(torch.cuda.device_count(), 1))
@@ -265,6 +264,7 @@ def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
                     kernel_configs="pinned (DFLASH_PIN_CONFIGS=1)", results={},
                     method="every mode trains on the same random subset of the split (about `measured_steps` steps "
                            "of tokens), planned by the mode: a warm-up step, then one whole pass, timed")
+    pinned = os.environ.get("DFLASH_PIN_CONFIGS")
     os.environ["DFLASH_PIN_CONFIGS"] = "1"
 
     def record(result):
@@ -276,7 +276,10 @@ def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
                                               say=lambda text: print(text, flush=True), deadline=deadline,
                                               on_result=record, keep_going=True)
     finally:
-        os.environ.pop("DFLASH_PIN_CONFIGS", None)
+        if pinned is None:
+            os.environ.pop("DFLASH_PIN_CONFIGS")
+        else:
+            os.environ["DFLASH_PIN_CONFIGS"] = pinned
     ok = all("tokens_per_s" in result.get(mode, {}) for mode in E2E_MODES)
     report.update(results=result, passed=ok)
     return ok
