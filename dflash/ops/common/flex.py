@@ -6,8 +6,9 @@ import torch
 _COMPILED = {}
 
 
-def flex_attention_packed(q, k, v, mask_mod, scale):
-    """q (Tq, Hq, D), k/v (Tk, Hkv, D) -> (Tq, Hq, D); mask_mod(b, h, i, j) says row i sees key j.
+def flex_attention_packed(q, k, v, mask_mod, scale, return_lse: bool = False):
+    """q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> (Tq, Hq, Dv); mask_mod(b, h, i, j) says row i
+    sees key j. With `return_lse`, also the (Hq, Tq) log-sum-exp (natural log) of the visible scores.
 
     On CUDA flex_attention is compiled (its fused kernel); on the CPU it runs eagerly, forward
     only (torch has no CPU backward for it)."""
@@ -20,5 +21,7 @@ def flex_attention_packed(q, k, v, mask_mod, scale):
         fn = _COMPILED.setdefault("fn", torch.compile(flex_attention))
     mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=q.device)
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask,
-             scale=scale, enable_gqa=True)
+             scale=scale, enable_gqa=True, return_lse=return_lse)
+    if return_lse:
+        return out[0][0].transpose(0, 1), out[1][0]
     return out[0].transpose(0, 1)
