@@ -17,7 +17,14 @@ from dflash.models.config import (
 from dflash.models.drafter import DFlashDrafter, DrafterOutput
 from dflash.models.flops import measure_flops, target_forward_flops
 from dflash.models.loss import acceptance_stats, chunked_weighted_ce, slot_weights
-from dflash.models.target import MASK_TOKEN, SharedWeights, TargetModel, ensure_mask_token
+from dflash.models.target import (
+    MASK_TOKEN,
+    TARGET_FAMILIES,
+    SharedWeights,
+    TargetModel,
+    ensure_mask_token,
+    load_target,
+)
 
 __all__ = [
     "BlockPlan",
@@ -28,6 +35,7 @@ __all__ = [
     "DrafterOutput",
     "MASK_TOKEN",
     "SharedWeights",
+    "TARGET_FAMILIES",
     "TargetModel",
     "acceptance_stats",
     "block_tensors",
@@ -36,6 +44,7 @@ __all__ = [
     "default_gamma",
     "default_target_layer_ids",
     "ensure_mask_token",
+    "load_target",
     "measure_flops",
     "sample_anchors",
     "slot_weights",
