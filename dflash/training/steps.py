@@ -51,7 +51,7 @@ class MicroBatch:
     weight_sum: float  # sum of loss weights of its scored slots (for the step's normaliser)
     real_tokens: int
     computed_tokens: int
-    cost_features: np.ndarray  # (6,) `dflash.data.cost.batch_features`: what the cost model prices
+    cost_features: np.ndarray  # (7,) `dflash.data.cost.batch_features`: what the cost model prices
 
     def pin_memory(self) -> MicroBatch:
         return dataclasses.replace(self, batch=self.batch.pin_memory())

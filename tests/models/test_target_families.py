@@ -65,3 +65,84 @@ def test_image_text_checkpoint_loads_its_language_model_only(tmp_path):
         want = torch.cat([torch.cat([full(s[None], output_hidden_states=True).hidden_states[i + 1][0] for i in taps],
                                     -1) for s in samples])
     assert _rel_err(got, want) <= 1e-4
+
+
+# --- the cost model of each family ---------------------------------------------------------------
+
+def _eager_experts(model):
+    model.set_experts_implementation("eager")  # FlopCounterMode has no formula for grouped_mm
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_feature_flops_match_a_flop_counter(family):
+    """MoE (active experts only), MLA (q/k and v head dims), sliding layers (samples within the
+    window, where the reference's dense scores are the window's): FlopCounterMode on the packed
+    feature forward equals target_forward_flops."""
+    from dflash.models import measure_flops, target_forward_flops
+
+    model = _eager_experts(tiny_target(family))
+    layers = model.config.num_hidden_layers - 1
+    lengths = [WINDOW, 3, 1, 5]
+    counted, _ = measure_flops(TargetModel(model, [layers - 1]).features, make_batches(lengths)[1])
+    assert counted == target_forward_flops(model.config, lengths, layers)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_hybrid_flops_match_transformers_chunked_forward(family):
+    """Gated DeltaNet layers cost per token: FlopCounterMode on transformers' own chunked forward of
+    each sample (lengths a multiple of its 64-token chunk) equals target_forward_flops plus the
+    lm_head and the W - 1 convolution outputs per sample and layer that transformers computes and drops."""
+    from dflash.models import measure_flops, target_forward_flops
+
+    model = _eager_experts(tiny_target(family))
+    c = model.config
+    lengths = [64, 128]
+    counted = 0
+    with torch.no_grad():
+        for n in lengths:
+            counted += measure_flops(model, torch.randint(0, c.vocab_size, (1, n)))[0]
+    linear_layers = c.layer_types.count("linear_attention")
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    dropped = len(lengths) * linear_layers * 2 * c.linear_conv_kernel_dim * conv_dim * (c.linear_conv_kernel_dim - 1)
+    lm_head = 2 * c.hidden_size * c.vocab_size * sum(lengths)
+    assert counted == target_forward_flops(c, lengths, c.num_hidden_layers) + lm_head + dropped
+
+
+def test_window_pairs_count_the_sliding_mask():
+    """window_pairs(n, W) = 2 x the (query, key) pairs of transformers' sliding-window mask - n."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_overlay
+
+    from dflash.data.cost import window_pairs
+
+    for n in (1, 5, WINDOW, WINDOW + 1, 3 * WINDOW + 5):
+        i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+        visible = causal_mask_function(0, 0, i, j) & sliding_window_overlay(WINDOW)(0, 0, i, j)
+        assert window_pairs([n], WINDOW)[0] == 2 * int(visible.sum()) - n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cost_model_of_a_config_file_prices_the_family(family, tmp_path):
+    """plan_batches.py --model config.json and the trainer (a live config) get the same FLOP model,
+    and its target terms are those of target_forward_flops (causal: half the dense pairs)."""
+    from dflash.data.cost import window_pairs
+    from dflash.models import target_forward_flops
+    from dflash.models.flops import flop_cost_model, load_target_config
+
+    config = CONFIGS[family]()
+    config.save_pretrained(tmp_path)
+    layers = config.num_hidden_layers - 1
+    live = flop_cost_model(config, num_target_layers=layers, drafter_layers=2, num_features=3)
+    assert flop_cost_model(load_target_config(str(tmp_path)), num_target_layers=layers, drafter_layers=2,
+                           num_features=3) == live
+    assert live.window == (WINDOW if family == "gpt_oss" else 0)
+    assert (live.per_window_pair > 0) == (family == "gpt_oss")
+    h, hkv = config.hidden_size, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    context = 3 * (2 * 3 * h * h + 2 * 2 * h * 2 * hkv * d)  # drafter: fc and K/V of the context
+    for n in (1, 7, 40):
+        target = (live.per_token - context) * n + live.per_pair * n * n + live.per_window_pair * window_pairs(
+            [n], live.window)[0]
+        dense = target_forward_flops(config, [n], layers)
+        linear = target_forward_flops(config, [1], layers) - (live.per_pair + live.per_window_pair) * 2
+        assert target == pytest.approx(linear * n + (dense - linear * n) / 2)
