@@ -182,7 +182,7 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             block_size=block_size,
             rms_norm_eps=target_config.rms_norm_eps,
-            rope_parameters=dict(_rope_parameters(target_config)),
+            rope_parameters=_drafter_rope(target_config),
             max_position_embeddings=target_config.max_position_embeddings,
             initializer_range=getattr(target_config, "initializer_range", 0.02),
             dtype=_DTYPE_NAMES.get(dtype, "bfloat16"),
@@ -307,6 +307,16 @@ def _rope_parameters(target_config) -> dict[str, Any]:
     out = dict(getattr(target_config, "rope_scaling", None) or {"rope_type": "default"})
     out["rope_theta"] = getattr(target_config, "rope_theta", 10000.0)
     return out
+
+
+# The drafter is a Qwen3 stack with 1-D positions and RoPE over its whole head dim: a hybrid target's
+# multimodal sections and partial rotary (Qwen3.5: 25% of a head) are the target's own, not the drafter's
+# (serving engines would apply them to the drafter from its config.json).
+_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def _drafter_rope(target_config) -> dict[str, Any]:
+    return {k: v for k, v in _rope_parameters(target_config).items() if k not in _TARGET_ONLY_ROPE_KEYS}
 
 
 def drafter_intermediate_size(target_config) -> int:

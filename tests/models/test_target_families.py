@@ -8,7 +8,7 @@ import torch
 
 from dflash.models import TargetModel, load_target
 
-from ..tiny_targets import CONFIGS, WINDOW, tiny_target
+from ..tiny_targets import CONFIGS, VOCAB, WINDOW, tiny_target
 from .test_target import make_batches, reference_features
 
 FAMILIES = [f for f in CONFIGS if f != "qwen3"]
@@ -146,3 +146,18 @@ def test_cost_model_of_a_config_file_prices_the_family(family, tmp_path):
         dense = target_forward_flops(config, [n], layers)
         linear = target_forward_flops(config, [1], layers) - (live.per_pair + live.per_window_pair) * 2
         assert target == pytest.approx(linear * n + (dense - linear * n) / 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafter_config_of_each_family(family):
+    """The drafter copies the target's sizes; a MoE target without a dense MLP width gives the width a
+    token is routed through; the hybrid's partial rotary and multimodal RoPE sections stay the target's."""
+    from dflash.models import DrafterConfig
+
+    config = CONFIGS[family]()
+    drafter = DrafterConfig.from_target(config, mask_token_id=VOCAB - 1, num_draft_layers=1)
+    assert drafter.hidden_size == config.hidden_size and drafter.num_attention_heads == config.num_attention_heads
+    dense = getattr(config, "intermediate_size", None)
+    assert drafter.intermediate_size == (dense or config.num_experts_per_tok * config.moe_intermediate_size)
+    assert not {"partial_rotary_factor", "mrope_section", "mrope_interleaved"} & set(drafter.rope_parameters)
+    assert drafter.rope_parameters["rope_theta"] == config.rope_parameters["rope_theta"]
