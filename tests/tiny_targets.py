@@ -30,9 +30,10 @@ def _qwen3_5(moe: bool):
     hybrid = dict(head_dim=16, num_hidden_layers=6, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                   linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                   layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)
-    if moe:
+    if moe:  # as Qwen3.5-MoE's config.json: no dense MLP width
+        common = {k: v for k, v in _COMMON.items() if k != "intermediate_size"}
         return Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
-                                    num_experts_per_tok=2, **hybrid, **_COMMON)
+                                    num_experts_per_tok=2, **hybrid, **common)
     return Qwen3_5TextConfig(**hybrid, **_COMMON)
 
 
