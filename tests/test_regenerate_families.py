@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dflash.demo import PROMPTS, TARGET
+from dflash.demo.families import CONFIGS
 from dflash.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 
 from .test_regenerate import greedy_reference, read_jsonl
-from .tiny_targets import CONFIGS
 
 
 @pytest.mark.parametrize("family", [f for f in CONFIGS if f != "qwen3"])

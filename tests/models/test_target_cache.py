@@ -3,9 +3,8 @@ of the kept tokens, for every family (hybrid targets' recurrent states cannot be
 import pytest
 import torch
 
+from dflash.demo.families import CONFIGS, tiny_target
 from dflash.models.target_cache import TargetCache
-
-from ..tiny_targets import CONFIGS, tiny_target
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

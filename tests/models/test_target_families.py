@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash.demo.families import CONFIGS, VOCAB, WINDOW, tiny_target
 from dflash.models import TargetModel, load_target
 
-from ..tiny_targets import CONFIGS, VOCAB, WINDOW, tiny_target
 from .test_target import make_batches, reference_features
 
 FAMILIES = [f for f in CONFIGS if f != "qwen3"]
