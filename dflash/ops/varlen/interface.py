@@ -145,6 +145,9 @@ def _triton_forward_only(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, dim
         raise NotImplementedError('the Triton varlen kernels run attention sinks and padded head dims forward only; '
                                   'use backend="torch" or "flex" for gradients')
     dv = v.shape[-1]
+    if dim != q.shape[-1] or dim != dv:
+        warn_once(("padded", q.shape[-1], dv), f"q/k head dim {q.shape[-1]} and v head dim {dv}: the Triton varlen "
+                                               f"kernels run them zero-padded to {dim} (exact, more work)")
     q, k, v = (F.pad(t, (0, dim - t.shape[-1])).contiguous() for t in (q, k, v))
     check_triton_inputs(q)
     out, lse = varlen_fwd(q, k, v, cu_seqlens.contiguous(), causal, scale, cu_seqlens_cpu)
