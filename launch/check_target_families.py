@@ -65,7 +65,7 @@ def main(argv=None):
         for backend in args.backends.split(","):
             try:
                 records.append(check(family, backend, args.device, getattr(torch, args.dtype)))
-            except NotImplementedError as e:  # e.g. a window in the Triton kernels
+            except NotImplementedError as e:  # a backend that does not serve the family
                 records.append({"family": family, "backend": backend, "skipped": str(e)})
     if args.json:
         print(json.dumps(records, indent=1))

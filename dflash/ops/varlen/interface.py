@@ -56,7 +56,7 @@ def varlen_attention(
 
     With a window, sinks, or head dims the Triton kernels do not take (Dv != D, D not a power of
     two: q/k/v are zero-padded to one, which is exact), the Triton backend runs forward only
-    (enough for the frozen target).
+    (enough for the frozen target); the window is in its forward kernel.
 
     Returns:
         (T, Hq, Dv) in q's dtype.
@@ -95,21 +95,13 @@ def varlen_attention(
 
     deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     dim = _triton_head_dim(q.shape[-1], v.shape[-1])
-    if backend == "auto" and (window is not None or auto_falls_back(unservable, dim, q.shape[1], k.shape[1], q.dtype,
-                                                                    causal, deterministic)):
+    if backend == "auto" and auto_falls_back(unservable, dim, q.shape[1], k.shape[1], q.dtype, causal, deterministic):
         from .libraries import varlen_attention_library
 
-        # a window is not in the Triton kernels: FlashAttention's (torch) has one
-        fallback = "torch_varlen" if window is not None else "flex"
-        if window is not None:
-            warn_once(("window", q.shape[-1]), f'sliding-window attention: backend="auto" uses "{fallback}"')
-        return varlen_attention_library(fallback, q, k, v, cu_seqlens, int(max_seqlen), causal, scale, window, sinks)
-    if window is not None:
-        raise NotImplementedError('the Triton varlen kernels have no sliding window; use backend="torch_varlen", '
-                                  '"flash_attn" or "flex" (or "auto")')
-    if dim == q.shape[-1] == v.shape[-1] and sinks is None:
+        return varlen_attention_library("flex", q, k, v, cu_seqlens, int(max_seqlen), causal, scale, window, sinks)
+    if dim == q.shape[-1] == v.shape[-1] and sinks is None and window is None:
         return varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic)
-    return _triton_forward_only(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, dim, sinks)
+    return _triton_forward_only(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, dim, window, sinks)
 
 
 def _check_window(window, causal: bool) -> int | None:
@@ -135,21 +127,21 @@ def _triton_head_dim(d: int, dv: int) -> int:
     return max(16, 1 << (max(d, dv) - 1).bit_length())
 
 
-def _triton_forward_only(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, dim, sinks):
-    """Triton forward with zero-padded head dims (q.k and the padded value columns add exact zeros)
-    and sinks folded in from the kernel's log-sum-exp; no autograd."""
+def _triton_forward_only(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, dim, window, sinks):
+    """Triton forward with a sliding window, zero-padded head dims (q.k and the padded value columns
+    add exact zeros) and sinks folded in from the kernel's log-sum-exp; no autograd."""
     from .libraries import apply_sinks
     from .triton_kernels import check_triton_inputs, varlen_fwd
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None):
-        raise NotImplementedError('the Triton varlen kernels run attention sinks and padded head dims forward only; '
-                                  'use backend="torch" or "flex" for gradients')
+        raise NotImplementedError('the Triton varlen kernels run sliding windows, attention sinks and padded head '
+                                  'dims forward only; use backend="torch" or "flex" for gradients')
     dv = v.shape[-1]
     if dim != q.shape[-1] or dim != dv:
         warn_once(("padded", q.shape[-1], dv), f"q/k head dim {q.shape[-1]} and v head dim {dv}: the Triton varlen "
                                                f"kernels run them zero-padded to {dim} (exact, more work)")
     q, k, v = (F.pad(t, (0, dim - t.shape[-1])).contiguous() for t in (q, k, v))
     check_triton_inputs(q)
-    out, lse = varlen_fwd(q, k, v, cu_seqlens.contiguous(), causal, scale, cu_seqlens_cpu)
+    out, lse = varlen_fwd(q, k, v, cu_seqlens.contiguous(), causal, scale, cu_seqlens_cpu, window=window)
     out = out[..., :dv]
     return out if sinks is None else apply_sinks(out, lse * math.log(2), sinks)  # lse is in base 2
