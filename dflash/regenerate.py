@@ -24,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash.data.conversations import BadSample, SkipCounter, read_conversations, render_chat
+from dflash.data.generation import generation_eos, stop_ids
 from dflash.errors import UserError
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
@@ -107,23 +108,8 @@ def _derived_seed(seed: int, *parts: int) -> int:
     return h
 
 
-def stop_ids(tokenizer, model_eos) -> list[int]:
-    """End-of-turn tokens: the tokenizer's eos plus the generation config's (e.g. Qwen3 lists both
-    `<|im_end|>` and `<|endoftext|>`)."""
-    ids = [] if model_eos is None else ([model_eos] if isinstance(model_eos, int) else list(model_eos))
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
 
 
-def generation_eos(target: str):
-    """The eos id(s) of the model's generation config (or its config), without loading weights."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(target).eos_token_id
-    except OSError:
-        return json.loads((Path(target) / "config.json").read_text()).get("eos_token_id")
 
 
 def _cut(tokens: list[int], stops: list[int], max_new_tokens: int) -> Generation:
@@ -142,14 +128,14 @@ class HFBackend:
         import torch
         from transformers import GenerationConfig
 
-        from dflash.models.target import load_target
+        from dflash.models.target import load_language_model
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":
             dtype = "bfloat16" if self.device == "cuda" else "float32"
         # any TargetModel family; an image-text checkpoint: its language model only
-        self.model = load_target(target, getattr(torch, dtype), self.device)
+        self.model = load_language_model(target, getattr(torch, dtype), self.device)
         self.model.eval()
         self.stops = stop_ids(tokenizer, self.model.generation_config.eos_token_id)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
@@ -464,17 +450,3 @@ def summary(stats: dict, output: str) -> str:
     ]
     return "\n".join(lines)
 
-
-def regeneration_limit(path: str | Path) -> int | None:
-    """The `meta.max_new_tokens` every line of a regenerated JSONL file shares (None: a file not
-    written by `regenerate`, or lines made with different limits). Decoding its prompts with that
-    limit reproduces its turns, which stop there."""
-    limits = set()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    limits.add(json.loads(line).get("meta", {}).get("max_new_tokens"))
-                except (json.JSONDecodeError, AttributeError):
-                    return None
-    return limits.pop() if len(limits) == 1 and None not in limits else None

@@ -7,7 +7,12 @@ FlexAttention with the block mask (backend="flex"). Ours runs twice: dQ accumula
 atomics (the default) and deterministic=True (dQ in a kernel of its own).
 Length patterns (seed-like, constant, uniform, long-tail, bimodal), each sorted and shuffled,
 packed to a real micro-batch (49,152 tokens). TFLOP/s count visible query-key pairs only
-(forward 4*D per pair and head; forward+backward 3.5x that).
+(forward 4*D per pair and head; forward+backward 3.5x that), for padded SDPA too (its padding
+is work that counts for nothing). Only the op call is timed: what is built once per batch (our
+tile lists, FlexAttention's block mask, the padded copies) is built by an untimed warm-up call.
+The JSON is rewritten after every measurement: a run cut short keeps what it measured.
+Our kernels' configs: autotuned (default), or pinned with DFLASH_PIN_CONFIGS=1 (the fastest
+expected config that fits the GPU, no timing; deterministic=True always runs pinned configs).
 
 On a machine without CUDA the kernels run in Triton's interpreter at a reduced size: that
 proves the script works, the times mean nothing.
@@ -22,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -32,11 +36,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.data import seed_like_lengths  # noqa: E402
-from dflash.errors import UserError, exit_on_user_error  # noqa: E402
-from dflash.ops import dflash_block_attention, varlen_attention  # noqa: E402
-from dflash.ops.common.compile_check import PIN_ENV  # noqa: E402
+from dflash.data import seed_like_lengths
+from dflash.errors import UserError, exit_on_user_error
+from dflash.ops import dflash_block_attention, varlen_attention
+from dflash.ops.common.triton_utils import pin_configs
 
 PATTERNS = ("seed-like", "constant", "uniform", "long-tail", "bimodal")
 
@@ -104,9 +107,14 @@ def make_blocks(lengths, num_blocks, rng):
     return seq, anchor
 
 
-def timer(device, repeats):
+def timer(device, repeats, deadline=None):
+    """measure(fn) -> median seconds of `repeats` timed calls after an untimed warm-up (compiles,
+    autotunes, builds per-batch masks and tile lists). Raises TimeoutError past `deadline`
+    (time.monotonic()) before starting a measurement."""
     def measure(fn):
-        fn()  # warm-up: compiles and autotunes
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("out of time")
+        fn()
         times = []
         for _ in range(repeats):
             if device == "cuda":
@@ -131,44 +139,50 @@ def fwd_bwd(fn, inputs, grad_out):
     return run
 
 
-# Competitors: each returns a callable producing the (tokens, heads, dim) output, or raises.
+# Competitors: each builder does the per-batch preparation (outside the timed calls) and returns
+# (run, inputs): run() computes the output from `inputs`, the tensors fwd+bwd differentiates.
 
 def padded_sdpa(q, k, v, lengths):
-    """Pads every sample to the longest (the padded baseline); causal with right padding is exact."""
+    """The padded baseline: every sample padded to the longest, as a padded data loader delivers
+    them (the padding copy is not timed); causal with right padding is exact for the real rows."""
     s, lmax = len(lengths), max(lengths)
     idx = torch.cat([torch.arange(n, device=q.device) + i * lmax for i, n in enumerate(lengths)])
 
     def pad(x):
         buf = x.new_zeros(s * lmax, *x.shape[1:])
-        return buf.index_copy(0, idx, x).view(s, lmax, *x.shape[1:]).transpose(1, 2)
+        return buf.index_copy(0, idx, x).view(s, lmax, *x.shape[1:]).transpose(1, 2).contiguous()
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
 
     def run():
-        o = torch.nn.functional.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
-        return o.transpose(1, 2).reshape(s * lmax, *q.shape[1:])[idx]
-    return run
+        return torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+    return run, (qp, kp, vp)
 
 
-def bench_varlen(lengths, cfg, measure, device, dtype):
+def bench_varlen(lengths, cfg, measure, device, dtype, on_result=None):
     total = sum(lengths)
     q, k, v = (torch.randn(total, h, cfg["head_dim"], device=device, dtype=dtype) for h in
                (cfg["heads"], cfg["kv_heads"], cfg["kv_heads"]))
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device)
     cu_cpu, max_len = cu.cpu(), max(lengths)
+
+    def op(backend, **kwargs):  # per-batch preparation (tile lists, block masks) is cached per cu_seqlens
+        return lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend=backend, cu_seqlens_cpu=cu_cpu,
+                                                 **kwargs), (q, k, v))
+
     methods = {
-        "dflash-triton": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton",
-                                                           cu_seqlens_cpu=cu_cpu, deterministic=False)),
-        "dflash-triton-deterministic": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="triton",
-                                                                         cu_seqlens_cpu=cu_cpu, deterministic=True)),
+        "dflash-triton": op("triton", deterministic=False),
+        "dflash-triton-deterministic": op("triton", deterministic=True),
         "padded-sdpa": lambda: padded_sdpa(q, k, v, lengths),
-        "flex-attention": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="flex")),
-        "torch-varlen": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="torch_varlen")),
-        "flash-attn": lambda: (lambda: varlen_attention(q, k, v, cu, max_len, backend="flash_attn")),
+        "flex-attention": op("flex"),
+        "torch-varlen": op("torch_varlen"),
+        "flash-attn": op("flash_attn"),
     }
     pairs = sum(n * (n + 1) // 2 for n in lengths)
-    return run_methods(methods, (q, k, v), pairs, cfg, measure)
+    return run_methods(methods, pairs, cfg, measure, on_result)
 
 
-def bench_block(lengths, cfg, measure, device, dtype, rng):
+def bench_block(lengths, cfg, measure, device, dtype, rng, on_result=None):
     total, b = sum(lengths), cfg["block_size"]
     seq, anchor = make_blocks(lengths, cfg["blocks"], rng)
     rows = len(seq) * b
@@ -176,41 +190,58 @@ def bench_block(lengths, cfg, measure, device, dtype, rng):
     q, k_blk, v_blk = (torch.randn(rows, h, d, device=device, dtype=dtype) for h in (hq, hkv, hkv))
     k_ctx, v_ctx = (torch.randn(total, hkv, d, device=device, dtype=dtype) for _ in range(2))
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device)
+    cu_cpu = cu.cpu()
     seq_t = torch.tensor(seq, dtype=torch.int32, device=device)
     anchor_t = torch.tensor(anchor, dtype=torch.int32, device=device)
+    inputs = (q, k_ctx, v_ctx, k_blk, v_blk)
 
     def block(backend, deterministic=False):
-        return lambda: (lambda: dflash_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq_t, anchor_t, b,
-                                                       backend=backend, cu_seqlens_cpu=cu.cpu(),
-                                                       deterministic=deterministic))
+        return lambda: (lambda: dflash_block_attention(*inputs, cu, seq_t, anchor_t, b, backend=backend,
+                                                       cu_seqlens_cpu=cu_cpu, deterministic=deterministic), inputs)
 
     methods = {"dflash-triton": block("triton"), "dflash-triton-deterministic": block("triton", True),
                "flex-attention": block("flex")}
     pairs = int(sum(b * (a + b) for a in anchor))
-    return run_methods(methods, (q, k_ctx, v_ctx, k_blk, v_blk), pairs, cfg, measure)
+    return run_methods(methods, pairs, cfg, measure, on_result)
 
 
-def run_methods(methods, inputs, pairs, cfg, measure):
+def run_methods(methods, pairs, cfg, measure, on_result=None):
+    """Forward, then forward+backward, of each method; `on_result(results)` after every measurement,
+    so that a run cut short keeps what it measured."""
     flops_fwd = 4 * cfg["head_dim"] * cfg["heads"] * pairs
     results = {}
     for name, build in methods.items():
         r = results[name] = {}
+        inputs = ()
         try:
-            fn = build()
+            fn, inputs = build()
             with torch.no_grad():
                 t = measure(fn)
             r.update(fwd_ms=t * 1e3, fwd_tflops=flops_fwd / t / 1e12)
+            if on_result:
+                on_result(results)
             for x in inputs:
                 x.requires_grad_(True)
             grad_out = torch.randn_like(fn())
             t = measure(fwd_bwd(fn, inputs, grad_out))
             r.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops_fwd / t / 1e12)
+        except TimeoutError:
+            r["skipped"] = "out of time"
         except Exception as e:  # a competitor that does not run here is recorded, not fatal
             r["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
         finally:
             for x in inputs:
                 x.requires_grad_(False)
+        if on_result:
+            on_result(results)
     return results
+
+
+def write_json(path: Path, data) -> None:
+    """Write `data` as JSON through a temporary file: a reader (or a kill) never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def _line(r):
@@ -251,43 +282,67 @@ def write_chart(report, path):
     print(f"wrote {path}")
 
 
-@exit_on_user_error
-def main():
-    args = parse_args()
-    seed_lengths = load_lengths(args.lengths)
+def bench_config(args, gpu: bool) -> dict:
+    return {"tokens": args.tokens or (49152 if gpu else 256), "heads": args.heads or (32 if gpu else 2),
+            "kv_heads": args.kv_heads or (8 if gpu else 1), "head_dim": args.head_dim or (128 if gpu else 32),
+            "block_size": args.block_size, "blocks": args.blocks or (4096 if gpu else 16)}
+
+
+def run_benchmark(cfg, patterns, seed_lengths, max_len, out_json: Path, repeats, seed=0, dtype=None,
+                  deadline=None, report=None) -> dict:
+    """Every pattern sorted and shuffled, both ops, every method; the report (JSON) is rewritten
+    after every measurement, so a run cut short (timeout, kill) keeps every finished number.
+    Past `deadline` (time.monotonic()) the remaining measurements are recorded as skipped."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpu = device == "cuda"
-    cfg = {"tokens": args.tokens or (49152 if gpu else 256), "heads": args.heads or (32 if gpu else 2),
-           "kv_heads": args.kv_heads or (8 if gpu else 1), "head_dim": args.head_dim or (128 if gpu else 32),
-           "block_size": args.block_size, "blocks": args.blocks or (4096 if gpu else 16)}
-    scale = cfg["tokens"] / 49152  # lengths shrink with the reduced CPU size
-    max_len = max(1, int(args.max_len * scale))
-    dtype = torch.bfloat16 if gpu else torch.float32
-    repeats = args.repeats or ((5 if args.quick else 10) if gpu else 1)
-    patterns = ("seed-like", "bimodal") if args.quick or not gpu else PATTERNS
-    measure = timer(device, repeats)
-    rng = np.random.default_rng(args.seed)
-    report = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({platform.processor() or 'unknown'}), "
-              "Triton interpreter: reduced size, times are not kernel speed",
-              "torch": torch.__version__, "dtype": str(dtype), "config": cfg, "repeats": repeats,
-              "pinned_configs": os.environ.get(PIN_ENV, "0") not in ("", "0"), "results": {}}
-    print(f"{report['device']} | {cfg} | {dtype}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    measure = timer(device, repeats, deadline)
+    rng = np.random.default_rng(seed)
+    scale = cfg["tokens"] / 49152  # lengths shrink with a reduced size
+    report = report if report is not None else {}
+    report.update({"device": torch.cuda.get_device_name() if device == "cuda" else
+                   f"cpu ({platform.processor() or 'unknown'}), Triton interpreter: times are not kernel speed",
+                   "torch": torch.__version__, "triton": _triton_version(), "dtype": str(dtype), "config": cfg,
+                   "repeats": repeats, "pinned_configs": pin_configs(),
+                   "timed": "the op call only: tile lists, FlexAttention block masks and padding are built once "
+                            "per batch, before timing (warm-up call)", "results": {}})
+    print(f"{report['device']} | {cfg} | {dtype}", flush=True)
     for pattern in patterns:
         base = make_lengths(pattern, cfg["tokens"], max_len, rng, scale, seed_lengths)
         for order in ("sorted", "shuffled"):
             lengths = sorted(base) if order == "sorted" else [base[i] for i in rng.permutation(len(base))]
             case = f"{pattern}/{order}"
-            res = {"samples": len(lengths), "max_len": max(lengths),
-                   "varlen": bench_varlen(lengths, cfg, measure, device, dtype),
-                   "block": bench_block(lengths, cfg, measure, device, dtype, rng)}
-            report["results"][case] = res
+            res = report["results"][case] = {"samples": len(lengths), "max_len": max(lengths)}
             for op in ("varlen", "block"):
+                def save(results, _op=op, _res=res):
+                    _res[_op] = results
+                    write_json(out_json, report)
+                if op == "varlen":
+                    bench_varlen(lengths, cfg, measure, device, dtype, save)
+                else:
+                    bench_block(lengths, cfg, measure, device, dtype, rng, save)
                 for name, r in res[op].items():
-                    print(f"{case:18s} {op:6s} {name:27s} {_line(r)}")
-            # Rewritten after every case, so a run cut short by a time limit keeps its numbers.
-            (out / "bench_kernels.json").write_text(json.dumps(report, indent=1))
+                    print(f"{case:18s} {op:6s} {name:27s} {_line(r)}", flush=True)
+    return report
+
+
+def _triton_version():
+    import triton
+
+    return triton.__version__
+
+
+@exit_on_user_error
+def main():
+    args = parse_args()
+    seed_lengths = load_lengths(args.lengths)
+    gpu = torch.cuda.is_available()
+    cfg = bench_config(args, gpu)
+    max_len = max(1, int(args.max_len * cfg["tokens"] / 49152))
+    repeats = args.repeats or ((5 if args.quick else 10) if gpu else 1)
+    patterns = ("seed-like", "bimodal") if args.quick or not gpu else PATTERNS
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_benchmark(cfg, patterns, seed_lengths, max_len, out / "bench_kernels.json", repeats, args.seed)
     print(f"wrote {out / 'bench_kernels.json'}")
     write_chart(report, out / "bench_kernels.png")
 

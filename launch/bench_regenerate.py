@@ -8,14 +8,10 @@ Defaults: the bundled demo target and prompts, greedy, on whatever device the hf
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash.demo import PROMPTS, TARGET  # noqa: E402
-from dflash.errors import UserError, exit_on_user_error  # noqa: E402
+from dflash.demo import PROMPTS, TARGET
+from dflash.errors import UserError, exit_on_user_error
 
 
 def parse_args(argv=None):

@@ -7,13 +7,10 @@ Defaults rebuild `dflash/demo/assets/` in place (a few minutes on a laptop CPU).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash.demo import ASSETS  # noqa: E402
-from dflash.errors import UserError, exit_on_user_error  # noqa: E402
+from dflash.demo import ASSETS
+from dflash.errors import UserError, exit_on_user_error
 
 
 def parse_args(argv=None):

@@ -10,24 +10,29 @@ without spilling; where none even fits shared memory the ops refuse the case and
 float16 compiles like bfloat16 (same sizes); it is checked only when asked for.
 
     python launch/compile_kernels.py                       # table, every case (about an hour on 2 cores)
-    python launch/compile_kernels.py --arch 90 --head-dim 128 --dtype bfloat16 --json out.json
+    python launch/compile_kernels.py --arch 90 --head-dim 128 --dtype bfloat16 --json out.json --table
+    python launch/compile_kernels.py --records out.json --table    # the table again, from saved records
+
+Triton 3.6 (the GPU image's) beside the newest: docs/BENCHMARKS.md says how to run the gate in a
+second environment.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile sizes and real JIT functions, not the interpreter's
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+import triton
+from tqdm import tqdm
 
-from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config  # noqa: E402
+from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config
 
 REPORTED = ("CAUSAL", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ")  # constexprs that tell a kernel's cases apart
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--causal-only", action="store_true", help="varlen: only the causal kernels (the target's)")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compiler processes")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout)")
+    p.add_argument("--table", action="store_true",
+                   help="print a Markdown table: configs fitting per kernel and arch, and the pinned config")
+    p.add_argument("--records", metavar="FILE", help="read records saved by --json instead of compiling")
     return p.parse_args(argv)
 
 
@@ -99,8 +107,41 @@ def unservable(records):
     return {k: "spills" if launch else "shared memory" for k, (fits, launch) in sorted(groups.items()) if not fits}
 
 
+def _speed(record) -> tuple:
+    """compile_check.expected_speed of a record's config name ("BLOCK_M=32,warps=8,stages=2")."""
+    values = dict(part.split("=") for part in record["config"].split(","))
+    tiles = [int(v) for k, v in values.items() if k not in ("warps", "stages")]
+    return math.prod(tiles), int(values["stages"]), int(values["warps"])
+
+
+def table(records) -> str:
+    """Markdown: per kernel variant and arch, the configs that fit without spilling and the pinned
+    one (deterministic mode, DFLASH_PIN_CONFIGS=1: the fastest expected that fits)."""
+    groups = {}
+    for r in records:
+        variant = " (atomic dQ)" if r["constexprs"].get("FUSED_DQ") else (
+            " (deterministic)" if "FUSED_DQ" in r["constexprs"] else "")
+        causal = {True: " causal", False: " full"}.get(r["constexprs"].get("CAUSAL"), "")
+        tile = ",".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in ("BLOCK_M", "BLOCK_N", "OWN_M"))
+        key = (r["op"], f"`{r['kernel']}`{causal}{variant}", r["arch"], f"d{r['head_dim']} {r['dtype']}", tile)
+        groups.setdefault(key, []).append(r)
+    lines = ["| op | kernel | arch | head dim, dtype | tile | fitting / compiled | pinned config | its registers, "
+             "shared bytes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, group in sorted(groups.items()):
+        fits = sorted((r for r in group if r["fits"]), key=_speed, reverse=True)
+        pinned = (f"{fits[0]['config']} | {fits[0]['registers']}, {fits[0]['shared_bytes']}" if fits
+                  else "none fits | ")
+        lines.append(f"| {' | '.join(key)} | {len(fits)} / {len(group)} | {pinned} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.records:
+        records = json.loads(Path(args.records).read_text())
+        if args.table:
+            print(table(records))
+        return 1 if unservable(records) else 0
     todo = tasks(args)
     records = []
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -115,6 +156,8 @@ def main(argv=None):
                 Path(args.json).write_text(json.dumps(records, indent=1))
     if args.json == "-":
         print(json.dumps(records, indent=1))
+    if args.table:
+        print(f"triton {triton.__version__}\n{table(records)}")
     bad = unservable(records)
     for key, reason in bad.items():
         why = "every config spills" if reason == "spills" else "none fits shared memory: refused"

@@ -20,9 +20,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash.data.batch import PackedBatch
 from dflash.data.seed_lengths import SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.models import TargetModel, default_target_layer_ids, measure_flops, target_forward_flops
-
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936)
+from dflash.models.flops import PRESETS
 
 
 def greedy(lengths, budget, cost):
@@ -62,7 +60,7 @@ def main() -> None:
     order = np.random.default_rng(args.seed).permutation(len(lengths))[: args.samples]
     shuffled = lengths[order].tolist()
 
-    config = Qwen3Config(**QWEN3_8B)
+    config = Qwen3Config(**PRESETS["qwen3-8b"])
     taps = default_target_layer_ids(config.num_hidden_layers)
     layers = max(taps) + 1
     print(f"lengths: {source}; {len(shuffled)} samples in a full shuffle; budget {args.budget} tokens")

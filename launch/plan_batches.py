@@ -29,13 +29,14 @@ Examples:
   python launch/plan_batches.py --data data/store --token-budget 16384 --world-size 8 --model target/ --json
 """
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
 import numpy as np
 
-from dflash.data.buckets import optimal_buckets, padded_cost, quantile_buckets
+from dflash.data.buckets import padded_cost, quantile_buckets
 from dflash.data.cost import candidates_from_supervised, drafter_rows, store_candidates
 from dflash.data.plan_stats import dealing_stats, plan_stats
 from dflash.data.planner import (
@@ -43,6 +44,7 @@ from dflash.data.planner import (
     DEFAULT_WINDOW,
     LAYOUTS,
     ORDERS,
+    PlannerConfig,
     bucket_edges,
     check_lengths,
     check_rows,
@@ -161,18 +163,19 @@ def main(argv=None):
     check_rows(rows, lengths, args.row_budget)
     costs = model.sample_costs(lengths, rows)
     k = args.micro_batches_per_step
-    if args.boundaries is not None:
-        edges = bucket_edges(lengths, args.boundaries, args.token_budget)
-    else:
-        edges = optimal_buckets(lengths, args.buckets, args.token_budget)
+    base = PlannerConfig(args.token_budget, boundaries=args.boundaries, seed=args.seed, world_size=args.world_size,
+                         window=args.window, buckets=args.buckets)
+    edges = bucket_edges(lengths, base)
+    base = dataclasses.replace(base, boundaries=tuple(edges.tolist()))
     results, saved = {}, {}
-    common = dict(boundaries=edges, seed=args.seed, epoch=args.epoch, world_size=args.world_size, window=args.window)
-    balanced = dict(rows=rows, row_budget=args.row_budget, costs=costs, balance=True, mix=k)
+    balanced = dict(rows=rows, costs=costs)
     for order in ORDERS:
         for layout in LAYOUTS:
             for variant, extra in (("tokens", {}), ("balanced", balanced)):
                 t0 = time.perf_counter()
-                plan = plan_batches(lengths, args.token_budget, order, layout, **common, **extra)
+                config = dataclasses.replace(base, order=order, layout=layout, **(
+                    dict(row_budget=args.row_budget, balance=True, mix=k) if extra else {}))
+                plan = plan_batches(lengths, config, epoch=args.epoch, **extra)
                 seconds = time.perf_counter() - t0
                 batches = [b for rank in plan for b in rank]
                 stats = plan_stats(lengths, batches, layout, args.token_budget)

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash.errors import exit_on_user_error  # noqa: E402
-from dflash.regenerate import BACKENDS, DTYPES, RegenerateConfig, regenerate, summary  # noqa: E402
+from dflash.errors import exit_on_user_error
+from dflash.regenerate import BACKENDS, DTYPES, RegenerateConfig, regenerate, summary
 
 
 def parse_args(argv=None) -> RegenerateConfig:

@@ -20,9 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash.errors import UserError, exit_on_user_error  # noqa: E402
+from dflash.errors import UserError, exit_on_user_error
 
 
 def parse_args(argv=None):
@@ -43,10 +41,11 @@ def parse_args(argv=None):
 
 
 def run_heldout(drafter_dir: Path):
-    """(target path, tokenized held-out samples, source JSONL or None) of the run the drafter came from."""
+    """(target path, tokenized held-out samples, their turn limit) of the run the drafter came from:
+    its store and split, found as the run found them."""
     from dflash.data.token_store import TokenStore
     from dflash.demo import DATA, TARGET
-    from dflash.training.trainer import _split
+    from dflash.training.data import held_out_split, store_path, turn_limit
 
     run = drafter_dir.parent
     config_path = run / "config.json"
@@ -55,23 +54,22 @@ def run_heldout(drafter_dir: Path):
                         "give --prompts")
     cfg = json.loads(config_path.read_text())
     data = Path(cfg.get("data") or DATA)
-    store_path = data if data.is_dir() else run / "data"
-    store = TokenStore(store_path)
-    _, eval_idx = _split(len(store), cfg["eval_fraction"], cfg["seed"])
+    store = TokenStore(store_path(data, run))
+    _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
     if eval_idx.size == 0:
         raise UserError(f"{config_path}: the run held nothing out (eval_fraction 0); give --prompts")
-    source = data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
-    return Path(cfg.get("target") or TARGET), [store[int(i)] for i in eval_idx], source if source.is_file() else None
+    return Path(cfg.get("target") or TARGET), [store[int(i)] for i in eval_idx], turn_limit(store, data)
 
 
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.data.generation import generation_eos, regeneration_limit, stop_ids
     from dflash.demo import TARGET
-    from dflash.models import DFlashDrafter, TargetModel
+    from dflash.devices import resolve_dtype
+    from dflash.models import DFlashDrafter
     from dflash.models.acceptance import walk_samples
     from dflash.models.speculate import (
         DEFAULT_MAX_NEW_TOKENS,
@@ -79,7 +77,7 @@ def main(argv=None):
         prompts_from_samples,
         speculate,
     )
-    from dflash.regenerate import generation_eos, regeneration_limit, stop_ids
+    from dflash.training.models import load_target
 
     drafter_dir = Path(args.drafter)
     if not (drafter_dir / "config.json").is_file():
@@ -89,37 +87,35 @@ def main(argv=None):
     if args.prompts:
         if not Path(args.prompts).is_file():
             raise UserError(f"--prompts {args.prompts}: no such file")
-        target_path, source = Path(args.target or TARGET), Path(args.prompts)
+        target_path = Path(args.target or TARGET)
+        data_limit = regeneration_limit(args.prompts)
     else:
-        target_path, samples, source = run_heldout(drafter_dir)
+        target_path, samples, data_limit = run_heldout(drafter_dir)
         target_path = Path(args.target or target_path)
-    if not (target_path / "config.json").is_file():
-        raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
-    limit = args.max_new_tokens or (source and regeneration_limit(source)) or DEFAULT_MAX_NEW_TOKENS
+    limit = args.max_new_tokens or data_limit or DEFAULT_MAX_NEW_TOKENS
     if limit < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") \
-        else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
+    dtype = resolve_dtype(args.dtype, device)
     try:
         drafter = DFlashDrafter.from_pretrained(drafter_dir)
-        target = TargetModel(hf, drafter.config.target_layer_ids)
-        drafter.attach(target.shared_weights())
+        target = load_target(target_path, device, dtype, target_layer_ids=drafter.config.target_layer_ids,
+                             mask_token=False)
+        drafter.attach(target.model.shared_weights())
     except ValueError as e:
         raise UserError(f"--drafter {drafter_dir} with --target {target_path}: {e}") from None
     drafter.to(device, dtype).eval()
+    tokenizer, hf = target.tokenizer, target.hf
     stops = stop_ids(tokenizer, generation_eos(str(target_path)))
-    prompts = prompts_from_conversations(source, tokenizer) if samples is None else prompts_from_samples(samples)
+    prompts = prompts_from_conversations(args.prompts, tokenizer) if samples is None else prompts_from_samples(samples)
     prompts = prompts[:args.max_turns]
     if not prompts:
         raise UserError("no turns to decode")
     report = speculate(hf, drafter, prompts, max_new_tokens=limit, stop_ids=stops, progress=args.progress)
     result = {**report.summary(), "max_new_tokens": limit}
     if samples is not None and args.max_turns is None:
-        walk = walk_samples(lambda b, f, plan: drafter(b, f, plan=plan), lambda b: target.features(b.to(device)),
+        walk = walk_samples(lambda b, f, a: drafter(b, f, anchors=a), lambda b: target.model.features(b.to(device)),
                             samples, block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops).metrics()
         result.update(walk_tau=walk["tau"], anchor_tau=walk["anchor_tau"])
     if args.json:

@@ -51,7 +51,10 @@ def _rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
 
 
-def check_lengths(lengths, token_budget: int) -> np.ndarray:
+def check_lengths(lengths, token_budget: int, name=None) -> np.ndarray:
+    """The lengths as int64, each from 1 to the token budget; `name(i)` names sample i in the
+    message (default: "sample i"), e.g. with its source line."""
+    name = name or (lambda i: f"sample {i}")
     lengths = np.asarray(lengths)
     if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
         raise UserError(f"lengths must be a 1-D integer array, got {lengths.dtype} of shape {lengths.shape}")
@@ -62,23 +65,24 @@ def check_lengths(lengths, token_budget: int) -> np.ndarray:
         raise UserError(f"token budget must be positive, got {token_budget}")
     bad = np.flatnonzero(lengths < 1)
     if bad.size:
-        raise UserError(f"sample {int(bad[0])} has length {int(lengths[bad[0]])}; every sample needs >= 1 token")
+        raise UserError(f"{name(int(bad[0]))} has length {int(lengths[bad[0]])}; every sample needs >= 1 token")
     over = np.flatnonzero(lengths > token_budget)
     if over.size:
         i = int(over[0])
         raise UserError(
-            f"sample {i} has {int(lengths[i])} tokens, more than the token budget {token_budget} "
-            f"({over.size} sample(s) do); raise the token budget, or cap lengths when preparing "
-            "the data (prepare_data.py --max-length N --overlong truncate|drop)"
+            f"{name(i)} has {int(lengths[i])} tokens, more than --token-budget {token_budget} "
+            f"({over.size} sample(s) do); raise --token-budget, or cap lengths when preparing "
+            "the data (--max-length N; prepare_data.py also takes --overlong truncate|drop)"
         )
     return lengths
 
 
-def bucket_edges(lengths: np.ndarray, boundaries, token_budget: int) -> np.ndarray:
-    """Full boundaries `[0, b1, ..., longest]` from user boundaries (inner or full) or the optimum."""
-    if boundaries is None:
-        return optimal_buckets(lengths, DEFAULT_BUCKETS, token_budget)
-    inner = np.asarray(boundaries, dtype=np.int64)
+def bucket_edges(lengths: np.ndarray, config: PlannerConfig) -> np.ndarray:
+    """Full boundaries `[0, b1, ..., longest]` from the config's boundaries (inner or full) or, when
+    it has none, the optimal `config.buckets` buckets for its token budget."""
+    if config.boundaries is None:
+        return optimal_buckets(lengths, config.buckets, config.token_budget)
+    inner = np.asarray(config.boundaries, dtype=np.int64)
     longest = int(lengths.max())
     inner = np.unique(inner[(inner > 0) & (inner < longest)])
     return np.concatenate([[0], inner, [longest]]).astype(np.int64)
@@ -265,86 +269,24 @@ def _deal(batches: list, batch_costs: np.ndarray, batch_sizes: np.ndarray, batch
     return [batches[i] for i in order]
 
 
-def plan_epoch(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
-               epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW, rows=None,
-               row_budget: int | None = None, costs=None, balance: bool = False, mix: int = DEFAULT_MIX) -> list:
-    """All micro-batches of one epoch in global order: rank r runs global micro-batches r, r + W, ..."""
-    if order not in ORDERS:
-        raise UserError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
-    if layout not in LAYOUTS:
-        raise UserError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    if world_size < 1:
-        raise UserError(f"world size must be >= 1, got {world_size}")
-    if mix < 1:
-        raise UserError(f"mix (micro-batch indices per run of the dealer) must be >= 1, got {mix}")
-    lengths = check_lengths(lengths, token_budget)
-    rows = check_rows(rows, lengths, row_budget)
-    costs = lengths.astype(np.float64) if costs is None else check_costs(costs, lengths)
-    rng = _rng(seed, epoch)
-    caps = (rows, row_budget)
-    if order == "sorted":
-        stream = np.argsort(lengths, kind="stable")
-        batches = _group(lengths, stream, token_budget, layout, window, *caps)
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-    elif order == "shuffle":
-        batches = _group(lengths, rng.permutation(lengths.size), token_budget, layout, window, *caps)
-    else:
-        edges = bucket_edges(lengths, boundaries, token_budget)
-        bucket = np.searchsorted(edges[1:-1], lengths, side="left")
-        batches = []
-        for b in range(len(edges) - 1):
-            members = np.flatnonzero(bucket == b)
-            batches += _group(lengths, members[rng.permutation(members.size)], token_budget, layout, window, *caps)
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-    batches = _balance(batches, lengths, token_budget, layout, world_size, *caps)
-    if not balance:
-        return batches
-    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-    flat, starts = np.concatenate(batches), np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    batch_costs = np.add.reduceat(costs[flat], starts)
-    batch_tokens = np.add.reduceat(lengths[flat], starts).astype(np.float64)
-    return _deal(batches, batch_costs, sizes, batch_tokens, world_size, mix, rng)
-
-
-def plan_batches(lengths, token_budget: int, order: str, layout: str, *, boundaries=None, seed: int = 0,
-                 epoch: int = 0, world_size: int = 1, window: int = DEFAULT_WINDOW, rows=None,
-                 row_budget: int | None = None, costs=None, balance: bool = False, mix: int = DEFAULT_MIX) -> list:
-    """Plan one epoch: for each rank, the list of its micro-batches (int64 arrays of sample indices).
-
-    Args:
-        lengths: `(N,)` integer token counts of the samples.
-        token_budget: tokens per micro-batch (padded: count x longest; packed: sum of lengths).
-        order: "sorted", "shuffle" or "bucketed".
-        layout: "padded" or "packed".
-        boundaries: bucket boundaries for "bucketed" (inner `[b1, ...]` or full `[0, ..., max]`);
-            None computes the optimal 6 buckets of `optimal_buckets`.
-        seed, epoch: the plan is a pure function of these and the other arguments.
-        world_size: number of ranks; rank r gets global micro-batches r, r + W, r + 2W, ...
-        window: open bins of the packed layout's best-fit packer.
-        rows: `(N,)` drafter block rows per sample (`dflash.data.cost.drafter_rows`), or None.
-        row_budget: at most this many rows per micro-batch (needs `rows`); None: no cap.
-        costs: `(N,)` cost per sample (`CostModel.sample_costs`) for `balance`; None: tokens.
-        balance: deal micro-batches of similar cost to the ranks of each index (`_deal`);
-            False: round robin in plan order.
-        mix: indices per run when balancing (runs keep the epoch's mean length); set it to the
-            micro-batches per rank and step, so that steps keep mixing lengths.
-
-    Returns:
-        `plan[rank][i]` is the i-th micro-batch of `rank`; all ranks have the same count.
-
-    Example:
-        >>> plan = plan_batches(np.array([5, 3, 8, 2]), 10, "shuffle", "packed", seed=1)
-        >>> sorted(np.concatenate(plan[0]).tolist())
-        [0, 1, 2, 3]
-    """
-    batches = plan_epoch(lengths, token_budget, order, layout, boundaries=boundaries, seed=seed,
-                         epoch=epoch, world_size=world_size, window=window, rows=rows, row_budget=row_budget,
-                         costs=costs, balance=balance, mix=mix)
-    return [batches[r::world_size] for r in range(world_size)]
-
-
 @dataclass(frozen=True)
 class PlannerConfig:
+    """How one epoch is planned (the data, `lengths`, `rows` and `costs`, are arguments of their own).
+
+    token_budget: tokens per micro-batch (padded: count x longest; packed: sum of lengths).
+    order: "sorted", "shuffle" or "bucketed".  layout: "padded" or "packed".
+    boundaries: bucket boundaries for "bucketed" (inner `[b1, ...]` or full `[0, ..., max]`);
+        None: the optimal `buckets` buckets of `optimal_buckets`.
+    seed: the plan is a pure function of the seed, the epoch and the rest.
+    world_size: number of ranks; rank r gets global micro-batches r, r + W, r + 2W, ...
+    window: open bins of the packed layout's best-fit packer.
+    row_budget: at most this many drafter rows per micro-batch (needs `rows`); None: no cap.
+    balance: deal micro-batches of similar cost to the ranks of each index (`_deal`); False:
+        round robin in plan order.
+    mix: indices per run when balancing (runs keep the epoch's mean length); set it to the
+        micro-batches per rank and step, so that steps keep mixing lengths.
+    """
+
     token_budget: int
     order: str = "shuffle"
     layout: str = "packed"
@@ -355,6 +297,73 @@ class PlannerConfig:
     row_budget: int | None = None
     balance: bool = False
     mix: int = DEFAULT_MIX
+    buckets: int = DEFAULT_BUCKETS
+
+    def check(self) -> None:
+        if self.order not in ORDERS:
+            raise UserError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
+        if self.layout not in LAYOUTS:
+            raise UserError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
+        if self.world_size < 1:
+            raise UserError(f"world size must be >= 1, got {self.world_size}")
+        if self.mix < 1:
+            raise UserError(f"mix (micro-batch indices per run of the dealer) must be >= 1, got {self.mix}")
+
+
+def plan_epoch(lengths, config: PlannerConfig, *, epoch: int = 0, rows=None, costs=None) -> list:
+    """All micro-batches of one epoch in global order: rank r runs global micro-batches r, r + W, ..."""
+    c = config
+    c.check()
+    lengths = check_lengths(lengths, c.token_budget)
+    rows = check_rows(rows, lengths, c.row_budget)
+    costs = lengths.astype(np.float64) if costs is None else check_costs(costs, lengths)
+    rng = _rng(c.seed, epoch)
+    caps = (rows, c.row_budget)
+    if c.order == "sorted":
+        stream = np.argsort(lengths, kind="stable")
+        batches = _group(lengths, stream, c.token_budget, c.layout, c.window, *caps)
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    elif c.order == "shuffle":
+        batches = _group(lengths, rng.permutation(lengths.size), c.token_budget, c.layout, c.window, *caps)
+    else:
+        edges = bucket_edges(lengths, c)
+        bucket = np.searchsorted(edges[1:-1], lengths, side="left")
+        batches = []
+        for b in range(len(edges) - 1):
+            members = np.flatnonzero(bucket == b)
+            batches += _group(lengths, members[rng.permutation(members.size)], c.token_budget, c.layout, c.window,
+                              *caps)
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    batches = _balance(batches, lengths, c.token_budget, c.layout, c.world_size, *caps)
+    if not c.balance:
+        return batches
+    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    flat, starts = np.concatenate(batches), np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    batch_costs = np.add.reduceat(costs[flat], starts)
+    batch_tokens = np.add.reduceat(lengths[flat], starts).astype(np.float64)
+    return _deal(batches, batch_costs, sizes, batch_tokens, c.world_size, c.mix, rng)
+
+
+def plan_batches(lengths, config: PlannerConfig, *, epoch: int = 0, rows=None, costs=None) -> list:
+    """Plan one epoch: for each rank, the list of its micro-batches (int64 arrays of sample indices).
+
+    Args:
+        lengths: `(N,)` integer token counts of the samples.
+        config: the planner's settings (`PlannerConfig`).
+        epoch: the plan is a pure function of the epoch, the config's seed and the rest.
+        rows: `(N,)` drafter block rows per sample (`dflash.data.cost.drafter_rows`), or None.
+        costs: `(N,)` cost per sample (`CostModel.sample_costs`) for `config.balance`; None: tokens.
+
+    Returns:
+        `plan[rank][i]` is the i-th micro-batch of `rank`; all ranks have the same count.
+
+    Example:
+        >>> plan = plan_batches(np.array([5, 3, 8, 2]), PlannerConfig(10, "shuffle", "packed", seed=1))
+        >>> sorted(np.concatenate(plan[0]).tolist())
+        [0, 1, 2, 3]
+    """
+    batches = plan_epoch(lengths, config, epoch=epoch, rows=rows, costs=costs)
+    return [batches[r::config.world_size] for r in range(config.world_size)]
 
 
 _UNBALANCED_FINGERPRINT = {"row_budget": None, "balance": False, "mix": DEFAULT_MIX, "rows_crc32": None,
@@ -375,19 +384,15 @@ class BatchPlanner:
         self.costs = None if costs is None else check_costs(costs, self.lengths)
         self.config = config
         if config.order == "bucketed":
-            edges = bucket_edges(self.lengths, config.boundaries, config.token_budget)
+            edges = bucket_edges(self.lengths, config)
             self.config = config = PlannerConfig(**{**asdict(config), "boundaries": tuple(int(e) for e in edges)})
         self.epoch, self.position = 0, 0
         self._cached = None  # (epoch, plan)
 
     def plan(self, epoch: int) -> list:
         if self._cached is None or self._cached[0] != epoch:
-            c = self.config
-            self._cached = (epoch, plan_batches(self.lengths, c.token_budget, c.order, c.layout,
-                                                boundaries=c.boundaries, seed=c.seed, epoch=epoch,
-                                                world_size=c.world_size, window=c.window, rows=self.rows,
-                                                row_budget=c.row_budget, costs=self.costs, balance=c.balance,
-                                                mix=c.mix))
+            self._cached = (epoch, plan_batches(self.lengths, self.config, epoch=epoch, rows=self.rows,
+                                                costs=self.costs))
         return self._cached[1]
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -404,8 +409,10 @@ class BatchPlanner:
             self.epoch += 1
 
     def fingerprint(self) -> dict:
+        settings = asdict(self.config)
+        del settings["buckets"]  # resolved into the boundaries
         return {
-            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.config).items()},
+            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.items()},
             "num_samples": int(self.lengths.size),
             "total_tokens": int(self.lengths.sum()),
             "lengths_crc32": zlib.crc32(self.lengths.tobytes()),

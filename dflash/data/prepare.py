@@ -190,6 +190,46 @@ def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag:
         raise UserError(f"{flag} {output_dir} already exists; choose another folder or pass --overwrite")
 
 
+def _check_arguments(input_path: Path, max_length: int | None, overlong: str) -> None:
+    if overlong not in OVERLONG:
+        raise UserError(f"--overlong must be one of {', '.join(OVERLONG)}; got {overlong!r}")
+    if max_length is not None and max_length < 2:
+        raise UserError(f"--max-length must be >= 2, got {max_length}")
+    if not input_path.is_file():
+        raise UserError(f"--input {input_path}: no such file")
+
+
+def _fit(ids, mask, where: str, *, vocab: int, max_length: int | None, overlong: str, summary: PrepareSummary):
+    """A tokenized sample as the store keeps it: ids checked against the vocabulary, cut or dropped
+    (None) as `overlong` says, dropped when no supervised token is left; counted in `summary`."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise UserError(f"{where}: token id {int(ids.max())} outside the tokenizer's vocabulary of {vocab}")
+    if max_length is not None and ids.size > max_length:
+        if overlong == "error":
+            raise UserError(f"{where}: {ids.size} tokens, more than --max-length {max_length} "
+                            "(use --overlong truncate or drop)")
+        if overlong == "drop":
+            summary.dropped_overlong += 1
+            return None
+        ids, mask = ids[:max_length], mask[:max_length]
+        summary.truncated += 1
+    if not mask.any():
+        summary.dropped_no_loss += 1
+        return None
+    return ids, mask
+
+
+def _summarize(summary: PrepareSummary, lengths: np.ndarray, skipped: SkipCounter, seconds: float) -> None:
+    summary.samples = int(lengths.size)
+    summary.tokens = int(lengths.sum())
+    summary.skipped = dict(skipped.counts)
+    summary.length_stats = {
+        "min": int(lengths.min()), "mean": float(lengths.mean()), "p50": int(np.percentile(lengths, 50)),
+        "p99": int(np.percentile(lengths, 99)), "max": int(lengths.max()),
+    }
+    summary.seconds = seconds
+
+
 def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None = None,
                   overlong: str = "truncate", skip_bad: bool = False, overwrite: bool = False,
                   progress: bool = True, flag: str = "--output") -> PrepareSummary:
@@ -206,13 +246,8 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
 
     datasets.disable_progress_bars()  # ours counts lines; theirs would repeat it per stage
 
-    if overlong not in OVERLONG:
-        raise UserError(f"--overlong must be one of {', '.join(OVERLONG)}; got {overlong!r}")
-    if max_length is not None and max_length < 2:
-        raise UserError(f"--max-length must be >= 2, got {max_length}")
     input_path, output_dir = Path(input_path), Path(output_dir)
-    if not input_path.is_file():
-        raise UserError(f"--input {input_path}: no such file")
+    _check_arguments(input_path, max_length, overlong)
     check_replaceable(output_dir, input_path, overwrite, flag)
     tok_path = None
     if isinstance(tokenizer, (str, Path)):
@@ -237,20 +272,11 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
                         raise
                     skipped.add(err)
                     continue
-                if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-                    raise UserError(f"{where}: token id {int(ids.max())} outside the tokenizer's vocabulary of {vocab}")
-                if max_length is not None and ids.size > max_length:
-                    if overlong == "error":
-                        raise UserError(f"{where}: {ids.size} tokens, more than --max-length {max_length} "
-                                        "(use --overlong truncate or drop)")
-                    if overlong == "drop":
-                        summary.dropped_overlong += 1
-                        continue
-                    ids, mask = ids[:max_length], mask[:max_length]
-                    summary.truncated += 1
-                if not mask.any():
-                    summary.dropped_no_loss += 1
+                sample = _fit(ids, mask, where, vocab=vocab, max_length=max_length, overlong=overlong,
+                              summary=summary)
+                if sample is None:
                     continue
+                ids, mask = sample
                 summary.assistant_tokens += int(mask.sum())
                 summary.samples += 1
                 yield {"input_ids": ids, "loss_mask": mask, "length": int(ids.size), "supervised": int(mask.sum()),
@@ -281,15 +307,7 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
             raise
         staged = work / "store"
         ds.save_to_disk(str(staged))
-        lengths = np.asarray(ds["length"], dtype=np.int64)
-        summary.samples = int(lengths.size)
-        summary.tokens = int(lengths.sum())
-        summary.skipped = dict(skipped.counts)
-        summary.length_stats = {
-            "min": int(lengths.min()), "mean": float(lengths.mean()), "p50": int(np.percentile(lengths, 50)),
-            "p99": int(np.percentile(lengths, 99)), "max": int(lengths.max()),
-        }
-        summary.seconds = time.perf_counter() - t0
+        _summarize(summary, np.asarray(ds["length"], dtype=np.int64), skipped, time.perf_counter() - t0)
         meta = {
             "version": STORE_VERSION,
             "tokenizer": tok_path or getattr(tokenizer, "name_or_path", None),

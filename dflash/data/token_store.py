@@ -31,7 +31,7 @@ PREPARE_AGAIN = "prepare it again with launch/prepare_data.py (or delete it: the
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of what decides token ids: vocabulary, merges, normalisation, special tokens and
     the chat template (padding and truncation settings left out: they change no id)."""
-    from dflash.models.target import MASK_TOKEN
+    from dflash.data.vocab import MASK_TOKEN
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:

@@ -6,7 +6,8 @@
     out = drafter(batch, target.features(batch), epoch=epoch, seed=seed)
     drafter.save_pretrained(path)                          # official DFlash checkpoint format
 """
-from dflash.models.anchors import BlockPlan, BlockTensors, block_tensors, sample_anchors, to_packed
+from dflash.data.vocab import MASK_TOKEN, ensure_mask_token
+from dflash.models.anchors import Anchors, BlockTensors, block_tensors, sample_anchors, to_packed
 from dflash.models.config import (
     CONFIG_KEYS,
     DrafterConfig,
@@ -14,23 +15,17 @@ from dflash.models.config import (
     default_gamma,
     default_target_layer_ids,
 )
-from dflash.models.drafter import DFlashDrafter, DrafterOutput
+from dflash.models.drafter import DFlashDrafter, DrafterCache, DrafterOutput
 from dflash.models.flops import measure_flops, target_forward_flops
 from dflash.models.loss import acceptance_stats, chunked_weighted_ce, slot_weights
-from dflash.models.target import (
-    MASK_TOKEN,
-    TARGET_FAMILIES,
-    SharedWeights,
-    TargetModel,
-    ensure_mask_token,
-    load_target,
-)
+from dflash.models.target import TARGET_FAMILIES, SharedWeights, TargetModel, load_language_model
 
 __all__ = [
-    "BlockPlan",
+    "Anchors",
     "BlockTensors",
     "CONFIG_KEYS",
     "DFlashDrafter",
+    "DrafterCache",
     "DrafterConfig",
     "DrafterOutput",
     "MASK_TOKEN",
@@ -44,7 +39,7 @@ __all__ = [
     "default_gamma",
     "default_target_layer_ids",
     "ensure_mask_token",
-    "load_target",
+    "load_language_model",
     "measure_flops",
     "sample_anchors",
     "slot_weights",

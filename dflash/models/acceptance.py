@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dflash.data.batch import PackedBatch
-from dflash.models.anchors import BlockPlan
+from dflash.models.anchors import Anchors
 
 DEFAULT_MAX_BLOCKS = 2048  # blocks per drafter forward: block_size x this many query rows
 
@@ -59,7 +59,7 @@ def limited(batch: PackedBatch, max_turn_tokens: int | None = None, stop_ids=())
                        batch.max_seqlen, batch.sample_ids)
 
 
-def every_anchor(batch: PackedBatch, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS) -> list[BlockPlan]:
+def every_anchor(batch: PackedBatch, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS) -> list[Anchors]:
     """Blocks at every anchor candidate (a supervised token followed by one) of every sample, in
     chunks of at most `max_blocks` blocks. No sample is skipped, however short its turns."""
     if max_blocks < 1:
@@ -74,7 +74,7 @@ def every_anchor(batch: PackedBatch, block_size: int, max_blocks: int = DEFAULT_
         seqs.append(np.full(a.size, s))
     seq = torch.from_numpy(np.concatenate(seqs).astype(np.int32)) if seqs else torch.zeros(0, dtype=torch.int32)
     anchor = torch.from_numpy(np.concatenate(anchors).astype(np.int32)) if anchors else seq.clone()
-    return [BlockPlan(seq[i:i + max_blocks], anchor[i:i + max_blocks], block_size, 0)
+    return [Anchors(seq[i:i + max_blocks], anchor[i:i + max_blocks], block_size, 0)
             for i in range(0, seq.numel(), max_blocks)]
 
 
@@ -149,25 +149,25 @@ def score_and_walk(
     forward: Callable,
     batch: PackedBatch,
     features: torch.Tensor,
-    plans: list[BlockPlan],
+    chunks: list[Anchors],
     *,
     block_size: int,
 ) -> WalkStats:
-    """Score the blocks of `plans` (from `every_anchor(batch)`) and walk every turn of `batch`.
+    """Score the blocks of `chunks` (from `every_anchor(batch)`) and walk every turn of `batch`.
 
-    forward(batch, features, plan) -> DrafterOutput: the drafter (or its DeepSpeed engine) with the
-    plan given, so the blocks are exactly those of training (same inputs, positions and visibility).
-    Cut the turns where decoding stops first (`limited`), for both the plans and this call.
+    forward(batch, features, anchors) -> DrafterOutput: the drafter (or its DeepSpeed engine) with the
+    anchors given, so the blocks are exactly those of training (same inputs, positions and visibility).
+    Cut the turns where decoding stops first (`limited`), for both the anchors and this call.
     """
     stats = WalkStats(block_size)
     accepted = np.zeros(batch.input_ids.numel(), dtype=np.int64)
     bounds = batch.cu_seqlens_cpu.tolist()
-    for plan in plans:
-        out = forward(batch, features, plan)
+    for anchors in chunks:
+        out = forward(batch, features, anchors)
         hits = out.hits.cpu()
         acc = torch.cumprod(hits.long(), dim=1).sum(dim=1).numpy()
-        starts = np.asarray(bounds)[plan.block_seq.numpy()]
-        accepted[starts + plan.block_anchor.numpy()] = acc
+        starts = np.asarray(bounds)[anchors.block_seq.numpy()]
+        accepted[starts + anchors.block_anchor.numpy()] = acc
         stats.loss_sum += float(out.loss_sum)
         stats.weight_sum += float(out.weight_sum)
         stats.anchor_accepted += int(acc.sum()) + acc.size
@@ -199,7 +199,7 @@ def walk_tau(
 
     Example:
         feats = target.features(batch)
-        stats = walk_tau(lambda b, f, p: drafter(b, f, plan=p), batch, feats, block_size=drafter.block_size)
+        stats = walk_tau(lambda b, f, a: drafter(b, f, anchors=a), batch, feats, block_size=drafter.block_size)
         stats.metrics()["tau"]
     """
     batch = limited(batch, max_turn_tokens, stop_ids)

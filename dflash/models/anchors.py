@@ -17,7 +17,7 @@ from dflash.data.batch import PackedBatch, PaddedBatch
 
 
 @dataclass
-class BlockPlan:
+class Anchors:
     """Which blocks a packed micro-batch trains on (built on the CPU, moved once)."""
 
     block_seq: torch.Tensor  # (NB,) int32: sample (row of cu_seqlens) of each block
@@ -29,8 +29,8 @@ class BlockPlan:
     def num_blocks(self) -> int:
         return int(self.block_seq.numel())
 
-    def to(self, device, non_blocking: bool = False) -> BlockPlan:
-        return BlockPlan(
+    def to(self, device, non_blocking: bool = False) -> Anchors:
+        return Anchors(
             self.block_seq.to(device, non_blocking=non_blocking),
             self.block_anchor.to(device, non_blocking=non_blocking),
             self.block_size,
@@ -52,12 +52,12 @@ def sample_anchors(
     num_anchors: int = 512,
     seed: int,
     epoch: int,
-) -> BlockPlan:
+) -> Anchors:
     """Draw the anchors of every sample of a packed micro-batch.
 
     Args:
         loss_mask: (T,) bool, supervised tokens of the packed micro-batch (moved to the CPU
-            here if needed: build the plan in the data loader to avoid that sync).
+            here if needed: draw them in the data loader to avoid that sync).
         cu_seqlens_cpu: (S+1,) int sample boundaries, on the CPU.
         sample_ids: (S,) int index of each sample in the token store (the RNG key).
         block_size: B.
@@ -69,7 +69,7 @@ def sample_anchors(
     counted. Anchors of a sample are sorted; blocks may overlap.
 
     Returns:
-        BlockPlan on the CPU.
+        Anchors on the CPU.
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
@@ -96,7 +96,7 @@ def sample_anchors(
     else:
         block_anchor = torch.zeros(0, dtype=torch.int32)
         block_seq = torch.zeros(0, dtype=torch.int32)
-    return BlockPlan(block_seq, block_anchor, block_size, skipped)
+    return Anchors(block_seq, block_anchor, block_size, skipped)
 
 
 @dataclass
@@ -109,12 +109,12 @@ class BlockTensors:
     label_valid: torch.Tensor  # (NB, B-1) bool: anchor + k inside the sample and supervised
 
 
-def block_tensors(plan: BlockPlan, batch: PackedBatch, mask_token_id: int) -> BlockTensors:
+def block_tensors(anchors: Anchors, batch: PackedBatch, mask_token_id: int) -> BlockTensors:
     """Gather block inputs and same-position labels on the batch's device (no host sync)."""
     device = batch.input_ids.device
-    B = plan.block_size
-    seq = plan.block_seq.to(device).long()
-    anchor = plan.block_anchor.to(device).long()
+    B = anchors.block_size
+    seq = anchors.block_seq.to(device).long()
+    anchor = anchors.block_anchor.to(device).long()
     cu = batch.cu_seqlens.to(device).long()
     start, length = cu[seq], cu[seq + 1] - cu[seq]
     k = torch.arange(B, device=device)

@@ -25,7 +25,7 @@ from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import UserError
-from dflash.models.anchors import BlockPlan, block_tensors, sample_anchors, to_packed
+from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
 from dflash.models.config import DrafterConfig, default_gamma
 from dflash.models.loss import DEFAULT_CHUNK_ROWS, acceptance_stats, chunked_weighted_ce, slot_weights
 from dflash.models.target import SharedWeights
@@ -72,6 +72,37 @@ class _Rope:
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
+class LayerCache:
+    """One drafter layer's keys (k_norm and RoPE applied) and values of the context rows seen so far."""
+
+    def __init__(self, capacity: int, heads: int, head_dim: int, dtype, device) -> None:
+        self.k = torch.empty(capacity, heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add rows; returns every row held (views)."""
+        end = self.length + k.shape[0]
+        if end > self.k.shape[0]:
+            raise ValueError(f"drafter cache holds {self.k.shape[0]} context rows, {end} were given")
+        self.k[self.length:end], self.v[self.length:end] = k, v
+        self.length = end
+        return self.k[:end], self.v[:end]
+
+
+class DrafterCache:
+    """The context rows of one sequence for decoding, one `LayerCache` per drafter layer."""
+
+    def __init__(self, drafter: DFlashDrafter, capacity: int) -> None:
+        c, w = drafter.config, drafter.fc.weight
+        self.layers = [LayerCache(capacity, c.num_key_value_heads, c.head_dim, w.dtype, w.device)
+                       for _ in drafter.layers]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: DrafterConfig, backend: str = "auto") -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -87,10 +118,12 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, plan: BlockPlan) -> torch.Tensor:
+    def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, anchors: Anchors, cache: LayerCache | None = None):
         """x (NB*B, H) normed block states, ctx (T, H) fused context -> (NB*B, H).
 
-        seqlens: (cu_seqlens on the device, its CPU copy) of the context rows.
+        seqlens: (cu_seqlens on the device, its CPU copy) of the context rows the blocks see.
+        cache: decoding: ctx holds only the new context rows; their keys and values are appended
+        to the cache, and the blocks attend to all of the cache's rows (seqlens describe those).
         """
         from dflash.ops import dflash_block_attention
 
@@ -100,9 +133,11 @@ class DFlashAttention(nn.Module):
         v_blk = self.v_proj(x).view(-1, self.num_kv_heads, D)
         k_ctx = _apply_rope(self.k_norm(self.k_proj(ctx).view(-1, self.num_kv_heads, D)), *rope_ctx)
         v_ctx = self.v_proj(ctx).view(-1, self.num_kv_heads, D)
+        if cache is not None:
+            k_ctx, v_ctx = cache.append(k_ctx, v_ctx)
         cu_seqlens, cu_seqlens_cpu = seqlens
         out = dflash_block_attention(
-            q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, plan.block_seq, plan.block_anchor, plan.block_size,
+            q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, anchors.block_seq, anchors.block_anchor, anchors.block_size,
             backend=self.backend, cu_seqlens_cpu=cu_seqlens_cpu,
         )
         return self.o_proj(out.reshape(x.shape[0], -1))
@@ -118,9 +153,9 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, plan) -> torch.Tensor:
+    def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, anchors, cache=None) -> torch.Tensor:
         # The context enters un-normed here: it was normed once by hidden_norm, as in the official model.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, seqlens, plan)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, seqlens, anchors, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,11 +274,15 @@ class DFlashDrafter(nn.Module):
         block_position_ids: torch.Tensor,
         ctx_position_ids: torch.Tensor,
         seqlens: tuple[torch.Tensor, torch.Tensor],
-        plan: BlockPlan,
+        anchors: Anchors,
+        cache: DrafterCache | None = None,
     ) -> torch.Tensor:
-        """Final-normed drafter states of all blocks, (NB*B, H); plan on the device.
+        """Final-normed drafter states of all blocks, (NB*B, H); anchors on the device. The one
+        forward of the drafter: training, the eval walk and speculative decoding all run it.
 
-        seqlens: (cu_seqlens, cu_seqlens_cpu) of the packed context rows.
+        seqlens: (cu_seqlens, cu_seqlens_cpu) of the context rows the blocks see.
+        cache: decoding: `features` are only the new context rows (positions `ctx_position_ids`),
+            appended to the cache; the blocks see every row of it.
         """
         shared = self._require_shared()
         dtype = self.fc.weight.dtype
@@ -251,16 +290,34 @@ class DFlashDrafter(nn.Module):
         x = F.embedding(block_input_ids, shared.embed).to(dtype)
         rope_blk = self._rope(block_position_ids, dtype)
         rope_ctx = self._rope(ctx_position_ids, dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache.layers[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_blk, rope_ctx, seqlens, plan,
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_blk, rope_ctx, seqlens, anchors, layer_cache,
                                                       use_reentrant=False)
             else:
-                x = layer(x, ctx, rope_blk, rope_ctx, seqlens, plan)
+                x = layer(x, ctx, rope_blk, rope_ctx, seqlens, anchors, layer_cache)
         return self.norm(x)
 
-    def plan(self, batch: PackedBatch | PaddedBatch, *, epoch: int, seed: int) -> BlockPlan:
-        """The anchors of a micro-batch (CPU); build it in the data loader to keep forward sync-free."""
+    @torch.no_grad()
+    def draft(self, cache: DrafterCache, features: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """Speculative decoding: append the target features of the next context positions
+        (cache.length ..) to the cache, then draft the block anchored right after them, as training
+        scores it. Returns the logits of slots 1..B-1, (B-1, V)."""
+        B, device = self.block_size, self.fc.weight.device
+        start = cache.length + features.shape[0]
+        ids = torch.full((B,), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[0] = anchor_token
+        cu = torch.tensor([0, start], dtype=torch.int32)
+        anchors = Anchors(torch.zeros(1, dtype=torch.int32), torch.tensor([start], dtype=torch.int32), B, 0)
+        hidden = self.block_hidden(features, ids, torch.arange(start, start + B, device=device),
+                                   torch.arange(cache.length, start, device=device), (cu.to(device), cu),
+                                   anchors.to(device), cache)
+        lm_head = self._require_shared().lm_head
+        return hidden[1:].to(lm_head.dtype) @ lm_head.t()
+
+    def anchors(self, batch: PackedBatch | PaddedBatch, *, epoch: int, seed: int) -> Anchors:
+        """The anchors of a micro-batch (CPU); draw them in the data loader to keep forward sync-free."""
         packed = to_packed(batch)
         return sample_anchors(
             packed.loss_mask,
@@ -279,7 +336,7 @@ class DFlashDrafter(nn.Module):
         *,
         epoch: int = 0,
         seed: int = 0,
-        plan: BlockPlan | None = None,
+        anchors: Anchors | None = None,
     ) -> DrafterOutput:
         """Training forward of one micro-batch.
 
@@ -287,8 +344,8 @@ class DFlashDrafter(nn.Module):
             batch: packed or padded micro-batch (a padded one is packed here; the features
                 of `TargetModel.features` are already in packed order for both).
             features: (T, K*H) target taps of the batch's real tokens, packed order.
-            epoch, seed: key of the anchor draw (ignored when `plan` is given).
-            plan: precomputed anchors (`drafter.plan(batch, epoch=..., seed=...)`).
+            epoch, seed: key of the anchor draw (ignored when `anchors` are given).
+            anchors: precomputed anchors (`drafter.anchors(batch, epoch=..., seed=...)`).
 
         A micro-batch without any block runs one zero-weight block so that every rank runs
         the same modules (ZeRO-3) and the loss still has a graph.
@@ -296,15 +353,15 @@ class DFlashDrafter(nn.Module):
         packed = to_packed(batch)
         if features.shape[0] != packed.input_ids.shape[0]:
             raise ValueError(f"features cover {features.shape[0]} tokens, the batch has {packed.input_ids.shape[0]}")
-        if plan is None:
-            plan = self.plan(packed, epoch=epoch, seed=seed)
-        num_blocks = plan.num_blocks
+        if anchors is None:
+            anchors = self.anchors(packed, epoch=epoch, seed=seed)
+        num_blocks = anchors.num_blocks
         if num_blocks == 0:
-            plan = BlockPlan(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                             plan.block_size, plan.num_skipped)
+            anchors = Anchors(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                              anchors.block_size, anchors.num_skipped)
         device = packed.input_ids.device
-        plan = plan.to(device)
-        blocks = block_tensors(plan, packed, self.config.mask_token_id)
+        anchors = anchors.to(device)
+        blocks = block_tensors(anchors, packed, self.config.mask_token_id)
         valid = blocks.label_valid if num_blocks else torch.zeros_like(blocks.label_valid)
         hidden = self.block_hidden(
             features,
@@ -312,7 +369,7 @@ class DFlashDrafter(nn.Module):
             blocks.position_ids,
             packed.position_ids,
             (packed.cu_seqlens, packed.cu_seqlens_cpu),
-            plan,
+            anchors,
         )
         B, H = self.block_size, self.config.hidden_size
         scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
@@ -333,7 +390,7 @@ class DFlashDrafter(nn.Module):
             slot_count=slot_count,
             hits=hits,
             num_blocks=num_blocks,
-            num_skipped=plan.num_skipped,
+            num_skipped=anchors.num_skipped,
         )
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:

@@ -7,6 +7,7 @@ forward, attending to the fused features of every verified token before `start` 
 to the whole block; the target verifies the block in one forward (its KV cache cropped to `start`),
 the leading drafts equal to the target's argmax are accepted, and the target's next token is added.
 The verified tokens' features become the drafter's new context. Output is the target's greedy output.
+The drafter runs its one forward (`DFlashDrafter.draft`, the training forward with a `DrafterCache`).
 
 Acceptance length = tokens after the first / verify forwards, summed over turns, with a turn's last
 block cut at its stop token or the token limit: exactly the walk `tau` of `dflash.models.acceptance`
@@ -21,9 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from dflash.models.drafter import DFlashDrafter
+from dflash.models.drafter import DFlashDrafter, DrafterCache
 
 DEFAULT_MAX_NEW_TOKENS = 2048  # per turn, when the data do not say what they were regenerated with
 
@@ -88,53 +88,6 @@ def greedy_decode(hf, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: S
     return Decoded(tokens, forwards, time.perf_counter() - t0)
 
 
-class _DrafterCache:
-    """Per drafter layer, keys (k_norm and RoPE applied) and values of the context features."""
-
-    def __init__(self, drafter: DFlashDrafter, capacity: int, device) -> None:
-        c = drafter.config
-        shape = (capacity, c.num_key_value_heads, c.head_dim)
-        dtype = drafter.fc.weight.dtype
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
-        self.length = 0
-
-
-def _draft(drafter: DFlashDrafter, cache: _DrafterCache, features: torch.Tensor, anchor_token: int) -> list[int]:
-    """Append the context features of positions cache.length.. to the cache, then draft the block
-    anchored right after them; returns the B-1 drafted tokens (argmax of slots 1..B-1)."""
-    from dflash.models.drafter import _apply_rope
-
-    c, B = drafter.config, drafter.block_size
-    Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    shared = drafter._require_shared()
-    dtype = drafter.fc.weight.dtype
-    device = drafter.fc.weight.device
-    lo, start = cache.length, cache.length + features.shape[0]
-    ctx = drafter.context(features)
-    ids = torch.full((B,), c.mask_token_id, dtype=torch.long, device=device)
-    ids[0] = anchor_token
-    x = F.embedding(ids, shared.embed).to(dtype)
-    rope_ctx = drafter._rope(torch.arange(lo, start, device=device), dtype)
-    rope_blk = drafter._rope(torch.arange(start, start + B, device=device), dtype)
-    for i, layer in enumerate(drafter.layers):
-        attn = layer.self_attn
-        cache.k[i][lo:start] = _apply_rope(attn.k_norm(attn.k_proj(ctx).view(-1, Hkv, D)), *rope_ctx)
-        cache.v[i][lo:start] = attn.v_proj(ctx).view(-1, Hkv, D)
-        h = layer.input_layernorm(x)
-        q = _apply_rope(attn.q_norm(attn.q_proj(h).view(B, Hq, D)), *rope_blk)
-        k = torch.cat([cache.k[i][:start], _apply_rope(attn.k_norm(attn.k_proj(h).view(B, Hkv, D)), *rope_blk)])
-        v = torch.cat([cache.v[i][:start], attn.v_proj(h).view(B, Hkv, D)])
-        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)  # GQA
-        # no mask: every context row lies before the anchor, and the block sees itself both ways
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        x = x + attn.o_proj(o[0].transpose(0, 1).reshape(B, Hq * D))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    cache.length = start
-    logits = drafter.norm(x[1:]).to(shared.lm_head.dtype) @ shared.lm_head.t()
-    return logits.argmax(dim=-1).tolist()
-
-
 @torch.no_grad()
 def speculative_decode(
     hf, drafter: DFlashDrafter, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int]
@@ -156,12 +109,12 @@ def speculative_decode(
     cache = DynamicCache()
     out = _target(hf, list(prompt), 0, cache, hidden=True)
     tokens = [int(out.logits[0, -1].argmax())]
-    dcache = _DrafterCache(drafter, len(prompt) + max_new_tokens + B, hf.device)
+    dcache = DrafterCache(drafter, len(prompt) + max_new_tokens + B)
     feats = features(out, len(prompt))
     forwards = 0
     while not _cut(tokens, stop_ids, max_new_tokens)[1]:
         start = len(prompt) + len(tokens) - 1  # position of the last verified token, the anchor
-        block = tokens[-1:] + _draft(drafter, dcache, feats, tokens[-1])
+        block = tokens[-1:] + drafter.draft(dcache, feats, tokens[-1]).argmax(dim=-1).tolist()
         out = _target(hf, block, start, cache, hidden=True)
         forwards += 1
         posterior = out.logits[0].argmax(dim=-1).tolist()

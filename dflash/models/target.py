@@ -28,7 +28,6 @@ from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import UserError
 from dflash.models.config import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
-MASK_TOKEN = "<|MASK|>"
 # model_type -> what the packed path does beyond dense attention (the README "Targets" table)
 TARGET_FAMILIES = {
     "qwen3": "dense",
@@ -188,7 +187,7 @@ class TargetModel(nn.Module):
     Args:
         model: an `AutoModelForCausalLM` of a family in TARGET_FAMILIES (dense, MoE, hybrid Gated
             DeltaNet, sliding window + sinks, MLA); for an image-text checkpoint, its language
-            model (`load_target` loads only that).
+            model (`load_language_model` loads only that).
         target_layer_ids: 0-indexed layers whose outputs are tapped (`hidden_states[id + 1]`
             of a Hugging Face forward), in the order they are concatenated. Default: the
             official rule with `num_features` taps. Ids >= L-1 are refused.
@@ -217,7 +216,7 @@ class TargetModel(nn.Module):
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             hint = ""
             if hasattr(config, "text_config"):
-                hint = "; an image-text model: load its language model with dflash.models.load_target"
+                hint = "; an image-text model: load its language model with dflash.models.load_language_model"
             raise ValueError(
                 f"target model_type {config.model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES}){hint}"
             )
@@ -331,7 +330,7 @@ class TargetModel(nn.Module):
         return masks
 
 
-def load_target(path, dtype: torch.dtype, device=None) -> nn.Module:
+def load_language_model(path, dtype: torch.dtype, device=None) -> nn.Module:
     """The target's causal LM from a Hugging Face folder, without what features never use.
 
     An image-text checkpoint (Qwen3.5 / 3.6 ship as `...ForConditionalGeneration`) loads only its
@@ -359,24 +358,3 @@ def load_target(path, dtype: torch.dtype, device=None) -> nn.Module:
                             f"{cls.__name__} (e.g. {', '.join(missing[:3])})")
     return model if device is None else model.to(device)
 
-
-def ensure_mask_token(tokenizer, num_embedding_rows: int, token: str = MASK_TOKEN) -> int:
-    """Add the DFlash mask token to the tokenizer if missing and return its id.
-
-    The mask token is embedded with the target's frozen embedding, so its id must be one of the
-    target's embedding rows. Qwen3 pads its table (151936 rows for 151669 tokens), so the new
-    token takes a spare row. When the table has no spare row, this raises: either resize the
-    target's embeddings (`model.resize_token_embeddings(len(tokenizer))`, and serve that
-    resized target) or reuse an existing unused token as the mask (pass its text as `token`).
-    """
-    if token not in tokenizer.get_vocab():
-        tokenizer.add_special_tokens({"additional_special_tokens": [token]})
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if not 0 <= token_id < num_embedding_rows:
-        raise ValueError(
-            f"mask token {token!r} got id {token_id}, but the target's embedding has only "
-            f"{num_embedding_rows} rows (no spare padded row). Choose one: resize the target's "
-            f"embeddings to len(tokenizer) and serve that resized target, or reuse an existing unused "
-            f"token of the vocabulary as the mask token (ensure_mask_token(tokenizer, rows, token=...))."
-        )
-    return token_id

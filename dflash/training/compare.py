@@ -78,8 +78,8 @@ def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, sa
                                        time_micro_batches=True)
         trainer = Trainer(mode_cfg, target=target)
         if target is None:
-            target = trainer.loaded
-            cfg = dataclasses.replace(cfg, data=trainer.maker.store_path)  # prepared once, shared by the rest
+            target = trainer.models.target
+            cfg = dataclasses.replace(cfg, data=str(trainer.data.store_path))  # prepared once, shared by the rest
         runs.append(ModeRun(mode, trainer))
     say(f"built {len(runs)} modes: {', '.join(modes)}")
     return runs
@@ -142,7 +142,7 @@ def calibrate(runs: list[ModeRun], warmup: int) -> dict:
     if len(rows) < 3:
         return {"measurements": len(rows)}
     features, seconds = rows[:, :-1], rows[:, -1]
-    scaled, scaled_quality = fit(features, seconds, prior=runs[0].trainer.flop_model)
+    scaled, scaled_quality = fit(features, seconds, prior=runs[0].trainer.data.flop_model)
     free, free_quality = fit(features, seconds)
     return {"measurements": len(rows), "flops_scaled": {**scaled_quality, "model": scaled.to_dict()},
             "least_squares": {**free_quality, "model": free.to_dict()}}
@@ -151,7 +151,7 @@ def calibrate(runs: list[ModeRun], warmup: int) -> dict:
 def measure_throughput(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, warmup: int, say) -> dict:
     """`{mode: statistics}` over `steps` measured steps per mode after `warmup`, plus the raw steps."""
     runs = build_runs(cfg, modes, out, max_steps=steps + warmup, say=say)
-    available = min(r.trainer.total_steps for r in runs)
+    available = min(r.trainer.data.total_steps for r in runs)
     if available < steps + warmup:
         raise UserError(f"--steps {steps} + --warmup {warmup}: the data gives only {available} steps in "
                         f"{cfg.epochs} epoch(s) for some mode; raise --epochs or lower --steps")
@@ -185,16 +185,6 @@ def report_calibration(calibration: dict, out: Path, say) -> None:
         say(f"wrote {out / 'calibration.json'} and {out / 'cost_model.json'}")
 
 
-def step_tokens_of_plan(trainer: Trainer) -> list[int]:
-    """Real tokens (all ranks) of each optimizer step the trainer will take, from its plan alone."""
-    tokens = []
-    for epoch, ranges in enumerate(trainer.steps):
-        plan = trainer.planner.plan(epoch)
-        for first, end in ranges:
-            tokens.append(int(sum(trainer.lengths[np.concatenate(p[first:end])].sum() for p in plan)))
-    return tokens[:trainer.total_steps]
-
-
 def _evaluate(runs: list[ModeRun], evals: dict) -> None:
     """Held-out metrics of every run, appended to `evals[mode]` with the tokens and time so far."""
     for r in runs:
@@ -220,8 +210,8 @@ def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps:
     for rep in range(repeats):
         seed_cfg = dataclasses.replace(cfg, seed=cfg.seed + rep)
         runs = build_runs(seed_cfg, modes, out, max_steps=steps, say=say)
-        cfg = dataclasses.replace(cfg, data=runs[0].trainer.maker.store_path)
-        budget = min(sum(step_tokens_of_plan(r.trainer)[:steps]) for r in runs)
+        cfg = dataclasses.replace(cfg, data=str(runs[0].trainer.data.store_path))
+        budget = min(sum(r.trainer.data.step_tokens()[:steps]) for r in runs)
         evals = {r.mode: [] for r in runs}
         say(f"convergence, seed {seed_cfg.seed}: {budget:,} real tokens per mode, interleaved")
         _evaluate(runs, evals)

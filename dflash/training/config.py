@@ -270,52 +270,60 @@ def _typed(value, f: dataclasses.Field, where: str):
         raise UserError(f"{where} must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}") from None
 
 
-def validate(c: TrainConfig) -> None:
-    def bad(flag, why):
-        raise UserError(f"{_flag(flag)}: {why}")
+_CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear", "constant"),
+            "dtype": ("auto", "bf16", "fp32"), "attention_backend": ATTENTION_BACKENDS}
+_AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
+                 "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
+_NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
+                 "speculate_turns", "checkpoint_every", "seed", "row_budget")
+_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction")
+# option: (holds, what it must be), checked once the value is a finite number
+_RANGES = {
+    "block_size": (lambda v: v >= 2, "must be >= 2 (slot 0 holds the anchor)"),
+    "gamma": (lambda v: v >= 0, "must be positive (0: the default for the block size)"),
+    "warmup_ratio": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "eval_fraction": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "lr": (lambda v: v > 0, "must be positive"),
+    "weight_decay": (lambda v: v >= 0, "must be >= 0"),
+    "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
+}
 
-    for name, choices in (("order", ORDERS), ("layout", LAYOUTS), ("schedule", ("cosine", "linear", "constant")),
-                          ("dtype", ("auto", "bf16", "fp32")), ("attention_backend", ATTENTION_BACKENDS)):
+
+def _bad(name: str, why: str):
+    raise UserError(f"{_flag(name)}: {why}")
+
+
+def validate(c: TrainConfig) -> None:
+    """Every option on its own (choices, ranges), then the options that depend on each other."""
+    for name, choices in _CHOICES.items():
         if getattr(c, name) not in choices:
-            bad(name, f"must be one of {', '.join(choices)}, got {getattr(c, name)!r}")
-    for name in ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
-                 "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps"):
-        if getattr(c, name) < 1:
-            bad(name, f"must be >= 1, got {getattr(c, name)}")
-    for name in ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "speculate_turns", "checkpoint_every", "seed", "row_budget"):
-        if getattr(c, name) < 0:
-            bad(name, f"must be >= 0, got {getattr(c, name)}")
-    for name in ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction"):
-        if not math.isfinite(getattr(c, name)):
-            bad(name, f"must be a finite number, got {getattr(c, name)}")
-    if c.block_size < 2:
-        bad("block_size", "must be >= 2 (slot 0 holds the anchor)")
+            _bad(name, f"must be one of {', '.join(choices)}, got {getattr(c, name)!r}")
+    for names, holds, why in ((_AT_LEAST_ONE, lambda v: v >= 1, "must be >= 1"),
+                              (_NON_NEGATIVE, lambda v: v >= 0, "must be >= 0"),
+                              (_FINITE, math.isfinite, "must be a finite number")):
+        for name in names:
+            if not holds(getattr(c, name)):
+                _bad(name, f"{why}, got {getattr(c, name)}")
+    for name, (holds, why) in _RANGES.items():
+        if not holds(getattr(c, name)):
+            _bad(name, f"{why}, got {getattr(c, name)}")
+    _validate_relations(c)
+
+
+def _validate_relations(c: TrainConfig) -> None:
     if 0 < c.row_budget < c.block_size * c.num_anchors:
-        bad("row_budget", f"must be 0 or at least block size x anchors ({c.block_size * c.num_anchors}) so that "
-                          f"every sample fits, got {c.row_budget}")
+        _bad("row_budget", f"must be 0 or at least block size x anchors ({c.block_size * c.num_anchors}) so that "
+                           f"every sample fits, got {c.row_budget}")
     if c.cost_model:
         from dflash.data.cost import CostModel
 
         try:
             CostModel.load(c.cost_model)  # read again by the trainer; checked here before anything loads
         except UserError as e:
-            bad("cost_model", str(e))
-    if c.gamma < 0:
-        bad("gamma", f"must be positive (0: the default for the block size), got {c.gamma}")
+            _bad("cost_model", str(e))
     if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:
-        bad("gamma", f"no default for block size {c.block_size}; give --gamma")
-    if not 0 <= c.warmup_ratio < 1:
-        bad("warmup_ratio", f"must be in [0, 1), got {c.warmup_ratio}")
-    if not 0 <= c.eval_fraction < 1:
-        bad("eval_fraction", f"must be in [0, 1), got {c.eval_fraction}")
-    if c.lr <= 0:
-        bad("lr", f"must be positive, got {c.lr}")
-    if c.weight_decay < 0:
-        bad("weight_decay", f"must be >= 0, got {c.weight_decay}")
-    if c.grad_clip < 0:
-        bad("grad_clip", f"must be >= 0 (0: no clipping), got {c.grad_clip}")
+        _bad("gamma", f"no default for block size {c.block_size}; give --gamma")
     if c.force_resume and not c.resume:
-        bad("force_resume", "only makes sense with --resume")
+        _bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:
-        bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")
+        _bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")

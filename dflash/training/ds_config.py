@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from dflash.devices import resolve_dtype
 from dflash.errors import UserError
 
 # keys whose "auto" the trainer fills, and the only values it accepts there
@@ -165,3 +168,19 @@ def zero_stage(config: dict) -> int:
 
 def offloads_optimizer(config: dict) -> bool:
     return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+
+
+def training_ds_config(path: str | Path, dtype_option: str, *, device, world_size: int,
+                       grad_clip: float) -> tuple[dict, torch.dtype]:
+    """The checked DeepSpeed config and the dtype the run trains in: --dtype, or what the JSON
+    switches on (DeepSpeed trains in it whatever the trainer was told)."""
+    dtype = resolve_dtype(dtype_option, device)
+    ds_config = load_ds_config(path, world_size=world_size, grad_clip=grad_clip, bf16=dtype == torch.bfloat16)
+    chosen = precision(ds_config)
+    if chosen == "fp16":
+        raise UserError(f"--deepspeed_config {path}: fp16 is not supported (the drafter trains in "
+                        "bf16 or fp32); use \"bf16\": {\"enabled\": \"auto\"} with --dtype bf16")
+    if chosen == "bf16" and dtype_option == "fp32":
+        raise UserError(f"--deepspeed_config {path}: enables bf16, but --dtype is fp32; "
+                        "write \"bf16\": {\"enabled\": \"auto\"} to follow --dtype")
+    return ds_config, torch.bfloat16 if chosen == "bf16" else dtype

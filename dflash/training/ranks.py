@@ -56,19 +56,23 @@ def peer_failures_are_one_line(main):
     return wrapper
 
 
+def free_port() -> int:
+    """A TCP port no process on this machine holds now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def single_process_env(environ, num_gpus: int) -> None:
     """Without the launcher (`python launch/train.py`), fill in `environ` the variables of a
     one-rank run on the CPU or the one GPU, which DeepSpeed would otherwise look for through
     MPI; with several GPUs, say to use the launcher."""
-    import socket
-
     if "RANK" in environ or "LOCAL_RANK" in environ:
         return
     if num_gpus > 1:
         raise UserError(f"{num_gpus} GPUs: start the run with the launcher to use them: "
                         f"deepspeed --num_gpus {num_gpus} launch/train.py ... (or CUDA_VISIBLE_DEVICES=0 for one)")
-    with socket.socket() as s:  # a free port for the one-rank process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port)})
+                    "MASTER_PORT": str(free_port())})

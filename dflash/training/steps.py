@@ -17,7 +17,7 @@ import torch
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.data.collate import collate
 from dflash.data.cost import batch_features
-from dflash.models.anchors import BlockPlan, block_tensors, sample_anchors, to_packed
+from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
 from dflash.models.loss import slot_weights
 
 
@@ -47,7 +47,7 @@ def step_ranges(plan: list, lengths: np.ndarray, step_tokens: int) -> list[tuple
 @dataclass
 class MicroBatch:
     batch: PackedBatch | PaddedBatch
-    plan: BlockPlan  # the anchors, drawn here so the forward never syncs to draw them
+    anchors: Anchors  # drawn here so the forward never syncs to draw them
     weight_sum: float  # sum of loss weights of its scored slots (for the step's normaliser)
     real_tokens: int
     computed_tokens: int
@@ -82,16 +82,16 @@ class MicroBatchMaker:
     def __call__(self, indices: np.ndarray, epoch: int) -> MicroBatch:
         batch = collate(self.store, indices, self.layout, self.pad_id)
         packed = to_packed(batch)
-        plan = sample_anchors(packed.loss_mask, packed.cu_seqlens_cpu, packed.sample_ids, block_size=self.block_size,
-                              num_anchors=self.num_anchors, seed=self.seed, epoch=epoch)
-        valid = block_tensors(plan, packed, self.mask_token_id).label_valid
+        anchors = sample_anchors(packed.loss_mask, packed.cu_seqlens_cpu, packed.sample_ids,
+                                 block_size=self.block_size, num_anchors=self.num_anchors, seed=self.seed, epoch=epoch)
+        valid = block_tensors(anchors, packed, self.mask_token_id).label_valid
         weight_sum = float((valid * self.weights).sum())
         lengths = np.diff(packed.cu_seqlens_cpu.numpy()).astype(np.int64)
         if self.layout == "padded":  # the target runs every sample at the longest length
             lengths = np.full_like(lengths, lengths.max())
-        rows = np.bincount(plan.block_seq.numpy(), minlength=lengths.size) * self.block_size
+        rows = np.bincount(anchors.block_seq.numpy(), minlength=lengths.size) * self.block_size
         features = batch_features(lengths, rows, [np.arange(lengths.size)])[0]
-        return MicroBatch(batch, plan, weight_sum, batch.num_tokens, batch.computed_tokens, features)
+        return MicroBatch(batch, anchors, weight_sum, batch.num_tokens, batch.computed_tokens, features)
 
 
 class _EpochItems(torch.utils.data.Dataset):

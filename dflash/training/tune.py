@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.errors import UserError
+from dflash.training.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
@@ -74,7 +75,7 @@ def run_trial(trial: Trial, train_args: list[str], workdir: Path, *, num_ranks: 
     metrics = folder / "run" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     launcher = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(launcher), "--num_gpus", str(num_ranks), "--master_port", str(29500 + os.getpid() % 2000),
+    cmd = [str(launcher), "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
            str(ROOT / "launch" / "train.py"), *train_args, "--output-dir", str(folder / "run"),
            "--token-budget", str(trial.token_budget), "--step-tokens", str(trial.micro_batches * trial.token_budget),
            "--deepspeed_config", str(folder / "ds_config.json"), "--max-steps", str(steps + warmup),

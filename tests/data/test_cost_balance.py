@@ -1,4 +1,5 @@
 """The cost model of a sample and the cost-balanced planner (drafter row budget, dealing to ranks)."""
+import dataclasses
 import itertools
 import json
 from types import SimpleNamespace
@@ -93,19 +94,19 @@ def test_fit_recovers_a_known_model_and_reports_r2():
 @example(items=[(1, 26), (1, 39), (1, 39), (1, 39)], world_size=3, seed=0, mix=1)  # refused: no pair fits
 def test_balanced_plans_keep_every_invariant_under_both_budgets(order, layout, items, world_size, seed, mix):
     lengths, rows = np.array([x for x, _ in items]), np.array([r for _, r in items])
-    kw = dict(seed=seed, world_size=world_size, rows=rows, row_budget=64, costs=MODEL.sample_costs(lengths, rows),
-              balance=True, mix=mix)
+    config = PlannerConfig(128, order, layout, seed=seed, world_size=world_size, row_budget=64, balance=True, mix=mix)
+    data = dict(rows=rows, costs=MODEL.sample_costs(lengths, rows))
     if len(lengths) < world_size:
         with pytest.raises(UserError, match="same number of micro-batches"):
-            plan_batches(lengths, 128, order, layout, **kw)
+            plan_batches(lengths, config, **data)
         return
     try:
-        plan = plan_batches(lengths, 128, order, layout, **kw)
+        plan = plan_batches(lengths, config, **data)
     except UserError as err:
         # Refused only when it cannot be done: the packed micro-batches (one rank's plan, nothing
         # re-dealt) do not divide by the ranks, too few hold 2+ samples to split, and no two fit together.
         assert "no two of them fit together" in str(err)
-        packed = plan_batches(lengths, 128, order, layout, **{**kw, "world_size": 1, "balance": False})[0]
+        packed = plan_batches(lengths, dataclasses.replace(config, world_size=1, balance=False), **data)[0]
         splits = -len(packed) % world_size
         assert splits and sum(len(b) - 1 for b in packed) < splits
         for a, b in itertools.combinations(packed, 2):
@@ -119,16 +120,16 @@ def test_balanced_plans_keep_every_invariant_under_both_budgets(order, layout, i
     for b in (b for rank in plan for b in rank):
         assert len(b) and rows[b].sum() <= 64
         assert (len(b) * lengths[b].max() if layout == "padded" else lengths[b].sum()) <= 128
-    again = plan_batches(lengths, 128, order, layout, **kw)
+    again = plan_batches(lengths, config, **data)
     assert [[b.tolist() for b in r] for r in plan] == [[b.tolist() for b in r] for r in again]
 
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_balancing_only_deals_the_same_micro_batches_and_evens_out_ranks(data, order):
     lengths, rows, costs = data
-    kw = dict(world_size=8, rows=rows, row_budget=400, costs=costs)
-    before = plan_batches(lengths, 4096, order, "packed", **kw)
-    after = plan_batches(lengths, 4096, order, "packed", balance=True, **kw)
+    config = PlannerConfig(4096, order, "packed", world_size=8, row_budget=400)
+    before = plan_batches(lengths, config, rows=rows, costs=costs)
+    after = plan_batches(lengths, dataclasses.replace(config, balance=True), rows=rows, costs=costs)
     compositions = [{tuple(b.tolist()) for rank in plan for b in rank} for plan in (before, after)]
     assert compositions[0] == compositions[1]  # the order's randomness is the order's, not the dealer's
     stats = [dealing_stats(plan, MODEL, rows, "packed", lengths, 4) for plan in (before, after)]
@@ -148,11 +149,12 @@ def test_length_r2_against_a_direct_computation():
 
 def test_row_budget_errors_name_the_sample():
     with pytest.raises(UserError, match="sample 1 has 90 drafter rows, more than the row budget 64"):
-        plan_batches(np.array([5, 6]), 128, "shuffle", "packed", rows=np.array([1, 90]), row_budget=64)
+        plan_batches(np.array([5, 6]), PlannerConfig(128, "shuffle", "packed", row_budget=64), rows=np.array([1, 90]))
     with pytest.raises(UserError, match="row budget needs the drafter rows"):
-        plan_batches(np.array([5, 6]), 128, "shuffle", "packed", row_budget=64)
+        plan_batches(np.array([5, 6]), PlannerConfig(128, "shuffle", "packed", row_budget=64))
     with pytest.raises(UserError, match="sample 0 has cost -1"):
-        plan_batches(np.array([5, 6]), 128, "shuffle", "packed", costs=np.array([-1.0, 1.0]), balance=True)
+        plan_batches(np.array([5, 6]), PlannerConfig(128, "shuffle", "packed", balance=True),
+                     costs=np.array([-1.0, 1.0]))
 
 
 def test_balanced_planner_resumes_exactly_and_fingerprints_its_settings(data):
@@ -206,8 +208,8 @@ def test_plan_batches_saves_every_mode_as_dealt(tmp_path, data, capsys):
     for order in ORDERS:
         samples, offsets, ranks = (saved[f"{order}-packed/{k}"] for k in ("samples", "offsets", "ranks"))
         assert sorted(samples.tolist()) == list(range(lengths.size))
-        expected = plan_batches(lengths, 4096, order, "packed", world_size=4, rows=cand_rows, row_budget=400,
-                                costs=costs, balance=True)
+        config = PlannerConfig(4096, order, "packed", world_size=4, row_budget=400, balance=True)
+        expected = plan_batches(lengths, config, rows=cand_rows, costs=costs)
         for r in range(4):
             mine = [samples[offsets[i] : offsets[i + 1]].tolist() for i in np.flatnonzero(ranks == r)]
             assert mine == [b.tolist() for b in expected[r]]
@@ -244,10 +246,10 @@ def test_a_cost_level_of_many_short_samples_does_not_clump_one_step():
     lengths = np.concatenate([short, middle, long])
     # cost levels: middle ~8K per micro-batch, short ~12K, long ~16K
     costs = lengths * np.concatenate([np.full(short.size, 1.5), np.ones(middle.size), np.full(long.size, 2.0)])
-    kw = dict(boundaries=[16, 1000], world_size=16, costs=costs, mix=4)
     steps = []
     for balance in (False, True):
-        plan = plan_batches(lengths, 8192, "bucketed", "packed", balance=balance, **kw)
+        config = PlannerConfig(8192, "bucketed", "packed", boundaries=(16, 1000), world_size=16, mix=4, balance=balance)
+        plan = plan_batches(lengths, config, costs=costs)
         batches = [plan[r][i] for i in range(len(plan[0])) for r in range(16)]
         steps.append([np.concatenate(batches[s:s + 64]) for s in range(0, len(batches), 64)])
     assert length_r2(lengths, steps[1]) <= length_r2(lengths, steps[0])

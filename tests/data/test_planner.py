@@ -27,15 +27,15 @@ def test_every_sample_once_within_budget_and_equal_counts_per_rank(order, layout
     lengths = np.asarray(lengths)
     if len(lengths) < world_size:
         with pytest.raises(UserError, match="same number of micro-batches"):
-            plan_batches(lengths, 128, order, layout, seed=seed, epoch=epoch, world_size=world_size)
+            plan_batches(lengths, PlannerConfig(128, order, layout, seed=seed, world_size=world_size), epoch=epoch)
         return
-    plan = plan_batches(lengths, 128, order, layout, seed=seed, epoch=epoch, world_size=world_size)
+    plan = plan_batches(lengths, PlannerConfig(128, order, layout, seed=seed, world_size=world_size), epoch=epoch)
     assert len(plan) == world_size
     assert len({len(rank) for rank in plan}) == 1
     flat = np.concatenate([b for rank in plan for b in rank])
     assert sorted(flat.tolist()) == list(range(len(lengths)))
     assert all(len(b) and cost(lengths, b, layout) <= 128 for rank in plan for b in rank)
-    again = plan_batches(lengths, 128, order, layout, seed=seed, epoch=epoch, world_size=world_size)
+    again = plan_batches(lengths, PlannerConfig(128, order, layout, seed=seed, world_size=world_size), epoch=epoch)
     assert [[b.tolist() for b in r] for r in plan] == [[b.tolist() for b in r] for r in again]
 
 
@@ -50,7 +50,7 @@ def compositions(plan):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sorted_keeps_compositions_and_reshuffles_batch_order(lengths, layout):
-    e0, e1 = (plan_batches(lengths, 8192, "sorted", layout, epoch=e)[0] for e in (0, 1))
+    e0, e1 = (plan_batches(lengths, PlannerConfig(8192, "sorted", layout), epoch=e)[0] for e in (0, 1))
     assert compositions([e0]) == compositions([e1])
     assert [b.tolist() for b in e0] != [b.tolist() for b in e1]
     # batches are contiguous runs of the length-sorted order
@@ -63,28 +63,28 @@ def test_sorted_keeps_compositions_and_reshuffles_batch_order(lengths, layout):
 @pytest.mark.parametrize("order", ["shuffle", "bucketed"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_random_orders_redraw_compositions_every_epoch(lengths, order, layout):
-    e0, e1 = (plan_batches(lengths, 8192, order, layout, epoch=e) for e in (0, 1))
+    e0, e1 = (plan_batches(lengths, PlannerConfig(8192, order, layout), epoch=e) for e in (0, 1))
     assert len(compositions(e0) & compositions(e1)) < 0.05 * len(compositions(e0))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bucketed_batches_stay_inside_one_bucket(lengths, layout):
     edges = [0, 300, 900, 2000]
-    plan = plan_batches(lengths, 8192, "bucketed", layout, boundaries=edges[1:-1])
+    plan = plan_batches(lengths, PlannerConfig(8192, "bucketed", layout, boundaries=edges[1:-1]))
     for b in plan[0]:
         buckets = np.searchsorted(edges[1:-1], lengths[b], side="left")
         assert len(set(buckets.tolist())) == 1
 
 
 def test_bucketed_interleaves_buckets(lengths):
-    plan = plan_batches(lengths, 8192, "bucketed", "padded", boundaries=[300, 900])[0]
+    plan = plan_batches(lengths, PlannerConfig(8192, "bucketed", "padded", boundaries=[300, 900]))[0]
     first_bucket = [int(np.searchsorted([300, 900], lengths[b[0]], side="left")) for b in plan]
     changes = sum(a != b for a, b in pairwise(first_bucket))
     assert changes > len(plan) // 3  # not bucket after bucket
 
 
 def test_packed_shuffle_batches_mix_lengths_like_iid_draws(lengths):
-    batches = plan_batches(lengths, 8192, "shuffle", "packed")[0]
+    batches = plan_batches(lengths, PlannerConfig(8192, "shuffle", "packed"))[0]
     stats = plan_stats(lengths, batches, "packed", 8192)
     iid = plan_stats(lengths, np.array_split(np.random.default_rng(1).permutation(len(lengths)), len(batches)),
                      "packed", 8192)
@@ -100,18 +100,18 @@ def test_single_sample_batches_are_merged_to_balance_ranks_or_refused(layout):
     balanced = _balance([np.array([0]), np.array([1]), np.array([2])], lengths, 100, layout, 2)
     assert sorted(sorted(b.tolist()) for b in balanced) == [[0, 2], [1]]
     with pytest.raises(UserError, match="no two of them fit together in the token budget 100"):
-        plan_batches(np.array([60, 90, 95]), 100, "shuffle", layout, world_size=2)
+        plan_batches(np.array([60, 90, 95]), PlannerConfig(100, "shuffle", layout, world_size=2))
 
 
 def test_sample_over_budget_is_named():
-    with pytest.raises(UserError, match=r"sample 2 has 900 tokens, more than the token budget 512"):
-        plan_batches(np.array([10, 20, 900]), 512, "shuffle", "packed")
+    with pytest.raises(UserError, match=r"sample 2 has 900 tokens, more than --token-budget 512"):
+        plan_batches(np.array([10, 20, 900]), PlannerConfig(512, "shuffle", "packed"))
 
 
 @pytest.mark.parametrize("bad,match", [(("nope", "packed"), "order must be"), (("shuffle", "dense"), "layout must be")])
 def test_unknown_order_or_layout_is_refused(bad, match):
     with pytest.raises(UserError, match=match):
-        plan_batches(np.array([1, 2]), 8, *bad)
+        plan_batches(np.array([1, 2]), PlannerConfig(8, *bad))
 
 
 def test_optimal_buckets_beat_quantiles_on_padded_cost(lengths):

@@ -247,7 +247,7 @@ def test_store_records_fingerprints_and_notices_every_change(tmp_path, tokenizer
     assert [d.split(":")[0] for d in store_differences(tmp_path / "store", src, other, same)] == ["tokenizer"]
     with pytest.raises(UserError, match="its tokenizer differs from the one"):
         TokenStore(tmp_path / "store").check_tokenizer(other, "--target x")
-    from dflash.models.target import ensure_mask_token
+    from dflash.data.vocab import ensure_mask_token
 
     ensure_mask_token(reloaded, 1000)  # as the trainer does to the target's tokenizer
     TokenStore(tmp_path / "store").check_tokenizer(reloaded, "--target x")

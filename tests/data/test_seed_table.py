@@ -4,7 +4,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from dflash.data import plan_batches, seed_like_lengths
+from dflash.data import PlannerConfig, plan_batches, seed_like_lengths
 from dflash.data.plan_stats import plan_stats
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET
 
@@ -25,14 +25,14 @@ def seed_lengths():
     ("sorted", 0.9999, 41_167), ("shuffle", 0.431, 103_976), ("bucketed", 0.785, 52_868),
 ])
 def test_padded_orders_reproduce_the_seed_table(seed_lengths, order, efficiency, batches):
-    plan = plan_batches(seed_lengths, SEED_TOKEN_BUDGET, order, "padded", boundaries=SEED_BOUNDARIES)[0]
+    plan = plan_batches(seed_lengths, PlannerConfig(SEED_TOKEN_BUDGET, order, "padded", boundaries=SEED_BOUNDARIES))[0]
     stats = plan_stats(seed_lengths, plan, "padded", SEED_TOKEN_BUDGET)
     assert abs(stats["efficiency"] - efficiency) < 0.005
     assert abs(stats["batches"] - batches) / batches < 0.005
 
 
 def test_packed_shuffle_fills_the_budget(seed_lengths):
-    plan = plan_batches(seed_lengths, SEED_TOKEN_BUDGET, "shuffle", "packed")[0]
+    plan = plan_batches(seed_lengths, PlannerConfig(SEED_TOKEN_BUDGET, "shuffle", "packed"))[0]
     stats = plan_stats(seed_lengths, plan, "packed", SEED_TOKEN_BUDGET)
     assert stats["efficiency"] == 1.0 and stats["fill"] >= 0.995
     assert stats["batches"] >= -(-int(seed_lengths.sum()) // SEED_TOKEN_BUDGET)

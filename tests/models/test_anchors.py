@@ -27,15 +27,15 @@ def packed(samples, masks, sample_ids=None):
     )
 
 
-def plan_of(batch, num_anchors=512, seed=0, epoch=0):
+def anchors_of(batch, num_anchors=512, seed=0, epoch=0):
     return sample_anchors(batch.loss_mask, batch.cu_seqlens_cpu, batch.sample_ids,
                           block_size=B, num_anchors=num_anchors, seed=seed, epoch=epoch)
 
 
-def anchors_by_sample(batch, plan):
+def anchors_by_sample(batch, anchors):
     sid = batch.sample_ids.tolist()
     out = {}
-    for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True):
+    for s, a in zip(anchors.block_seq.tolist(), anchors.block_anchor.tolist(), strict=True):
         out.setdefault(sid[s], []).append(a)
     return out
 
@@ -51,8 +51,8 @@ def test_anchors_are_candidates_drawn_without_replacement():
     samples, masks = zip(*[random_sample(rng, n) for n in (40, 90, 25)], strict=True)
     batch = packed(samples, masks)
     for num_anchors in (5, 512):
-        plan = plan_of(batch, num_anchors=num_anchors)
-        got = anchors_by_sample(batch, plan)
+        anchors = anchors_of(batch, num_anchors=num_anchors)
+        got = anchors_by_sample(batch, anchors)
         for s, m in enumerate(masks):
             candidates = [a for a in range(len(m) - 1) if m[a] and m[a + 1]]
             anchors = got[s]
@@ -69,10 +69,10 @@ def test_samples_with_too_few_supervised_tokens_are_skipped_and_counted():
     scattered = np.zeros(40, bool)
     scattered[::2] = True  # 20 supervised tokens, but no two in a row: no candidate
     batch = packed([np.arange(20), np.arange(20), np.arange(40)], [too_few, just_enough, scattered])
-    plan = plan_of(batch)
-    assert plan.num_skipped == 2
-    assert set(plan.block_seq.tolist()) == {1}
-    assert plan.num_blocks == 2 * B - 1
+    anchors = anchors_of(batch)
+    assert anchors.num_skipped == 2
+    assert set(anchors.block_seq.tolist()) == {1}
+    assert anchors.num_blocks == 2 * B - 1
 
 
 def test_anchors_depend_only_on_seed_epoch_and_sample_id():
@@ -80,7 +80,7 @@ def test_anchors_depend_only_on_seed_epoch_and_sample_id():
     samples, masks = zip(*[random_sample(rng, n) for n in (60, 80, 70)], strict=True)
 
     def draw(batch, epoch):
-        return anchors_by_sample(batch, plan_of(batch, num_anchors=6, seed=3, epoch=epoch))
+        return anchors_by_sample(batch, anchors_of(batch, num_anchors=6, seed=3, epoch=epoch))
 
     first = draw(packed(samples, masks, sample_ids=[10, 11, 12]), epoch=2)
     # The same samples in another order and another company draw the same anchors.
@@ -95,11 +95,11 @@ def test_block_inputs_and_same_position_labels():
     rng = np.random.default_rng(2)
     samples, masks = zip(*[random_sample(rng, n) for n in (30, 45)], strict=True)
     batch = packed(samples, masks)
-    plan = plan_of(batch, num_anchors=20)
+    anchors = anchors_of(batch, num_anchors=20)
     mask_id = 1000
-    bt = block_tensors(plan, batch, mask_id)
+    bt = block_tensors(anchors, batch, mask_id)
     ids, pos = bt.input_ids.view(-1, B), bt.position_ids.view(-1, B)
-    for j, (s, a) in enumerate(zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True)):
+    for j, (s, a) in enumerate(zip(anchors.block_seq.tolist(), anchors.block_anchor.tolist(), strict=True)):
         tokens, m = samples[s], masks[s]
         assert ids[j].tolist() == [tokens[a]] + [mask_id] * (B - 1)
         assert pos[j].tolist() == [a + k for k in range(B)]
@@ -113,9 +113,9 @@ def test_block_inputs_and_same_position_labels():
 def test_blocks_near_the_end_mask_labels_outside_the_sample():
     mask = np.ones(12, bool)
     batch = packed([np.arange(12), np.arange(100, 112)], [mask, mask])
-    plan = plan_of(batch)
-    bt = block_tensors(plan, batch, mask_token_id=7)
-    last = (plan.block_seq == 0) & (plan.block_anchor == 10)  # labels at 11 (inside), 12, 13 (outside)
+    anchors = anchors_of(batch)
+    bt = block_tensors(anchors, batch, mask_token_id=7)
+    last = (anchors.block_seq == 0) & (anchors.block_anchor == 10)  # labels at 11 (inside), 12, 13 (outside)
     assert bt.label_valid[last].tolist() == [[True, False, False]]
     assert bt.labels[last][0, 0] == 11
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
 
 from dflash.data.batch import PackedBatch, PaddedBatch
-from dflash.models import BlockPlan, DFlashDrafter, DrafterConfig, TargetModel, block_tensors, slot_weights
+from dflash.models import Anchors, DFlashDrafter, DrafterCache, DrafterConfig, TargetModel, block_tensors, slot_weights
 
 VOCAB, MASK_ID, B = 300, 299, 4
 TAPS = [1, 3]
@@ -77,10 +77,10 @@ def inference_block(drafter, feats, tokens, anchor):
     return drafter.norm(x)
 
 
-def run_blocks(drafter, batch, feats, plan):
-    bt = block_tensors(plan, batch, MASK_ID)
+def run_blocks(drafter, batch, feats, anchors):
+    bt = block_tensors(anchors, batch, MASK_ID)
     hidden = drafter.block_hidden(feats, bt.input_ids, bt.position_ids, batch.position_ids,
-                                  (batch.cu_seqlens, batch.cu_seqlens_cpu), plan)
+                                  (batch.cu_seqlens, batch.cu_seqlens_cpu), anchors)
     return hidden.view(-1, B, hidden.shape[-1])
 
 
@@ -93,13 +93,39 @@ def test_packed_forward_matches_inference_formula_block_by_block():
     # Anchors at the start (empty context), in the middle, overlapping, and at the last token.
     seq = [0, 0, 1, 1, 1, 1, 2]
     anchor = [0, 10, 3, 4, 17, 29, 9]
-    plan = BlockPlan(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
+    anchors = Anchors(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
     with torch.no_grad():
-        got = run_blocks(drafter, batch, feats, plan)
+        got = run_blocks(drafter, batch, feats, anchors)
         cu = batch.cu_seqlens.tolist()
         for j, (s, a) in enumerate(zip(seq, anchor, strict=True)):
             ref = inference_block(drafter, feats[cu[s]:cu[s + 1]], batch.input_ids[cu[s]:cu[s + 1]], a)
             torch.testing.assert_close(got[j], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_block_by_block_forward_equals_the_training_forward():
+    """Decoding's forward (`draft`: context rows appended to a cache, one block at a time, any jump
+    between anchors) is the training forward: every block of a packed batch, fp32."""
+    target = tiny_target(2)
+    drafter = tiny_drafter(target, seed=2)
+    lengths = [13, 1, 24, 7]
+    batch = make_batch(lengths, seed=2)
+    feats = target.features(batch)
+    cu = batch.cu_seqlens.tolist()
+    seq = [s for s, n in enumerate(lengths) for _ in range(n)]  # a block at every position, the last included
+    anchor = [a for n in lengths for a in range(n)]
+    anchors = Anchors(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
+    lm_head = target.shared_weights().lm_head
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        training = run_blocks(drafter, batch, feats, anchors)[:, 1:] @ lm_head.t()
+        for s, n in enumerate(lengths):
+            for visit in range(2):  # every anchor in turn, then decoding's jumps of 1..B positions
+                cache, a = DrafterCache(drafter, capacity=n), 0
+                while a < n:
+                    got = drafter.draft(cache, feats[cu[s] + cache.length:cu[s] + a], int(batch.input_ids[cu[s] + a]))
+                    torch.testing.assert_close(got, training[cu[s] + a], rtol=1e-6, atol=1e-6)
+                    assert torch.equal(got.argmax(-1), training[cu[s] + a].argmax(-1))
+                    a += 1 if visit == 0 else int(rng.integers(1, B + 1))
 
 
 def test_loss_and_metrics_match_direct_computation():
@@ -108,14 +134,14 @@ def test_loss_and_metrics_match_direct_computation():
     batch = make_batch([25, 9, 40], seed=1)  # the 9-token sample has 4 < 2B supervised tokens
     feats = target.features(batch)
     out = drafter(batch, feats, epoch=1, seed=5)
-    plan = drafter.plan(batch, epoch=1, seed=5)
-    assert out.num_skipped == 1 and out.num_blocks == plan.num_blocks == 10
+    anchors = drafter.anchors(batch, epoch=1, seed=5)
+    assert out.num_skipped == 1 and out.num_blocks == anchors.num_blocks == 10
 
     w = slot_weights(B, 2.0)
     loss, weight, tau, correct, count = 0.0, 0.0, 0.0, torch.zeros(B - 1), torch.zeros(B - 1)
     cu, ids, lm = batch.cu_seqlens.tolist(), batch.input_ids, batch.loss_mask
     with torch.no_grad():
-        for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True):
+        for s, a in zip(anchors.block_seq.tolist(), anchors.block_anchor.tolist(), strict=True):
             n = cu[s + 1] - cu[s]
             lm_head = target.shared_weights().lm_head
             logits = inference_block(drafter, feats[cu[s]:cu[s + 1]], ids[cu[s]:], a) @ lm_head.t()
@@ -221,13 +247,13 @@ def test_tau_counts_leading_slots_that_match_the_data():
     target = tiny_target()
     drafter = tiny_drafter(target, num_anchors=1)
     batch = make_batch([24, 30, 28])
-    plan = drafter.plan(batch, epoch=0, seed=0)
+    anchors = drafter.anchors(batch, epoch=0, seed=0)
     lm_head = target.shared_weights().lm_head
     cu = batch.cu_seqlens.tolist()
     feats = target.features(batch)
     matches = [3, 0, 1]  # leading slots made correct, then one wrong slot
     with torch.no_grad():
-        for s, a in zip(plan.block_seq.tolist(), plan.block_anchor.tolist(), strict=True):
+        for s, a in zip(anchors.block_seq.tolist(), anchors.block_anchor.tolist(), strict=True):
             assert a + B <= cu[s + 1] - cu[s]  # all labels inside the sample (true for this seed)
             logits = inference_block(drafter, feats[cu[s]:cu[s + 1]], batch.input_ids[cu[s]:], a) @ lm_head.t()
             pred = logits.argmax(-1)

@@ -38,8 +38,8 @@ def demo():
     """The demo target (fp32), its tokenizer, stop ids and the 8 turns of 5 demo conversations, regenerated."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.data.generation import generation_eos, stop_ids
     from dflash.demo import DATA, TARGET
-    from dflash.regenerate import generation_eos, stop_ids
 
     tok = AutoTokenizer.from_pretrained(str(TARGET))
     hf = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32)
@@ -81,10 +81,10 @@ def trained(demo):
     drafter = make_drafter(demo, seed=1, layers=1)
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
     feats = demo["target"].features(batch)
-    (plan,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
+    (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     for _ in range(40):
-        out = drafter(batch, feats, plan=plan)
+        out = drafter(batch, feats, anchors=anchors)
         opt.zero_grad()
         (out.loss_sum / out.weight_sum).backward()
         opt.step()
@@ -102,7 +102,7 @@ def decode_and_walk(demo, drafter, limit):
         tokens += len(spec.tokens) - 1
         forwards += spec.forwards
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
-    stats = walk_tau(lambda b, f, plan: drafter(b, f, plan=plan), batch, demo["target"].features(batch),
+    stats = walk_tau(lambda b, f, a: drafter(b, f, anchors=a), batch, demo["target"].features(batch),
                      block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops, max_blocks=100)
     assert stats.turns == len(demo["prompts"])  # every turn, however short
     return lossless, (tokens, forwards), (stats.tokens, stats.blocks), stats
@@ -164,10 +164,10 @@ def test_every_anchor_covers_short_samples_in_chunks():
     samples = [(np.arange(10), np.array([0, 0, 1, 1, 1, 0, 0, 1, 1, 0], dtype=bool)),
                (np.arange(4), np.array([0, 1, 1, 1], dtype=bool))]
     batch = limited(collate_packed(samples, [0, 1]), 2)
-    plans = every_anchor(batch, block_size=16, max_blocks=2)
-    got = [(int(s), int(a)) for p in plans for s, a in zip(p.block_seq, p.block_anchor, strict=True)]
+    chunks = every_anchor(batch, block_size=16, max_blocks=2)
+    got = [(int(s), int(a)) for p in chunks for s, a in zip(p.block_seq, p.block_anchor, strict=True)]
     assert got == [(0, 2), (0, 7), (1, 1)]  # turns cut to 2 tokens: one anchor each
-    assert [p.num_blocks for p in plans] == [2, 1]
+    assert [p.num_blocks for p in chunks] == [2, 1]
     # decoding stops at the first stop token (9 here), whatever the template supervises after it
     cut = limited(collate_packed([(np.array([5, 1, 9, 4, 2, 9]), np.array([0, 1, 1, 1, 1, 1], dtype=bool))], [0]),
                   None, stop_ids=[9])

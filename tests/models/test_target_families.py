@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.demo.families import CONFIGS, VOCAB, WINDOW, tiny_target
-from dflash.models import TargetModel, load_target
+from dflash.models import TargetModel, load_language_model
 
 from .test_target import make_batches, reference_features
 
@@ -42,7 +42,7 @@ def test_packed_features_match_per_sample_forward(family, backend):
 
 
 def test_image_text_checkpoint_loads_its_language_model_only(tmp_path):
-    """A Qwen3.5 image-text checkpoint (...ForConditionalGeneration): load_target gives the causal LM
+    """A Qwen3.5 image-text checkpoint (...ForConditionalGeneration): load_language_model gives the causal LM
     of its text config with the checkpoint's weights, no vision tower, the same tapped layers."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
@@ -52,9 +52,9 @@ def test_image_text_checkpoint_loads_its_language_model_only(tmp_path):
     torch.manual_seed(0)
     full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).float().eval()
     full.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="load_target"):
+    with pytest.raises(ValueError, match="load_language_model"):
         TargetModel(full)
-    lm = load_target(tmp_path, torch.float32)
+    lm = load_language_model(tmp_path, torch.float32)
     assert type(lm).__name__ == "Qwen3_5ForCausalLM"
     assert not any("visual" in name for name, _ in lm.named_parameters())
     taps = _taps(lm)

@@ -226,3 +226,48 @@ def test_autotune_is_keyed_by_size_class():
     for tuner in (vk._fwd_kernel, vk._bwd_dkdv_kernel, vk._bwd_dq_kernel, bk._fwd_kernel, bk._bwd_ctx_kernel,
                   bk._bwd_dq_ctx_kernel, bk._bwd_own_kernel):
         assert "n_bucket" in tuner.keys
+
+
+def _fake_varlen_attn(with_gqa):
+    """torch.nn.attention.varlen.varlen_attn as torch 2.11 (no enable_gqa: K/V must have the query's
+    heads) or a newer torch declares it, computed by the reference (it has no CPU kernel)."""
+    from dflash.ops.varlen.naive import varlen_attention_naive
+
+    def check(q, k, enable_gqa=False):
+        assert k.shape[1] == q.shape[1] or enable_gqa, "GQA without enable_gqa"
+
+    if with_gqa:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):
+            check(query, key, enable_gqa)
+            return varlen_attention_naive(query, key, value, cu_seq_q, causal=window_size == (-1, 0),
+                                          softmax_scale=scale)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1)):
+            check(query, key)
+            return varlen_attention_naive(query, key, value, cu_seq_q, causal=window_size == (-1, 0),
+                                          softmax_scale=scale)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("with_gqa", [False, True], ids=["torch-2.11", "torch-2.13"])
+def test_torch_varlen_backend_serves_gqa_with_or_without_enable_gqa(monkeypatch, with_gqa, check_close):
+    """torch 2.11's varlen_attn has no enable_gqa (TypeError before): K/V heads are repeated there."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    from dflash.ops.varlen.libraries import varlen_attention_library
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", _fake_varlen_attn(with_gqa))
+    lengths = [9, 1, 14]
+    q, k, v, do = _inputs(lengths, 4, 2, 16, torch.float32)
+    results = []
+    for backend in ("torch_varlen", "torch"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if backend == "torch":
+            out = varlen_attention(*leaves, _cu(lengths), 14, backend="torch", softmax_scale=0.25)
+        else:
+            out = varlen_attention_library(backend, *leaves, _cu(lengths), 14, True, 0.25)
+        results.append((out, *torch.autograd.grad(out, leaves, do)))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        check_close(name, got, want)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from dflash.training.ranks import free_port
+
 from ..conftest import ROOT, make_chat_tokenizer
 
 WORDS = [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is"]
@@ -60,7 +62,7 @@ def run_deepspeed(args, num_ranks=2, timeout=600, script=None):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(num_ranks),
-           "--master_port", str(29500 + random.randint(0, 2000)), str(script or ROOT / "launch" / "train.py"), *args]
+           "--master_port", str(free_port()), str(script or ROOT / "launch" / "train.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -51,7 +51,7 @@ with deepspeed.zero.GatheredParameters(list(drafter.parameters()), enabled=stage
 
 if rank == 0:
     whole = maker(torch.arange(7).numpy(), epoch=0)
-    out = reference(whole.batch, target.features(whole.batch), plan=whole.plan)
+    out = reference(whole.batch, target.features(whole.batch), anchors=whole.anchors)
     (out.loss_sum / out.weight_sum).backward()
     err = max(float((ds_grad[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
               for n, p in reference.named_parameters())

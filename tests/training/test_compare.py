@@ -7,11 +7,11 @@ import sys
 import numpy as np
 import pytest
 
-from dflash.data.planner import plan_batches
+from dflash.data.planner import PlannerConfig, plan_batches
 from dflash.data.token_store import TokenStore
 from dflash.training.compare import MODES, summarize_throughput
+from dflash.training.data import held_out_split
 from dflash.training.steps import step_ranges
-from dflash.training.trainer import _split
 
 from ..conftest import ROOT
 from .conftest import run_deepspeed
@@ -30,9 +30,9 @@ def compare_args(target, store, out):
 def expected_tokens(store, order, layout, world_size):
     """Real and computed tokens of the measured steps, from the plan alone (count x longest when padded)."""
     lengths = TokenStore(store).lengths
-    train_idx, _ = _split(len(lengths), 0.1, 0)
+    train_idx, _ = held_out_split(len(lengths), 0.1, 0)
     lengths = lengths[train_idx]
-    plan = plan_batches(lengths, BUDGET, order, layout, seed=0, epoch=0, world_size=world_size)
+    plan = plan_batches(lengths, PlannerConfig(BUDGET, order, layout, seed=0, world_size=world_size), epoch=0)
     ranges = step_ranges(plan, lengths, STEP_TOKENS)[WARMUP:WARMUP + STEPS]
     batches = [b for first, end in ranges for rank in plan for b in rank[first:end]]
     real = sum(int(lengths[b].sum()) for b in batches)

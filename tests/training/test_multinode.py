@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from dflash.errors import UserError
+from dflash.training.ranks import free_port
 from dflash.training.shared_fs import PROBE, check_shared_paths
 
 from ..conftest import ROOT
@@ -28,13 +29,6 @@ from .conftest import read_metrics, run_deepspeed, tiny_train_args, without_timi
 
 # ZeRO-3, 4 steps per epoch; the multi-node run stops after step 3 (inside epoch 0) and resumes
 COMMON = ("--step-tokens", 600, "--max-steps", 5, "--deepspeed_config", ROOT / "ds_configs" / "zero3.json")
-
-
-def free_port() -> int:
-    """A port that no other run on this (shared) machine holds now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def two_nodes(args, tmp_path, cwds=(ROOT, ROOT), timeout=600):

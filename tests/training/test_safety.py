@@ -3,7 +3,6 @@ or cut checkpoint file is named, a full disk is one clear error, the export is a
 import errno
 import json
 import os
-import random
 import warnings
 
 import pytest
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from dflash.errors import UserError
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
+from dflash.training.ranks import free_port
 
 from ..conftest import ROOT
 from ..models.test_checkpoint import make_drafter
@@ -24,7 +24,7 @@ def one_rank():
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{29500 + random.randint(2001, 4000)}",
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -236,10 +236,8 @@ def test_without_the_launcher_one_process_runs_or_the_launcher_is_named():
                                                   ("bf16", "auto", torch.bfloat16), ("fp32", True, "enables bf16"),
                                                   ("auto", "fp16", "fp16 is not supported")])
 def test_the_run_trains_in_what_the_deepspeed_json_switches_on(tmp_path, dtype, bf16, expected):
-    from types import SimpleNamespace
-
     from dflash.training.config import load_config
-    from dflash.training.trainer import Trainer
+    from dflash.training.ds_config import training_ds_config
 
     config = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
     config.pop("bf16", None)
@@ -247,12 +245,16 @@ def test_the_run_trains_in_what_the_deepspeed_json_switches_on(tmp_path, dtype, 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     cfg = load_config(["--deepspeed_config", str(path), "--dtype", dtype])
-    trainer = SimpleNamespace(cfg=cfg, world_size=1)  # what _ds_config reads, before anything loads
+
+    def train_dtype():  # what the trainer calls first, before anything loads
+        return training_ds_config(cfg.deepspeed_config, cfg.dtype, device="cpu", world_size=1,
+                                  grad_clip=cfg.grad_clip)[1]
+
     if isinstance(expected, str):
         with pytest.raises(UserError, match=expected):
-            Trainer._ds_config(trainer, on_gpu=False)
+            train_dtype()
     else:
-        assert Trainer._ds_config(trainer, on_gpu=False)[1] == expected
+        assert train_dtype() == expected
 
 
 def test_resume_and_overwrite_contradict():

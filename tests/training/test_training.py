@@ -13,8 +13,8 @@ from dflash.errors import UserError
 from dflash.training.config import load_config, resolve
 from dflash.training.ds_config import load_ds_config
 from dflash.training.metrics import MetricsWriter
+from dflash.training.models import lr_lambda
 from dflash.training.steps import step_ranges
-from dflash.training.trainer import lr_lambda
 
 from ..conftest import ROOT
 from .conftest import read_metrics, run_deepspeed, tiny_train_args

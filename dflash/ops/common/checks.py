@@ -36,6 +36,31 @@ def check_index(name: str, t: torch.Tensor, device: torch.device, length: int | 
         raise ValueError(f"{name} must have {length} entries, got {t.numel()}")
 
 
+def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int, cu_seqlens_cpu: torch.Tensor | None) -> None:
+    """`cu_seqlens` starts at 0, never decreases and ends at `total`, the packed rows (rows past its
+    end would be left unwritten, a decrease would read another sample's rows).
+
+    Checked on the host copy (cu_seqlens_cpu, or cu_seqlens itself on the CPU); on CUDA without one,
+    on the device without a host sync (torch._assert_async: a bad batch stops the process with a
+    device-side assert)."""
+    if cu_seqlens.numel() == 0:
+        raise ValueError(f"{name} needs at least one entry (0, then the end of each sample)")
+    if cu_seqlens_cpu is not None and cu_seqlens_cpu.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_cpu has {cu_seqlens_cpu.numel()} entries but {name} has {cu_seqlens.numel()}")
+    host = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens_cpu
+    if host is None:
+        ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+        torch._assert_async(ok, f"{name} must start at 0, never decrease and end at the {total} packed rows")
+        return
+    if int(host[0]) != 0 or int(host[-1]) != total:
+        raise ValueError(f"{name} must start at 0 and end at {total} (the packed rows), got {int(host[0])} ... "
+                         f"{int(host[-1])}")
+    down = (host[1:] < host[:-1]).nonzero()
+    if down.numel():
+        i = int(down[0, 0]) + 1
+        raise ValueError(f"{name} decreases at entry {i}: {int(host[i - 1])} then {int(host[i])}")
+
+
 def check_max_seqlen(cu_seqlens_cpu: torch.Tensor, max_seqlen: int) -> None:
     """max_seqlen must bound every sample of the host copy of cu_seqlens."""
     lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]

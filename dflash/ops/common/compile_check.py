@@ -9,6 +9,7 @@ prune, at their first launch, the configs that would not fit or would spill on t
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import subprocess
@@ -21,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ...errors import UserError
+from .backend import is_interpreting
 
 # Shared memory one block may opt into (bytes): A100, H100/H200, B200, RTX PRO 6000 Blackwell.
 # Triton compiles capability >= 90 for the "a" variants (sm_90a, sm_100a, sm_120a).
@@ -28,7 +30,7 @@ MAX_SHARED = {80: 166912, 90: 232448, 100: 232448, 120: 101376}
 ARCH_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 FP32_TENSORS = ("LSE", "DELTA", "DQ_ACC")
-# Set to pin every autotuned kernel to its first fitting config (a quick GPU check: no tuning).
+# Set to pin every autotuned kernel to pinned_config (a quick GPU check: no timing).
 PIN_ENV = "DFLASH_PIN_CONFIGS"
 
 
@@ -97,39 +99,70 @@ def current_capability() -> int:
     return 10 * major + minor
 
 
+def expected_speed(config) -> tuple:
+    """Sort key of a config, fastest expected last: the larger tuned tile (more reuse of each
+    load), then more pipeline stages (more loads in flight), then more warps."""
+    return math.prod(config.kwargs.values()), config.num_stages, config.num_warps
+
+
+def _launchable(tuner, dtype, constexprs: tuple, cap: int, configs):
+    """(spill bytes, config) of those of `configs` that fit in shared memory on `cap`, compiled in turn
+    (a generator: a caller that stops early compiles no further)."""
+    for config in configs:
+        record = compile_config(tuner.fn, dtype, dict(constexprs), config, cap)
+        if record["shared_bytes"] <= MAX_SHARED.get(cap, MAX_SHARED[120]):
+            yield record["spills"], config
+
+
 @functools.cache
 def _fitting(tuner, dtype, constexprs: tuple, cap: int) -> tuple:
     """(configs, spill bytes of each): those that fit without spilling; failing that, those that fit
     in shared memory with the fewest spills (slow but correct); empty when none can launch."""
-    pin = os.environ.get(PIN_ENV, "0") not in ("", "0")
-    launchable = []
-    for config in tuner.configs:
-        record = compile_config(tuner.fn, dtype, dict(constexprs), config, cap)
-        if record["shared_bytes"] <= MAX_SHARED.get(cap, MAX_SHARED[120]):
-            launchable.append((record["spills"], config))
-            if pin and record["spills"] == 0:
-                break
+    launchable = list(_launchable(tuner, dtype, constexprs, cap, tuner.configs))
     if not launchable:
         return ()
     least = min(spills for spills, _ in launchable)
-    best = [config for spills, config in launchable if spills == least]
-    return tuple(best[:1] if pin else best), least
+    return tuple(config for spills, config in launchable if spills == least), least
 
 
-def fitting_configs(tuner, dtype: torch.dtype, constexprs: dict, cap: int | None = None) -> list:
-    """The configs of `tuner` (a triton.autotune object) that fit in shared memory and do not spill
-    on capability `cap` (default: the current GPU); only the first with DFLASH_PIN_CONFIGS=1.
-    When every config spills, the ones that spill least, with a warning. Raises UserError when
-    none fits in shared memory (the launch would fail)."""
-    cap = current_capability() if cap is None else cap
+@functools.cache
+def _pinned(tuner, dtype, constexprs: tuple, cap: int) -> tuple:
+    """(config, spill bytes): the first of the configs in order of expected speed that fits without
+    spilling (compiled until found); failing that the least-spilling one; empty when none can launch."""
+    ranked = sorted(tuner.configs, key=expected_speed, reverse=True)
+    for spills, config in _launchable(tuner, dtype, constexprs, cap, ranked):
+        if spills == 0:
+            return config, 0
+    found = _fitting(tuner, dtype, constexprs, cap)
+    return (found[0][0], found[1]) if found else ()
+
+
+def _found(tuner, dtype: torch.dtype, constexprs: dict, cap: int, found: tuple):
     arch = ARCH_NAMES.get(cap, f"sm_{cap}")
-    found = _fitting(tuner, dtype, tuple(sorted(constexprs.items())), cap)
     if not found:
         raise UserError(f"{tuner.fn.__name__}: no config fits {arch} "
                         f"({MAX_SHARED.get(cap, MAX_SHARED[120])} B shared memory per block) for "
                         f"{dtype} and {dict(constexprs)}")
-    configs, spills = found
-    if spills:
+    if found[1]:
         warnings.warn(f"{tuner.fn.__name__}: every config spills registers on {arch} for {dtype} and "
-                      f"{dict(constexprs)} (least: {spills} B); it runs, slowly", stacklevel=2)
-    return list(configs)
+                      f"{dict(constexprs)} (least: {found[1]} B); it runs, slowly", stacklevel=3)
+    return found[0]
+
+
+def fitting_configs(tuner, dtype: torch.dtype, constexprs: dict, cap: int | None = None) -> list:
+    """The configs of `tuner` (a triton.autotune object) that fit in shared memory and do not spill
+    on capability `cap` (default: the current GPU). When every config spills, the ones that spill
+    least, with a warning. Raises UserError when none fits in shared memory (the launch would fail)."""
+    cap = current_capability() if cap is None else cap
+    return list(_found(tuner, dtype, constexprs, cap, _fitting(tuner, dtype, tuple(sorted(constexprs.items())), cap)))
+
+
+def pinned_config(tuner, dtype: torch.dtype, constexprs: dict, cap: int | None = None):
+    """The config of `tuner` that deterministic mode and DFLASH_PIN_CONFIGS=1 run, chosen without
+    timing: the fastest expected (expected_speed) of those that fit `cap` (default: the current GPU)
+    without spilling; where every config spills, the least spilling (with a warning). The same in
+    every process. Under the interpreter (nothing to compile for) the fastest expected."""
+    if is_interpreting():
+        return max(tuner.configs, key=expected_speed)
+    cap = current_capability() if cap is None else cap
+    return _found(tuner, dtype, constexprs, cap, _pinned(tuner, dtype, tuple(sorted(constexprs.items())), cap))

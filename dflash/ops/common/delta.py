@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import autotune
+from .triton_utils import autotune, launch
 
 ROWS = 64
 
@@ -23,11 +23,13 @@ def _delta_kernel(OUT, DO, DELTA, n_rows, H: tl.constexpr, D: tl.constexpr, BLOC
     tl.store(DELTA + (pairs % H) * n_rows + pairs // H, tl.sum(o * do, 1), mask=ok)
 
 
-def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """(H, rows) fp32 rowsum(dO * O) of contiguous (rows, H, D) tensors (the kernels' lse layout)."""
+def attention_delta(do: torch.Tensor, o: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """(H, rows) fp32 rowsum(dO * O) of contiguous (rows, H, D) tensors (the kernels' lse layout);
+    pinned: no timing-based config (deterministic mode)."""
     rows, heads, d = o.shape
     delta = torch.empty((heads, rows), dtype=torch.float32, device=o.device)
-    _delta_kernel[(triton.cdiv(rows * heads, ROWS),)](o, do, delta, rows, H=heads, D=d, BLOCK=ROWS)
+    launch(_delta_kernel, (triton.cdiv(rows * heads, ROWS),), (o, do, delta, rows), dict(H=heads, D=d, BLOCK=ROWS),
+           pinned)
     return delta
 
 

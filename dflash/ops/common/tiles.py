@@ -50,6 +50,11 @@ class TensorKeyedCache:
 TILE_CACHE = TensorKeyedCache()
 
 
+def longest_sample(cu_seqlens_cpu: torch.Tensor) -> int:
+    """Rows of the longest sample of a host copy of cu_seqlens (0 without samples)."""
+    return int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if cu_seqlens_cpu.numel() > 1 else 0
+
+
 def sequence_tiles(cu_seqlens: torch.Tensor, block: int, total: int, causal: bool,
                    cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
     """(n, 2) int32 rows (sample, tile index) covering every sample in `block`-row tiles.

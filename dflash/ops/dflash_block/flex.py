@@ -3,23 +3,29 @@ from __future__ import annotations
 
 import torch
 
-from ..common.flex import flex_attention_packed
+from ..common.flex import flex_attention_packed, packed_block_mask
 
 
 def dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_seq, block_anchor, block_size,
                                 scale):
     """Keys are all context rows followed by all block rows; the mask keeps, for a row of block j,
-    the context rows of its sample before its anchor and the B rows of block j."""
-    total = k_ctx.shape[0]
-    doc = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device),
-                                  (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=total)
-    pos = torch.arange(total, device=q.device) - cu_seqlens.long()[doc]
-    seq, anchor = block_seq.long(), block_anchor.long()
+    the context rows of its sample before its anchor and the B rows of block j. The mask is built
+    once per batch (packed_block_mask)."""
+    total, rows = k_ctx.shape[0], q.shape[0]
 
-    def mask_mod(b, h, i, j):
-        blk = i // block_size
-        jc = torch.clamp(j, max=max(total - 1, 0))
-        ctx_ok = (doc[jc] == seq[blk]) & (pos[jc] < anchor[blk])
-        return torch.where(j < total, ctx_ok, (j - total) // block_size == blk)
+    def block_mask():
+        doc = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device),
+                                      (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=total)
+        pos = torch.arange(total, device=q.device) - cu_seqlens.long()[doc]
+        seq, anchor = block_seq.long(), block_anchor.long()
 
-    return flex_attention_packed(q, torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), mask_mod, scale)
+        def mask_mod(b, h, i, j):
+            blk = i // block_size
+            jc = torch.clamp(j, max=max(total - 1, 0))
+            ctx_ok = (doc[jc] == seq[blk]) & (pos[jc] < anchor[blk])
+            return torch.where(j < total, ctx_ok, (j - total) // block_size == blk)
+        return mask_mod
+
+    mask = packed_block_mask((cu_seqlens, block_seq, block_anchor), ("block", block_size, total, rows), block_mask,
+                             rows, total + rows)
+    return flex_attention_packed(q, torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), mask, scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..common.backend import auto_falls_back, resolve_backend
-from ..common.checks import check_blocks, check_index, check_qkv
+from ..common.checks import check_blocks, check_cu_seqlens, check_index, check_qkv
 from .naive import dflash_block_attention_naive
 
 
@@ -33,7 +33,8 @@ def dflash_block_attention(
             samples laid out by cu_seqlens_ctx; Hq a multiple of Hkv (GQA as in
             `varlen_attention`).
         k_blk, v_blk: (NB*B, Hkv, D), the blocks' own keys/values, rows as in q.
-        cu_seqlens_ctx: int32 (S+1,), sample i is context rows [cu[i], cu[i+1]).
+        cu_seqlens_ctx: int32 (S+1,), sample i is context rows [cu[i], cu[i+1]); cu[0] = 0,
+            cu[S] = T, non-decreasing (checked as in `varlen_attention`).
         block_seq: int32 (NB,), the sample of each block.
         block_anchor: int32 (NB,), each block's anchor position inside its sample,
             0 <= anchor <= that sample's length. Blocks may overlap and come in any order.
@@ -75,6 +76,7 @@ def dflash_block_attention(
         raise ValueError(f"q and k_blk/v_blk must have num_blocks * block_size = {num_blocks} * "
                          f"{block_size} rows, got {q.shape[0]} and {k_blk.shape[0]}")
     check_index("cu_seqlens_ctx", cu_seqlens_ctx, q.device)
+    check_cu_seqlens("cu_seqlens_ctx", cu_seqlens_ctx, k_ctx.shape[0], cu_seqlens_cpu)
     check_index("block_seq", block_seq, q.device)
     check_index("block_anchor", block_anchor, q.device, num_blocks)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -25,14 +25,24 @@ from ...errors import UserError
 from ..common.backend import is_interpreting
 from ..common.compile_check import fitting_configs
 from ..common.delta import attention_delta
-from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, sequence_tiles
-from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, size_bucket, tile_rows
+from ..common.tiles import TILE_CACHE, block_groups, context_group_ranges, longest_sample, sequence_tiles
+from ..common.triton_utils import (
+    LOG2E,
+    autotune,
+    check_triton_inputs,
+    launch,
+    offsets_need_int64,
+    size_bucket,
+    tile_rows,
+)
 
 GROUP_ROWS = 16 if is_interpreting() else 64  # smallest BLOCK_M of a group (more if B is larger), before tile_rows
 CTX_BLOCK_N = 16 if is_interpreting() else 128  # context tile of the dK/dV kernel (tile list), before tile_rows
 CTX_ROW_BYTES = 128  # halve CTX_BLOCK_N per doubling above this: its dK/dV accumulators spill at 128 rows
 _CTX_STEP = [16] if is_interpreting() else [32, 64, 128]  # context step of forward and dQ (autotuned)
-_KEY = ["HQ", "HKV", "D", "B", "n_bucket"]  # n_bucket: size_bucket(rows), tuned per size class
+# n_bucket: size_bucket(rows), tuned per size class; every variant flag is in the key, so that one
+# variant's tuning never picks the config of another (which may spill or not fit).
+_KEY = ["HQ", "HKV", "D", "B", "OFFS64", "n_bucket"]
 BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'
 
 
@@ -41,8 +51,8 @@ def _group_rows(grp_blocks, block_anchor, i_g, part, B: tl.constexpr, BPG: tl.co
                 PER_PART: tl.constexpr, OFFS64: tl.constexpr):
     """Row indices, validity, anchors and slots of the query rows of group i_g's blocks
     [part * PER_PART, (part + 1) * PER_PART) (all of them: part 0, PER_PART = BPG), BLOCK_M rows.
-    The rows are int64 only when the block tensors' offsets need it (OFFS64): int64 offset
-    tensors cost registers, enough to make every config spill."""
+    The rows are int64 only when offsets need it (OFFS64: the block tensors or a context sample
+    reach 2**31 elements): int64 offset tensors cost registers, enough to make every config spill."""
     r = tl.arange(0, BLOCK_M)
     local = r // B
     slot = part * PER_PART + local
@@ -75,6 +85,8 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, 0, B, BPG, BLOCK_M, BPG, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
+    if OFFS64:
+        offs_n = offs_n.to(tl.int64)
     q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
     q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
     kc_base = KC + bos * (HKV * D) + i_kh * D
@@ -127,7 +139,9 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     tl.store(LSE + i_h * n_rows + rows, m_i + tl.math.log2(l_i), mask=ok)
 
 
-@autotune({"num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
+# dQ is accumulated into DQ_ACC: the autotuner must zero it after timing the configs on the live buffers.
+@autotune({"num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY + ["FUSED_DQ"], BLOCK_FALLBACK,
+          reset_to_zero=["DQ_ACC"])
 @triton.jit(do_not_specialize=["n_bucket", "n_rows"])
 def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, block_anchor, grp_blocks, tiles, ranges,
                     qk_scale, sm_scale, n_bucket, n_rows,
@@ -148,6 +162,8 @@ def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, blo
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     L = tl.load(cu_seqlens + seq + 1) - bos.to(tl.int32)
     cols = tl.load(tiles + 2 * i_tile + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if OFFS64:
+        cols = cols.to(tl.int64)
     g_lo = tl.load(ranges + 3 * i_tile)
     g_full = tl.load(ranges + 3 * i_tile + 1)
     g_end = tl.load(ranges + 3 * i_tile + 2)
@@ -202,6 +218,8 @@ def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anch
     rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, 0, B, BPG, BLOCK_M, BPG, OFFS64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
+    if OFFS64:
+        offs_n = offs_n.to(tl.int64)
     kc_base = KC + bos * (HKV * D) + i_kh * D
     vc_base = VC + bos * (HKV * D) + i_kh * D
     q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
@@ -309,14 +327,16 @@ def unservable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, blo
     return None
 
 
-def _offs64(q) -> bool:
-    """Whether offsets into the block tensors (q, dO, dQ, k_blk, v_blk, lse: none larger than q)
-    can pass int32."""
-    return q.numel() >= 2**31
+def _offs64(q, k_ctx, cu_seqlens_cpu) -> bool:
+    """Whether offsets into the block tensors (q, dO, dQ, k_blk, v_blk, lse: none larger than q) or
+    inside a context sample can pass int32."""
+    longest = k_ctx.shape[0] if cu_seqlens_cpu is None else longest_sample(cu_seqlens_cpu)
+    return q.numel() >= 2**31 or offsets_need_int64(longest, k_ctx.shape[1], k_ctx.shape[2])
 
 
-class _Plan:
-    """Everything the kernels need to know about one batch's blocks (built with torch ops)."""
+class _Schedule:
+    """Which programs the kernels run for one batch's blocks, and in what order: the groups of
+    blocks and the context tiles with the groups that see each (built with torch ops)."""
 
     def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block, cu_seqlens_cpu):
         num_seqs = cu_seqlens.numel() - 1
@@ -332,59 +352,66 @@ class _Plan:
         self.ctx_tiles, self.ctx_ranges = tiles[order].contiguous(), ranges[order].contiguous()
 
 
-def _plan(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block, cu_seqlens_cpu) -> _Plan:
+def _schedule(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block,
+              cu_seqlens_cpu) -> _Schedule:
     return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor),
                           ("dflash_block", block_size, total, group_rows, ctx_block),
-                          lambda: _Plan(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block,
-                                        cu_seqlens_cpu))
+                          lambda: _Schedule(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows,
+                                            ctx_block, cu_seqlens_cpu))
 
 
-def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale):
+def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sched, block_size, scale, offs64,
+                     deterministic):
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
     o = torch.empty_like(q)
     lse = torch.empty((HQ, q.shape[0]), dtype=torch.float32, device=q.device)
-    _fwd_kernel[(plan.order.numel() * HQ,)](
-        q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
-        plan.amax, plan.order, scale * LOG2E, size_bucket(q.shape[0]), q.shape[0],
-        HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
+    launch(_fwd_kernel, (sched.order.numel() * HQ,),
+           (q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, sched.blocks, sched.seq, sched.amin,
+            sched.amax, sched.order, scale * LOG2E, size_bucket(q.shape[0]), q.shape[0]),
+           dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, BLOCK_M=sched.block_m, OFFS64=offs64),
+           pinned=deterministic)
     return o, lse
 
 
-def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, plan, block_size,
-                     scale, deterministic):
+def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, sched, block_size,
+                     scale, offs64, deterministic):
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
-    delta = attention_delta(do, o)  # rowsum(dO * O), (HQ, rows) fp32
+    delta = attention_delta(do, o, pinned=deterministic)  # rowsum(dO * O), (HQ, rows) fp32
     dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
     dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
     # dQ from the context, fp32 and unscaled: accumulated with atomics by the dK/dV kernel, or
     # written by a kernel of its own in a fixed order (deterministic).
     dq_acc = (torch.empty if deterministic else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group, BLOCK_M=plan.block_m, OFFS64=_offs64(q))
+    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, OFFS64=offs64)
     bucket = size_bucket(q.shape[0])
-    _bwd_ctx_kernel[(plan.ctx_tiles.shape[0] * HKV,)](
-        q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, dq_acc, cu_seqlens, block_anchor, plan.blocks,
-        plan.ctx_tiles, plan.ctx_ranges, scale * LOG2E, scale, bucket, q.shape[0], BLOCK_N=plan.ctx_block,
-        FUSED_DQ=not deterministic, **consts)
+    launch(_bwd_ctx_kernel, (sched.ctx_tiles.shape[0] * HKV,),
+           (q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, dq_acc, cu_seqlens, block_anchor, sched.blocks,
+            sched.ctx_tiles, sched.ctx_ranges, scale * LOG2E, scale, bucket, q.shape[0]),
+           dict(consts, BLOCK_M=sched.block_m, BLOCK_N=sched.ctx_block, FUSED_DQ=not deterministic),
+           pinned=deterministic)
     if deterministic:
-        _bwd_dq_ctx_kernel[(plan.order.numel() * HQ,)](
-            q, k_ctx, v_ctx, do, lse, delta, dq_acc, cu_seqlens, block_anchor, plan.blocks, plan.seq, plan.amin,
-            plan.amax, plan.order, scale * LOG2E, bucket, q.shape[0], **consts)
-    own_m, per_part = _own_tile(plan.block_m, block_size)
-    _bwd_own_kernel[(plan.order.numel() * HKV * triton.cdiv(plan.per_group, per_part),)](
-        q, k_blk, v_blk, do, lse, delta, dq_acc, dq, dk_blk, dv_blk, block_anchor, plan.blocks, plan.seq, plan.order,
-        scale * LOG2E, scale, bucket, q.shape[0], HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=plan.per_group,
-        OWN_M=own_m, PER_PART=per_part, OFFS64=consts["OFFS64"])
+        launch(_bwd_dq_ctx_kernel, (sched.order.numel() * HQ,),
+               (q, k_ctx, v_ctx, do, lse, delta, dq_acc, cu_seqlens, block_anchor, sched.blocks, sched.seq,
+                sched.amin, sched.amax, sched.order, scale * LOG2E, bucket, q.shape[0]),
+               dict(consts, BLOCK_M=sched.block_m), pinned=True)
+    own_m, per_part = _own_tile(sched.block_m, block_size)
+    launch(_bwd_own_kernel, (sched.order.numel() * HKV * triton.cdiv(sched.per_group, per_part),),
+           (q, k_blk, v_blk, do, lse, delta, dq_acc, dq, dk_blk, dv_blk, block_anchor, sched.blocks, sched.seq,
+            sched.order, scale * LOG2E, scale, bucket, q.shape[0]),
+           dict(consts, OWN_M=own_m, PER_PART=per_part), pinned=deterministic)
     return dq, dk_ctx, dv_ctx, dk_blk, dv_blk
 
 
 class DFlashBlockAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale, deterministic):
-        o, lse = dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, plan, block_size, scale)
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sched, block_size, scale, offs64,
+                deterministic):
+        o, lse = dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sched, block_size, scale,
+                                  offs64, deterministic)
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor)
-        ctx.args = (plan, block_size, scale, deterministic)
+        ctx.args = (sched, block_size, scale, offs64, deterministic)
         return o
 
     @staticmethod
@@ -392,7 +419,7 @@ class DFlashBlockAttentionFunction(torch.autograd.Function):
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor = ctx.saved_tensors
         grads = dflash_block_bwd(do.contiguous(), q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens,
                                  block_anchor, *ctx.args)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_seq, block_anchor, block_size,
@@ -400,8 +427,9 @@ def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, blo
     check_triton_inputs(q)
     cu_seqlens, block_seq, block_anchor = cu_seqlens.contiguous(), block_seq.contiguous(), block_anchor.contiguous()
     d, dtype = q.shape[-1], q.dtype
-    plan = _plan(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], tile_rows(GROUP_ROWS, d, dtype),
-                 tile_rows(CTX_BLOCK_N, d, dtype, CTX_ROW_BYTES), cu_seqlens_cpu)
+    sched = _schedule(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], tile_rows(GROUP_ROWS, d, dtype),
+                      tile_rows(CTX_BLOCK_N, d, dtype, CTX_ROW_BYTES), cu_seqlens_cpu)
     return DFlashBlockAttentionFunction.apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(),
                                               k_blk.contiguous(), v_blk.contiguous(), cu_seqlens, block_anchor,
-                                              plan, block_size, scale, deterministic)
+                                              sched, block_size, scale, _offs64(q, k_ctx, cu_seqlens_cpu),
+                                              deterministic)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common.backend import auto_falls_back, resolve_backend, warn_once
-from ..common.checks import check_index, check_max_seqlen, check_qkv
+from ..common.checks import check_cu_seqlens, check_index, check_max_seqlen, check_qkv
 from .naive import varlen_attention_naive
 
 
@@ -33,7 +33,8 @@ def varlen_attention(
         k: (T, Hkv, D), v: (T, Hkv, Dv), same dtype and device; Hq a multiple of Hkv. Query head h
             reads key/value head h // (Hq // Hkv) (GQA, K/V are never repeated). Dv may differ from
             D (multi-head latent attention: 192 vs 128 in DeepSeek-V3).
-        cu_seqlens: int32 (S+1,), sample i is rows [cu[i], cu[i+1]); cu[0] = 0, cu[S] = T.
+        cu_seqlens: int32 (S+1,), sample i is rows [cu[i], cu[i+1]); cu[0] = 0, cu[S] = T,
+            non-decreasing (checked on cu_seqlens_cpu when given, on CUDA without a host sync).
         max_seqlen: length of the longest sample (a Python int). Checked against cu_seqlens_cpu when
             given; the Triton kernels never rely on it (a wrong value cannot drop rows).
         causal: row i of a sample sees keys 0..i of that sample (else all of them).
@@ -76,6 +77,7 @@ def varlen_attention(
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows but k/v have {k.shape[0]}")
     check_index("cu_seqlens", cu_seqlens, q.device)
+    check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0], cu_seqlens_cpu)
     if cu_seqlens_cpu is not None:
         check_max_seqlen(cu_seqlens_cpu, max_seqlen)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -7,7 +7,8 @@ scale * log2(e) so the kernels use exp2).
 Grids are flat: program = tile_list_entry * heads + head, tile lists from common.tiles.
 No sequence length is a kernel argument (they are read from cu_seqlens), so nothing
 recompiles when lengths or sample counts change; the autotune key is the head
-dim, head counts, causal flag and size class (size_bucket; Triton adds the dtypes).
+dim, head counts, size class (size_bucket) and every variant flag (CAUSAL, OFFS64, FUSED_DQ;
+Triton adds the dtypes). Deterministic mode runs pinned configs (common.triton_utils.launch).
 """
 from __future__ import annotations
 
@@ -21,8 +22,16 @@ from ...errors import UserError
 from ..common.backend import is_interpreting
 from ..common.compile_check import current_capability, fitting_configs
 from ..common.delta import attention_delta
-from ..common.tiles import TILE_CACHE, sequence_tiles
-from ..common.triton_utils import LOG2E, autotune, check_triton_inputs, size_bucket, tile_rows
+from ..common.tiles import TILE_CACHE, longest_sample, sequence_tiles
+from ..common.triton_utils import (
+    LOG2E,
+    autotune,
+    check_triton_inputs,
+    launch,
+    offsets_need_int64,
+    size_bucket,
+    tile_rows,
+)
 
 # Tile sizes that shape the tile lists are fixed per kernel (the list is built before the
 # launch); only the inner loop's step is autotuned. The interpreter uses small tiles so that
@@ -33,8 +42,12 @@ DKV_BLOCK_N = 32 if is_interpreting() else 128
 DKV_ROW_BYTES = 128  # halve DKV_BLOCK_N per doubling above this: its dK/dV accumulators spill at 128 rows
 DQ_BLOCK_M = 32 if is_interpreting() else 128
 _INNER = [16] if is_interpreting() else [32, 64]
+# 16-row query steps: the atomic dK/dV kernel's only non-spilling configs under Triton 3.6 (head dim 128, bf16)
+_DKV_INNER = [16] if is_interpreting() else [16, 32, 64]
 _FWD_INNER = [16] if is_interpreting() else [64, 128]
-_KEY = ["HQ", "HKV", "D", "CAUSAL", "n_bucket"]  # n_bucket: size_bucket(rows), tuned per size class
+# n_bucket: size_bucket(rows), tuned per size class; every variant flag is in the key, so that one
+# variant's tuning never picks the config of another (which may spill or not fit).
+_KEY = ["HQ", "HKV", "D", "CAUSAL", "OFFS64", "n_bucket"]
 # Hopper and datacenter Blackwell (wgmma, tcgen05) read dot operands from shared memory; sm_80 and
 # sm_120a (mma.sync) hold them in registers, where a 128-row query tile of 256-byte rows (head
 # dim 128 in bf16) spills in every config: the query tiles get half the rows there.
@@ -54,7 +67,7 @@ VARLEN_FALLBACK = 'backend="torch_varlen" (or "flash_attn" where installed, or t
 @triton.jit(do_not_specialize=["window", "n_bucket", "n_rows"])
 def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, window, n_bucket, n_rows,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     # SLIDING (causal only): row i sees keys i - window < j <= i; key tiles before the first row's
     # window are skipped and every tile after is masked (a window spans few tiles).
     pid = tl.program_id(0)
@@ -69,6 +82,8 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, window, n_bucket
     rows = m0 + tl.arange(0, BLOCK_M)  # positions inside the sample
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
+    if OFFS64:  # a sample of 2**31 elements or more (offsets_need_int64)
+        rows, offs_n = rows.to(tl.int64), offs_n.to(tl.int64)
     row_ok = rows < L
     # Per-sample int64 scalar bases, int32 tile offsets: int64 offset tensors cost registers (spills).
     q_base = Q + bos * (HQ * D) + i_h * D
@@ -127,11 +142,13 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, window, n_bucket
     tl.store(LSE + i_h * n_rows + bos + rows, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
-@autotune({"BLOCK_M": _INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, VARLEN_FALLBACK)
+# dQ is accumulated into DQ_ACC: the autotuner must zero it after timing the configs on the live buffers.
+@autotune({"BLOCK_M": _DKV_INNER, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY + ["FUSED_DQ"], VARLEN_FALLBACK,
+          reset_to_zero=["DQ_ACC"])
 @triton.jit(do_not_specialize=["n_bucket", "n_rows"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_seqlens, tiles, qk_scale, sm_scale, n_bucket, n_rows,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, OFFS64: tl.constexpr):
     # One program: BLOCK_N keys of one kv head; loops over the HQ // HKV query heads that read
     # them (GQA summed here, no atomics) and over the query tiles that see them. With FUSED_DQ
     # each query tile's dQ from these keys is added to DQ_ACC (fp32, unscaled) with atomics:
@@ -149,6 +166,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_seqlens, tiles,
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_m = tl.arange(0, BLOCK_M)
+    if OFFS64:
+        cols, offs_m = cols.to(tl.int64), offs_m.to(tl.int64)
     col_ok = cols < L
     kv_base = bos * (HKV * D) + i_kh * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
     kv_off = cols[:, None] * (HKV * D) + offs_d[None, :]
@@ -160,7 +179,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_seqlens, tiles,
     # causal diagonal needs a mask.
     if CAUSAL:
         lo = n0
-        diag_end = tl.minimum(n0 + BLOCK_N, L)
+        # where the masked loop below stops: past the key tile when BLOCK_M > BLOCK_N
+        diag_end = n0 + tl.cdiv(tl.minimum(BLOCK_N, L - n0), BLOCK_M) * BLOCK_M
     else:
         lo = 0
         diag_end = 0
@@ -183,7 +203,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_seqlens, tiles,
             if FUSED_DQ:
                 tl.atomic_add(DQ_ACC + q_base + q_off, tl.dot(tl.trans(dsT.to(k.dtype)), k), mask=row_ok[:, None],
                               sem="relaxed")
-        for m0 in range(tl.maximum(diag_end, lo), L, BLOCK_M):
+        for m0 in range(diag_end, L, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < L
             q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
@@ -210,7 +230,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_seqlens, tiles,
 @triton.jit(do_not_specialize=["n_bucket", "n_rows"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_scale, n_bucket, n_rows,
                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
     pid = tl.program_id(0)
     i_tile, i_h = pid // HQ, pid % HQ
     seq = tl.load(tiles + 2 * i_tile)
@@ -223,6 +243,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens, tiles, qk_scale, sm_
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
+    if OFFS64:
+        rows, offs_n = rows.to(tl.int64), offs_n.to(tl.int64)
     row_ok = rows < L
     q_base = bos * (HQ * D) + i_h * D  # int64 scalar; the tile offsets stay int32 (fewer registers)
     q_off = rows[:, None] * (HQ * D) + offs_d[None, :]
@@ -268,7 +290,7 @@ def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, 
     """(autotuned kernel, constexprs) of every kernel as the launchers below call it on capability `cap`."""
     cases = []
     for causal in (True, False):
-        common = dict(HQ=heads, HKV=kv_heads, D=head_dim, CAUSAL=causal)
+        common = dict(HQ=heads, HKV=kv_heads, D=head_dim, CAUSAL=causal, OFFS64=False)
         dkdv = {**common, "BLOCK_N": tile_rows(DKV_BLOCK_N, head_dim, dtype, DKV_ROW_BYTES)}
         fwd = {**common, "SLIDING": False, "BLOCK_M": _query_rows(FWD_BLOCK_M, head_dim, dtype, cap)}
         cases += [(_fwd_kernel, fwd),
@@ -299,7 +321,12 @@ def _tiles(cu_seqlens, block, total, causal, cu_seqlens_cpu):
                           lambda: sequence_tiles(cu_seqlens, block, total, causal, cu_seqlens_cpu))
 
 
-def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, window=None):
+def _offs64(q, cu_seqlens_cpu) -> bool:
+    longest = q.shape[0] if cu_seqlens_cpu is None else longest_sample(cu_seqlens_cpu)
+    return offsets_need_int64(longest, q.shape[1], q.shape[2])
+
+
+def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic=False, window=None):
     """Output and base-2 lse; `window` (causal only): each row sees its `window` latest keys."""
     T, HQ, D = q.shape
     HKV = k.shape[1]
@@ -307,40 +334,42 @@ def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, window=None):
     tiles = _tiles(cu_seqlens, block_m, T, causal, cu_seqlens_cpu)
     o = torch.empty_like(q)
     lse = torch.empty((HQ, T), dtype=torch.float32, device=q.device)
-    _fwd_kernel[(tiles.shape[0] * HQ,)](q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E, window or 0,
-                                        size_bucket(T), T, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal,
-                                        SLIDING=window is not None, BLOCK_M=block_m)
+    launch(_fwd_kernel, (tiles.shape[0] * HQ,),
+           (q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E, window or 0, size_bucket(T), T),
+           dict(HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, SLIDING=window is not None, BLOCK_M=block_m,
+                OFFS64=_offs64(q, cu_seqlens_cpu)), pinned=deterministic)
     return o, lse
 
 
 def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic):
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    delta = attention_delta(do, o)  # rowsum(dO * O), (HQ, rows) fp32
+    delta = attention_delta(do, o, pinned=deterministic)  # rowsum(dO * O), (HQ, rows) fp32
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # Without determinism dQ is accumulated (fp32, unscaled) by the dK/dV kernel's atomics
     # (deterministic: an empty tensor the kernel never touches, so the signature stays the same).
     dq_acc = torch.zeros((0,) if deterministic else q.shape, dtype=torch.float32, device=q.device)
     block_n = tile_rows(DKV_BLOCK_N, D, q.dtype, DKV_ROW_BYTES)
     kv_tiles = _tiles(cu_seqlens, block_n, T, False, cu_seqlens_cpu)
-    _bwd_dkdv_kernel[(kv_tiles.shape[0] * HKV,)](q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens, kv_tiles,
-                                                 scale * LOG2E, scale, size_bucket(T), T, HQ=HQ, HKV=HKV, D=D,
-                                                 CAUSAL=causal, BLOCK_N=block_n, FUSED_DQ=not deterministic)
+    consts = dict(HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, OFFS64=_offs64(q, cu_seqlens_cpu))
+    launch(_bwd_dkdv_kernel, (kv_tiles.shape[0] * HKV,),
+           (q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens, kv_tiles, scale * LOG2E, scale, size_bucket(T), T),
+           dict(consts, BLOCK_N=block_n, FUSED_DQ=not deterministic), pinned=deterministic)
     if not deterministic:
         return dq_acc.mul_(scale).to(q.dtype), dk, dv
     dq = torch.empty_like(q)
     block_m = _query_rows(DQ_BLOCK_M, D, q.dtype, _capability(q))
     q_tiles = _tiles(cu_seqlens, block_m, T, causal, cu_seqlens_cpu)
-    _bwd_dq_kernel[(q_tiles.shape[0] * HQ,)](q, k, v, do, lse, delta, dq, cu_seqlens, q_tiles, scale * LOG2E,
-                                             scale, size_bucket(T), T, HQ=HQ, HKV=HKV, D=D, CAUSAL=causal,
-                                             BLOCK_M=block_m)
+    launch(_bwd_dq_kernel, (q_tiles.shape[0] * HQ,),
+           (q, k, v, do, lse, delta, dq, cu_seqlens, q_tiles, scale * LOG2E, scale, size_bucket(T), T),
+           dict(consts, BLOCK_M=block_m), pinned=True)
     return dq, dk, dv
 
 
 class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic):
-        o, lse = varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu)
+        o, lse = varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
         ctx.args = (causal, scale, cu_seqlens_cpu, deterministic)
         return o

@@ -1,0 +1,126 @@
+"""The training-data part: token store -> checks -> held-out split -> cost per sample -> planner
+-> optimizer steps -> micro-batch maker, built once from a `TrainConfig`.
+
+Everything here is a pure function of the data and the options (no model weights), so every rank
+builds the same part without talking, and `launch/speculate.py` finds a run's held-out turns with
+the same functions (`store_path`, `held_out_split`, `turn_limit`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dflash.data.cost import CostModel, drafter_rows, store_candidates
+from dflash.data.generation import generation_eos, regeneration_limit, stop_ids
+from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
+from dflash.data.token_store import TokenStore
+from dflash.errors import UserError
+from dflash.training.config import TrainConfig
+from dflash.training.ranks import on_rank0
+from dflash.training.steps import MicroBatchMaker, step_ranges
+
+
+def held_out_split(num_samples: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic held-out split: (train indices, eval indices), both sorted."""
+    perm = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED])).permutation(num_samples)
+    n_eval = int(round(num_samples * eval_fraction)) if eval_fraction > 0 else 0
+    return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
+
+
+def store_path(data: Path, output_dir: Path) -> Path:
+    """Where a run's token store is: `--data` itself when it is a store folder, else the store the run
+    prepared from the JSONL file, `<output_dir>/data`."""
+    return data if data.is_dir() else output_dir / "data"
+
+
+def turn_limit(store: TokenStore, data: Path) -> int | None:
+    """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
+    walks and decoding stop there, as the regeneration did."""
+    source = data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+    return regeneration_limit(source) if source.is_file() else None
+
+
+def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path:
+    """A token store folder as is, or a JSONL file prepared (by rank 0) into the run folder, reused
+    while its fingerprints match; a resume refuses one of other data."""
+    data = Path(cfg.data)
+    path = store_path(data, Path(cfg.output_dir))
+    if data.is_dir():
+        return path
+    from dflash.data.prepare import ensure_store
+
+    on_rank0(lambda: ensure_store(data, tokenizer, path, max_length=cfg.max_length,
+                                  refuse_changes=cfg.resume and not cfg.force_resume, progress=cfg.progress, say=say),
+             "preparing the data")
+    return path
+
+
+class TrainingData:
+    """What the run trains and evaluates on, and in which order.
+
+    Attributes: `store` (the token store at `store_path`), `train_idx` / `eval_idx` (store
+    indices), `lengths` (of the training samples), `flop_model` (the FLOP cost of a sample),
+    `planner` (epoch plans and the run's position), `steps[epoch]` (micro-step ranges of each
+    optimizer step), `total_steps`, `maker` (collates a micro-batch and draws its anchors),
+    `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them).
+    """
+
+    def __init__(self, cfg: TrainConfig, path: Path, *, tokenizer, target_config, target_layer_ids,
+                 vocab_rows: int, mask_token_id: int, gamma: float, world_size: int):
+        self.store_path = path
+        self.store = store = TokenStore(path)
+        store.check_tokenizer(tokenizer, f"--target {cfg.target}")
+        if store.vocab_size is not None and store.vocab_size > vocab_rows:
+            raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
+                            f"target's embedding has {vocab_rows} rows; prepare the data with the target's tokenizer")
+        source = store.meta.get("summary", {}).get("input", "the source file")
+        check_lengths(store.lengths, cfg.token_budget,
+                      name=lambda i: f"--data {path}: sample {i} (line {store.dataset[i]['source_line']} of {source})")
+        self.usable = int((store.supervised >= 2 * cfg.block_size).sum())
+        if self.usable == 0:
+            raise UserError(f"--block-size {cfg.block_size}: a sample needs at least {2 * cfg.block_size} supervised "
+                            f"tokens to be trained on, and none of the {len(store):,} samples of {path} has "
+                            f"(most: {int(store.supervised.max())}); use a smaller block size")
+        self.train_idx, self.eval_idx = held_out_split(len(store), cfg.eval_fraction, cfg.seed)
+        self.turn_limit = turn_limit(store, Path(cfg.data))
+        self.stop_ids = stop_ids(tokenizer, generation_eos(cfg.target))
+        self.lengths = store.lengths[self.train_idx]
+        # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes
+        from dflash.models.flops import flop_cost_model
+
+        self.flop_model = flop_cost_model(target_config, num_target_layers=max(target_layer_ids) + 1,
+                                          drafter_layers=cfg.draft_layers, num_features=len(target_layer_ids),
+                                          block_size=cfg.block_size)
+        rows = costs = None
+        if cfg.balance or cfg.row_budget:
+            rows = drafter_rows(store_candidates(store)[self.train_idx], store.supervised[self.train_idx],
+                                cfg.block_size, cfg.num_anchors)
+        if cfg.balance:
+            model = CostModel.load(cfg.cost_model) if cfg.cost_model else self.flop_model
+            costs = model.sample_costs(self.lengths, rows)
+        mix = max(1, round(cfg.step_tokens / cfg.token_budget)) if cfg.balance else DEFAULT_MIX
+        self.planner = BatchPlanner(self.lengths, PlannerConfig(
+            token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout, boundaries=cfg.boundaries,
+            seed=cfg.seed, world_size=world_size, window=cfg.packing_window, row_budget=cfg.row_budget or None,
+            balance=cfg.balance, mix=mix, buckets=cfg.buckets), rows=rows, costs=costs)
+        self.steps = [step_ranges(self.planner.plan(e), self.lengths, cfg.step_tokens) for e in range(cfg.epochs)]
+        self.total_steps = sum(len(s) for s in self.steps)
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.maker = MicroBatchMaker(str(path), cfg.layout, pad_id=tokenizer.pad_token_id or 0,
+                                     mask_token_id=mask_token_id, block_size=cfg.block_size,
+                                     num_anchors=cfg.num_anchors, gamma=gamma, seed=cfg.seed)
+
+    def batches(self, epoch: int, rank: int) -> list[np.ndarray]:
+        """This rank's micro-batches of an epoch, as store indices."""
+        return [self.train_idx[b] for b in self.planner.plan(epoch)[rank]]
+
+    def step_tokens(self) -> list[int]:
+        """Real tokens (all ranks) of each optimizer step the run will take, from the plan alone."""
+        tokens = []
+        for epoch, ranges in enumerate(self.steps):
+            plan = self.planner.plan(epoch)
+            for first, end in ranges:
+                tokens.append(int(sum(self.lengths[np.concatenate(p[first:end])].sum() for p in plan)))
+        return tokens[:self.total_steps]

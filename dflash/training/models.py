@@ -1,0 +1,113 @@
+"""The models part: the frozen target (loaded once, shareable), the drafter sized from it, and the
+DeepSpeed engine that trains the drafter, built from a `TrainConfig`."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from dflash.errors import UserError
+from dflash.training.config import TrainConfig
+from dflash.training.ranks import on_rank0
+
+
+class LoadedTarget(NamedTuple):
+    """The frozen target and its tokenizer, loaded once; several runs may share one."""
+
+    tokenizer: object
+    hf: object  # the Hugging Face model (its config sizes the drafter)
+    model: object  # the TargetModel feature extractor
+    mask_id: int | None  # the DFlash mask token's id (None: not asked for)
+
+
+def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_features: int = 5,
+                attention_backend: str = "auto", mask_token: bool = True) -> LoadedTarget:
+    """Tokenizer and frozen target of a Hugging Face folder, tapped at `target_layer_ids` (default: the
+    official rule with `num_features` taps); with `mask_token`, the DFlash mask token is added to the
+    tokenizer (a spare embedding row)."""
+    from transformers import AutoTokenizer
+
+    from dflash.data.prepare import check_tokenizer_files
+    from dflash.data.vocab import ensure_mask_token
+    from dflash.models import TargetModel, load_language_model
+
+    target_path = Path(path)
+    if not (target_path / "config.json").is_file():
+        raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+    check_tokenizer_files(target_path, "--target")
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
+    try:
+        taps = list(target_layer_ids) if target_layer_ids else None
+        model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
+        mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows) if mask_token else None
+    except ValueError as e:
+        raise UserError(f"--target {target_path}: {e}") from None
+    return LoadedTarget(tokenizer, hf, model, mask_id)
+
+
+def load_train_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
+    return load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
+                       num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return 1 - progress
+        return 1.0
+
+    return f
+
+
+class Models:
+    """The target (features only), the drafter and the DeepSpeed engine, optimizer and schedule
+    that train it over `total_steps` steps.
+
+    Attributes: `target` (LoadedTarget), `drafter` (the module), `engine` (DeepSpeed's wrapper:
+    call it for the forward), `optimizer`, `scheduler`, `zero_stage`.
+    """
+
+    def __init__(self, cfg: TrainConfig, target: LoadedTarget, ds_config: dict, *, total_steps: int, device):
+        import deepspeed
+
+        from dflash.models import DFlashDrafter, DrafterConfig
+        from dflash.training.ds_config import offloads_optimizer, zero_stage
+
+        self.target = target
+        torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
+        dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id, block_size=cfg.block_size,
+                                         num_draft_layers=cfg.draft_layers,
+                                         target_layer_ids=target.model.target_layer_ids,
+                                         vocab_size=target.model.num_embedding_rows)
+        self.drafter = DFlashDrafter(dcfg, target.model.shared_weights(), num_anchors=cfg.num_anchors,
+                                     gamma=cfg.gamma, attention_backend=cfg.attention_backend,
+                                     activation_checkpointing=cfg.activation_checkpointing)
+        self.zero_stage = zero_stage(ds_config)
+        params = self.drafter.parameters()
+        if offloads_optimizer(ds_config):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                          fused=torch.device(device).type == "cuda" or None)
+        warmup = int(cfg.warmup_ratio * total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, total_steps))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+
+    def export(self, directory: Path) -> None:
+        """The drafter in the official DFlash format (parameters gathered under ZeRO-3; rank 0 writes)."""
+        import deepspeed
+
+        params = list(self.drafter.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3):
+            on_rank0(lambda: self.drafter.save_pretrained(directory), "exporting the drafter")
