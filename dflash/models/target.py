@@ -76,17 +76,14 @@ def _varlen_attention_forward(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cu = kwargs.get("cu_seq_lens_q")
-    sinks = kwargs.pop("s_aux", None)
     if cu is None:
-        if sinks is not None:  # transformers' SDPA would drop the sinks: the model's own eager has them
+        if padded_implementation == "eager":  # the model's own (gpt-oss: with its sinks; mask from eager's maker)
             eager = sys.modules[type(module).__module__].eager_attention_forward
-            if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
-                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~attention_mask, torch.finfo(query.dtype).min)
             return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         padded = ALL_ATTENTION_FUNCTIONS[padded_implementation]
         return padded(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                       sliding_window=sliding_window, **kwargs)
+    sinks = kwargs.pop("s_aux", None)
     from dflash.ops import varlen_attention
 
     if query.shape[0] != 1:
@@ -165,11 +162,11 @@ def register_varlen_attention(padded_implementation: str = "sdpa") -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if padded_implementation not in ALL_ATTENTION_FUNCTIONS or \
-            padded_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+    known = padded_implementation in ALL_ATTENTION_FUNCTIONS or padded_implementation == "eager"
+    if not known or padded_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(
             f"padded_attn_implementation {padded_implementation!r} is not a registered transformers attention "
-            f"with a mask function (e.g. 'sdpa', 'flash_attention_2')"
+            f"with a mask function (e.g. 'sdpa', 'eager', 'flash_attention_2')"
         )
     # transformers reads "flash", "sdpa" and "flex_attention" in a name (case-sensitively) as a claim to be
     # that kernel (imports, support checks, MLA value padding): the padded one's name goes in upper case.
@@ -192,7 +189,9 @@ class TargetModel(nn.Module):
             of a Hugging Face forward), in the order they are concatenated. Default: the
             official rule with `num_features` taps. Ids >= L-1 are refused.
         num_features: K, used only when target_layer_ids is None.
-        padded_attn_implementation: transformers attention used for padded micro-batches.
+        padded_attn_implementation: transformers attention used for padded micro-batches (and for
+            decoding with this model); default "sdpa", or "eager" (the model's own) for a model
+            transformers runs without SDPA (gpt-oss: its sinks).
         attention_backend: `dflash.ops` backend of the packed path ("auto", "triton", "torch").
 
     The model is frozen (requires_grad False), kept in eval mode, and run without grad.
@@ -208,7 +207,7 @@ class TargetModel(nn.Module):
         target_layer_ids: list[int] | None = None,
         *,
         num_features: int = DEFAULT_NUM_TARGET_FEATURES,
-        padded_attn_implementation: str = "sdpa",
+        padded_attn_implementation: str | None = None,
         attention_backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -229,6 +228,8 @@ class TargetModel(nn.Module):
         model.requires_grad_(False)
         model.eval()
         # One registered implementation serves both layouts: packed calls carry cu_seq_lens_q.
+        if padded_attn_implementation is None:
+            padded_attn_implementation = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
         model.set_attn_implementation(register_varlen_attention(padded_attn_implementation))
         for module in model.modules():
             if _is_gated_deltanet(module):

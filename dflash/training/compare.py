@@ -143,7 +143,7 @@ def calibrate(runs: list[ModeRun], warmup: int) -> dict:
         return {"measurements": len(rows)}
     features, seconds = rows[:, :-1], rows[:, -1]
     scaled, scaled_quality = fit(features, seconds, prior=runs[0].trainer.data.flop_model)
-    free, free_quality = fit(features, seconds)
+    free, free_quality = fit(features, seconds, window=runs[0].trainer.data.flop_model.window)
     return {"measurements": len(rows), "flops_scaled": {**scaled_quality, "model": scaled.to_dict()},
             "least_squares": {**free_quality, "model": free.to_dict()}}
 
