@@ -12,7 +12,8 @@ dim of its own (MLA). Gated DeltaNet layers (Qwen3.5/3.6) run their token mixer 
 with the short convolution and the delta rule restarting at every sample (`dflash.ops`
 gated_delta ops). MoE layers route every token of the flat row on its own, as they do in any
 batch shape. Padded micro-batches run the same layers with the ordinary attention mask (SDPA by
-default; a layer with sinks uses the model's own eager attention, which has them).
+default; a model transformers runs without SDPA, gpt-oss, uses its own eager attention, sinks
+included).
 """
 from __future__ import annotations
 
@@ -231,9 +232,14 @@ class TargetModel(nn.Module):
         if padded_attn_implementation is None:
             padded_attn_implementation = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
         model.set_attn_implementation(register_varlen_attention(padded_attn_implementation))
-        for module in model.modules():
-            if _is_gated_deltanet(module):
-                _install_packed_mixer(module)
+        mixers = [m for m in model.modules() if _is_gated_deltanet(m)]
+        linear = self._layer_types().count("linear_attention")
+        if len(mixers) != linear:  # never run a linear-attention layer over a whole packed row
+            raise ValueError(f"the target has {linear} linear-attention layers but {len(mixers)} Gated DeltaNet "
+                             f"modules of the layout dflash knows (Qwen3.5's in_proj_qkv/z/b/a, conv1d, A_log, "
+                             f"dt_bias, norm, out_proj); this transformers version's module is not supported")
+        for module in mixers:
+            _install_packed_mixer(module)
 
     @property
     def config(self):

@@ -160,3 +160,14 @@ def test_drafter_config_of_each_family(family):
     assert drafter.intermediate_size == (dense or config.num_experts_per_tok * config.moe_intermediate_size)
     assert not {"partial_rotary_factor", "mrope_section", "mrope_interleaved"} & set(drafter.rope_parameters)
     assert drafter.rope_parameters["rope_theta"] == config.rope_parameters["rope_theta"]
+
+
+def test_unknown_linear_attention_module_is_refused():
+    """A linear-attention layer whose module dflash does not know would run over the whole packed row
+    (state and convolution crossing samples): refused at construction, never run."""
+    model = tiny_target("qwen3_5_text")
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    layer.in_proj_fused = layer.in_proj_qkv  # as if another transformers version had renamed it
+    del layer.in_proj_qkv
+    with pytest.raises(ValueError, match="4 linear-attention layers but 3 Gated DeltaNet modules"):
+        TargetModel(model, [0, 1])
