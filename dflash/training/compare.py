@@ -133,7 +133,7 @@ def calibrate(runs: list[ModeRun], warmup: int) -> dict:
     """Fit the cost model to every measured micro-batch of every mode and rank (after the warm-up).
 
     Two fits: the FLOP model of the target and drafter sizes scaled by one factor, plus per-sample
-    and per-micro-batch overheads ("flops_scaled"), and all six coefficients free, non-negative
+    and per-micro-batch overheads ("flops_scaled"), and all seven coefficients free, non-negative
     ("least_squares"). Each reports R^2 and the median relative error on the micro-batches it was fit on.
     """
     from dflash.data.cost import fit
