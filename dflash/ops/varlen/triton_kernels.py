@@ -64,11 +64,11 @@ VARLEN_FALLBACK = 'backend="torch_varlen" (or "flash_attn" where installed, or t
 
 
 @autotune({"BLOCK_N": _FWD_INNER, "num_warps": [4, 8], "num_stages": [2, 3]}, _KEY + ["SLIDING"], VARLEN_FALLBACK)
-@triton.jit(do_not_specialize=["window", "n_bucket", "n_rows"])
-def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, window, n_bucket, n_rows,
+@triton.jit(do_not_specialize=["n_window", "n_bucket", "n_rows"])
+def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, n_window, n_bucket, n_rows,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
-    # SLIDING (causal only): row i sees keys i - window < j <= i; key tiles before the first row's
+    # SLIDING (causal only): row i sees keys i - n_window < j <= i; key tiles before the first row's
     # window are skipped and every tile after is masked (a window spans few tiles).
     pid = tl.program_id(0)
     i_tile, i_h = pid // HQ, pid % HQ
@@ -99,7 +99,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, window, n_bucket
         full_end = (m0 // BLOCK_N) * BLOCK_N  # key tiles ending before the first row
         hi = tl.minimum(m0 + BLOCK_M, L)
         if SLIDING:
-            lo = (tl.maximum(m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+            lo = (tl.maximum(m0 - n_window + 1, 0) // BLOCK_N) * BLOCK_N
             full_end = lo
     else:
         full_end = (L // BLOCK_N) * BLOCK_N
@@ -126,7 +126,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, window, n_bucket
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
         if SLIDING:
-            visible = visible & (rows[:, None] - cols[None, :] < window)
+            visible = visible & (rows[:, None] - cols[None, :] < n_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see nothing
