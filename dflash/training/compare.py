@@ -314,7 +314,7 @@ def calibrate(runs: list[ModeRun]) -> dict:
     """Fit the cost model to every measured micro-batch of every mode and rank (after the warm-up).
 
     Two fits: the FLOP model of the target and drafter sizes scaled by one factor, plus per-sample
-    and per-micro-batch overheads ("flops_scaled"), and all six coefficients free, non-negative
+    and per-micro-batch overheads ("flops_scaled"), and all seven coefficients free, non-negative
     ("least_squares"). Each reports R^2 and the median relative error on the micro-batches it was fit on.
     """
     from dflash.data.cost import fit
@@ -324,7 +324,7 @@ def calibrate(runs: list[ModeRun]) -> dict:
         return {"measurements": len(rows)}
     features, seconds = rows[:, :-1], rows[:, -1]
     scaled, scaled_quality = fit(features, seconds, prior=runs[0].trainer.data.flop_model)
-    free, free_quality = fit(features, seconds)
+    free, free_quality = fit(features, seconds, window=runs[0].trainer.data.flop_model.window)
     return {"measurements": len(rows), "flops_scaled": {**scaled_quality, "model": scaled.to_dict()},
             "least_squares": {**free_quality, "model": free.to_dict()}}
 

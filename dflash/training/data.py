@@ -132,7 +132,8 @@ class TrainingData:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.maker = MicroBatchMaker(path, cfg.layout, pad_id=tokenizer.pad_token_id or 0,
                                      mask_token_id=mask_token_id, block_size=cfg.block_size,
-                                     num_anchors=cfg.num_anchors, gamma=gamma, seed=cfg.seed)
+                                     num_anchors=cfg.num_anchors, gamma=gamma, seed=cfg.seed,
+                                     window=self.flop_model.window)
 
     def batches(self, epoch: int, rank: int) -> list[np.ndarray]:
         """This rank's micro-batches of an epoch, as store indices."""

@@ -99,7 +99,7 @@ def test_compare_modes_on_one_rank_prints_only_json_on_stdout(tiny_run_inputs, t
 @pytest.mark.slow
 def test_compare_modes_on_two_ranks_gathers_every_rank_and_calibrates_the_cost_model(tiny_run_inputs, tiny_store,
                                                                                       tmp_path):
-    from dflash.data.cost import CostModel
+    from dflash.data.cost import FEATURES, CostModel
 
     target, _ = tiny_run_inputs
     out = tmp_path / "out"
@@ -112,9 +112,9 @@ def test_compare_modes_on_two_ranks_gathers_every_rank_and_calibrates_the_cost_m
     for mode, s in [*result.items(), ("shuffle-packed+cost", cost)]:
         assert len(s["rank_wait_seconds"]) == 2 and 0 <= s["wait_fraction"] < 1 and min(s["rank_busy_seconds"]) > 0
         for r in s["steps_log"]:
-            # every rank's micro-batches: 6 cost features and the measured seconds
+            # every rank's micro-batches: the cost features and the measured seconds
             assert len(r["micro_batch_costs"]) == 2 * r["micro_batches"]
-            assert all(len(row) == 7 and row[-1] > 0 for row in r["micro_batch_costs"])
+            assert all(len(row) == len(FEATURES) + 1 and row[-1] > 0 for row in r["micro_batch_costs"])
         assert json.loads((out / "seed0" / mode / "config.json").read_text())["balance"] == mode.endswith("+cost")
     calibration = json.loads((out / "calibration.json").read_text())
     assert calibration["measurements"] == sum(2 * r["micro_batches"] for s in [*result.values(), cost]
