@@ -58,7 +58,7 @@ def add_compare_args(p):
                    help="comma-separated modes to compare (default: all six, e.g. sorted-padded,shuffle-packed)")
     g.add_argument("--steps", type=int, default=None,
                    help="about this many measured optimizer steps per mode: every mode trains on the same random "
-                        "samples, as many tokens as this many steps hold (default: 3; --subset-tokens instead sets "
+                        "samples, as many tokens as this many steps hold (default: 8: fewer samples make a noisy ratio; --subset-tokens instead sets "
                         "the tokens); with --convergence: the steps whose tokens set the budget (default: 30)")
     g.add_argument("--warmup", type=int, default=1,
                    help="steps per mode left out of the throughput statistics, taken before the measured pass over "
@@ -85,7 +85,7 @@ def main(argv=None):
     cfg = load_config(cfg_argv, description=__doc__)
     if cfg.output_dir == "runs/demo":  # the demo's default run folder: keep training runs apart
         cfg = dataclasses.replace(cfg, output_dir="runs/compare")
-    steps = args.steps if args.steps is not None else (30 if args.convergence else 3)
+    steps = args.steps if args.steps is not None else (30 if args.convergence else 8)
     for flag, value, low in (("--steps", steps, 1), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
                              ("--eval-interval", args.eval_interval, 1)):
         if value < low:
