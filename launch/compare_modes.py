@@ -58,8 +58,9 @@ def add_compare_args(p):
                    help="comma-separated modes to compare (default: all six, e.g. sorted-padded,shuffle-packed)")
     g.add_argument("--steps", type=int, default=None,
                    help="about this many measured optimizer steps per mode: every mode trains on the same random "
-                        "samples, as many tokens as this many steps hold (default: 8: fewer samples make a noisy ratio; --subset-tokens instead sets "
-                        "the tokens); with --convergence: the steps whose tokens set the budget (default: 30)")
+                        "samples, as many tokens as this many steps hold (default: 8; fewer samples make a noisy "
+                        "ratio; --subset-tokens instead sets the tokens); with --convergence: the steps whose tokens "
+                        "set the budget (default: 30)")
     g.add_argument("--warmup", type=int, default=1,
                    help="steps per mode left out of the throughput statistics, taken before the measured pass over "
                         "the same samples (default: 1)")
