@@ -257,21 +257,23 @@ def measure_sequentially(cfg: TrainConfig, modes: list[str], out: Path, *, steps
     """As `measure_throughput`, one mode after the other, each freed before the next is built (one
     drafter and optimizer in memory at a time; the target is loaded once): for a time-capped check.
 
-    Each mode gets an equal share of the time left to `deadline` (time.monotonic()); a pass cut
-    short is kept, marked `complete: False`, and modes with no time left are recorded as skipped.
+    Once built, each mode gets an equal share of the time left to `deadline` (time.monotonic()) for
+    its warm-up and pass; a pass cut short is kept, marked `complete: False` (at least one step is
+    measured), and modes with no time left are recorded as skipped.
     `on_result(result)` hears the result after every mode. With `keep_going`, a mode that fails
     is recorded as `{"error": ...}` and the next one still runs."""
     cfg, result, target = _subset_config(cfg, steps), {}, None
     for i, mode in enumerate(modes):
-        left = None if deadline is None else (deadline - time.monotonic()) / (len(modes) - i)
-        if left is not None and left <= 0:
+        if deadline is not None and time.monotonic() >= deadline:
             result[mode] = {"skipped": "out of time"}
             continue
         run = None
         try:
             run = build_run(cfg, mode, out, 0, target, time_micro_batches=False)  # no syncs inside the step
             target, cfg = run.trainer.models.target, _shared_data(cfg, run.trainer)
-            _measure_one(run, warmup, None if left is None else time.monotonic() + left, say)
+            # an equal share of what is left once built (the first build also loads the target)
+            share = None if deadline is None else (deadline - time.monotonic()) / (len(modes) - i)
+            _measure_one(run, warmup, None if share is None else time.monotonic() + share, say)
             result[mode] = mode_result(run)
         except Exception as err:
             if not keep_going:
