@@ -25,34 +25,41 @@ class LoadedTarget(NamedTuple):
 def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_features: int = 5,
                 attention_backend: str = "auto", mask_token: bool = True, mask_text: str = "",
                 chat_data: str | None = None) -> LoadedTarget:
-    """Tokenizer and frozen target of a Hugging Face folder, tapped at `target_layer_ids` (default: the
-    official rule with `num_features` taps); with `mask_token`, the DFlash mask token (`mask_text`,
-    default MASK_TOKEN) is added to the tokenizer in a spare embedding row, or reused if the
-    tokenizer has it. `chat_data`: conversations that will be rendered with the tokenizer's chat
-    template, which must then have one. Both are checked before the weights load."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Tokenizer and frozen target of a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
+    weights of that shape and a synthetic tokenizer, `dflash.models.random_target`), tapped at
+    `target_layer_ids` (default: the official rule with `num_features` taps); with `mask_token`, the
+    DFlash mask token (`mask_text`, default MASK_TOKEN) is added to the tokenizer in a spare
+    embedding row, or reused if the tokenizer has it. `chat_data`: conversations that will be
+    rendered with the tokenizer's chat template, which must then have one. Both are checked before
+    a folder's weights load."""
+    from transformers import AutoTokenizer
 
     from dflash.data.prepare import check_tokenizer_files
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
-    from dflash.models import TargetModel
+    from dflash.models import TargetModel, load_language_model
+    from dflash.models.random_target import is_random_target, random_target
 
-    target_path = Path(path)
     mask_text = mask_text or MASK_TOKEN
-    if not (target_path / "config.json").is_file():
-        raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
-    check_tokenizer_files(target_path, "--target")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    if chat_data is not None and not tokenizer.chat_template:
-        raise UserError(f"--target {target_path}: its tokenizer has no chat template, which renders the "
-                        f"conversations of --data {chat_data}; give the chat (instruct) model's folder, or add its "
-                        "template there (chat_template.jinja)")
-    rows = _embedding_rows(target_path) if mask_token else None
-    try:
-        if rows is not None:
-            check_mask_token(tokenizer, rows, mask_text)
-    except ValueError as e:
-        raise UserError(f"--target {target_path}: {e}") from None
-    hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
+    if is_random_target(path):
+        target_path = str(path)
+        tokenizer, hf = random_target(target_path, device, dtype)
+    else:
+        target_path = Path(path)
+        if not (target_path / "config.json").is_file():
+            raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+        check_tokenizer_files(target_path, "--target")
+        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        if chat_data is not None and not tokenizer.chat_template:
+            raise UserError(f"--target {target_path}: its tokenizer has no chat template, which renders the "
+                            f"conversations of --data {chat_data}; give the chat (instruct) model's folder, or add "
+                            "its template there (chat_template.jinja)")
+        rows = _embedding_rows(target_path) if mask_token else None
+        try:
+            if rows is not None:
+                check_mask_token(tokenizer, rows, mask_text)
+        except ValueError as e:
+            raise UserError(f"--target {target_path}: {e}") from None
+        hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
     try:
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
@@ -75,9 +82,13 @@ def _embedding_rows(path: Path) -> int | None:
 def target_fingerprint(path: str | Path) -> dict:
     """The target's folder and a hash of what tells one model from another without reading the
     weights: config.json, and the name, size and first 64 KiB (the safetensors header) of every
-    weight file. A moved folder keeps its hash."""
+    weight file. A moved folder keeps its hash; a `random:` target is its name."""
     import hashlib
 
+    from dflash.models.random_target import is_random_target
+
+    if is_random_target(path):
+        return {"path": str(path)}
     folder = Path(path)
     h = hashlib.sha256()
     for f in [folder / "config.json", *sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]:
@@ -93,9 +104,15 @@ def target_layers(path: str | Path) -> int | None:
     """The target's number of layers, from its config (None: not a model folder; loading it says so)."""
     from transformers import AutoConfig
 
+    from dflash.models.random_target import is_random_target, random_target_config
+
     try:
+        if is_random_target(path):
+            return random_target_config(str(path)).num_hidden_layers
+        if not (Path(path) / "config.json").is_file():
+            return None
         return AutoConfig.from_pretrained(str(path)).get_text_config().num_hidden_layers
-    except (OSError, ValueError):
+    except (OSError, ValueError, UserError):
         return None
 
 
