@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
+from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
 from dflash.models.config import FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
@@ -38,21 +39,38 @@ def _opt(default, help: str, list_options: dict | None = None):
     return field(default=default, metadata={"help": help, **({"list": list_options} if list_options else {})})
 
 
+SPECULATE_TURNS_MAX = 100  # held-out turns decoded at the end of a run of at least as many steps
+
+
+def speculate_turns(c: TrainConfig, total_steps: int) -> int:
+    """Held-out turns to decode at the end: --speculate-turns, or with -1 one per optimizer step of
+    the run, at most SPECULATE_TURNS_MAX (a 4-step run decodes 4 turns, not 100)."""
+    return c.speculate_turns if c.speculate_turns >= 0 else min(total_steps, SPECULATE_TURNS_MAX)
+
+
 @dataclass
 class TrainConfig:
     # what to train on
     target: str = _opt(
         str(demo.TARGET),
-        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target)",
+        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target); "
+        "random:qwen3-8b or random:PATH (PATH holding a config.json): random weights of that shape and a synthetic "
+        "tokenizer, to benchmark before downloading anything (data: random)",
     )
     data: str = _opt(
         str(demo.DATA),
         "token store folder, or a JSONL file of conversations prepared on the fly with the target's tokenizer "
-        "(default: the demo data)",
+        "(default: the demo data); random or random:SAMPLES: synthetic samples with seed-like lengths and random "
+        "token ids, made in memory (default with a random target; 10,000 samples)",
     )
     output_dir: str = _opt("runs/demo", "run folder: metrics, TensorBoard, checkpoints, exported drafter")
     max_length: int = _opt(0, "when --data is JSONL: truncate samples to this many tokens (0: the token budget)")
     eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")
+    subset_tokens: int = _opt(
+        0,
+        "train on a random subset of the training split holding about this many tokens, the same samples whatever "
+        "the order and layout (benchmarks: compare_modes.py times every mode on one subset); 0: all",
+    )
     # batching
     order: str = _opt("shuffle", f"batch order: {', '.join(ORDERS)}")
     layout: str = _opt("packed", f"micro-batch layout: {', '.join(LAYOUTS)}")
@@ -89,6 +107,11 @@ class TrainConfig:
         "time every micro-batch (a device sync after each) and log the times with their cost features, to "
         "calibrate the cost model",
     )
+    time_phases: bool = _opt(
+        False,
+        "time the phases of every logged step with device events (target forward, drafter forward and backward, "
+        "loss, optimizer; no sync of their own) and log them as phase_seconds",
+    )
     # optimisation (the paper's recipe)
     epochs: int = _opt(6, "passes over the training split")
     max_steps: int = _opt(0, "train this many optimizer steps in all (0: all epochs); the schedule spans them")
@@ -112,6 +135,11 @@ class TrainConfig:
         list_options={"distinct": True, "minimum": 0},
     )
     num_target_features: int = _opt(5, "number of taps when --target-layer-ids is not given")
+    mask_token: str = _opt(
+        "",
+        f"text of the token the drafter's block slots hold (empty: add {MASK_TOKEN} in a spare row of the target's "
+        "embedding); an existing token the data never use, e.g. a reserved special token, when there is no spare row",
+    )
     drafter_layer_types: tuple[str, ...] | None = _opt(
         None,
         "attention of each drafter layer, e.g. sliding,sliding,sliding,sliding,full: a sliding layer sees the last "
@@ -152,9 +180,10 @@ class TrainConfig:
         "speculative decoding reaches), anchor tau, per-slot accuracy, loss",
     )
     speculate_turns: int = _opt(
-        100,
+        -1,
         "at the end, decode this many held-out assistant turns by speculative decoding with the exported drafter "
-        "and print the acceptance length (0: skip)",
+        f"and print the acceptance length (0: skip; -1: one per optimizer step of the run, at most "
+        f"{SPECULATE_TURNS_MAX}, so that a short run stays short)",
     )
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: at the end of each epoch)")
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
@@ -191,6 +220,10 @@ DEMO_PRESET = {
 }
 
 
+# A random target (--target random:...): synthetic data, no held-out decoding (its acceptance means nothing).
+RANDOM_TARGET_PRESET = {"data": "random", "output_dir": "runs/random", "speculate_turns": 0}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -225,6 +258,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
     """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
+    from dflash.models.random_target import is_random_target
+
     args = build_parser(description).parse_args(argv)
     values = {}
     if args.config:
@@ -234,6 +269,8 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
     explicit = set(values)  # the user's own options (YAML and flags), not the demo preset's
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
+    elif is_random_target(values.get("target", "")):
+        values = {**RANDOM_TARGET_PRESET, **values}
     if values.get("init_drafter"):
         values = _from_init_drafter(values, explicit)
     return resolve(TrainConfig(**values))
@@ -257,8 +294,11 @@ def init_drafter_config(folder: str, target: str):
         drafter = DrafterConfig.from_json_dict(raw)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"--init-drafter {path / 'config.json'}: {e}") from None
+    from dflash.models.random_target import is_random_target, random_target_config
+
     try:
-        target_config = AutoConfig.from_pretrained(target)
+        target_config = random_target_config(target) if is_random_target(target) else AutoConfig.from_pretrained(
+            target)
     except (OSError, ValueError) as e:
         raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
     try:
@@ -271,6 +311,9 @@ def init_drafter_config(folder: str, target: str):
 def _from_init_drafter(values: dict, explicit: set) -> dict:
     """values with the drafter options taken from --init-drafter; an explicit option that
     contradicts the drafter is an error naming both."""
+    if values.get("mask_token"):
+        raise UserError(f"--mask-token {values['mask_token']!r} contradicts --init-drafter {values['init_drafter']}: "
+                        "the drafter's dflash_config.mask_token_id is its mask token (leave --mask-token out)")
     c = init_drafter_config(values["init_drafter"], values.get("target", TrainConfig.target))
     taken = {
         "block_size": c.block_size, "draft_layers": c.num_hidden_layers,
@@ -350,7 +393,7 @@ _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear",
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "speculate_turns", "checkpoint_every", "seed", "row_budget")
+                 "checkpoint_every", "seed", "row_budget", "subset_tokens")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
@@ -361,6 +404,7 @@ _RANGES = {
     "lr": (lambda v: v > 0, "must be positive"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
+    "speculate_turns": (lambda v: v >= -1, "must be >= 0, or -1 (one per optimizer step)"),
 }
 
 
@@ -398,6 +442,7 @@ def _validate_relations(c: TrainConfig) -> None:
             _bad("cost_model", str(e))
     if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:
         _bad("gamma", f"no default for block size {c.block_size}; give --gamma")
+    _validate_synthetic(c)
     if c.drafter_layer_types is not None and len(c.drafter_layer_types) != c.draft_layers:
         _bad("drafter_layer_types", f"gives {len(c.drafter_layer_types)} types for {c.draft_layers} drafter layers "
                                     "(--draft-layers): one per layer")
@@ -410,3 +455,17 @@ def _validate_relations(c: TrainConfig) -> None:
         _bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:
         _bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")
+
+
+def _validate_synthetic(c: TrainConfig) -> None:
+    """A random target's shape is known before anything loads, and it has no text to tokenize data with."""
+    from dflash.data.synthetic import is_synthetic, parse_samples
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    if is_synthetic(c.data):
+        parse_samples(c.data)
+    if is_random_target(c.target):
+        random_target_config(c.target)
+        if not is_synthetic(c.data):
+            _bad("data", f"--target {c.target} has random weights and a synthetic tokenizer (no text): train it on "
+                         f"--data random or random:SAMPLES, got {c.data}")

@@ -128,3 +128,17 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
     assert trained.keys() == weights.keys()
     for name, w in weights.items():
         torch.testing.assert_close(trained[name].float(), w.float(), rtol=0, atol=1e-5, msg=name)
+
+
+def test_resume_refuses_a_checkpoint_trained_with_other_layer_types():
+    """The weights have the same shapes whatever mask a layer trains with, so the checkpoint's
+    record of the drafter settings names the layer types and the window (`--resume` compares it)."""
+    from dflash.training.models import drafter_differences, drafter_settings
+
+    full = load_config(["--data", "d.jsonl", "--draft-layers", "2"])
+    sliding = load_config(["--data", "d.jsonl", "--draft-layers", "2", "--drafter-layer-types", "sliding,full",
+                           "--sliding-window", "64"])
+    assert drafter_differences(drafter_settings(full, 6), drafter_settings(sliding, 6)) == [
+        "--drafter-layer-types: full -> sliding_attention,full_attention", "--sliding-window: 0 -> 64"]
+    explicit_full = load_config(["--data", "d.jsonl", "--draft-layers", "2", "--drafter-layer-types", "full,full"])
+    assert drafter_differences(drafter_settings(full, 6), drafter_settings(explicit_full, 6)) == []
