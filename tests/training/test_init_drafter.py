@@ -53,6 +53,8 @@ def test_the_drafter_sets_the_drafter_options(tmp_path):
     (["--drafter-layer-types", "full,full,full"], "--drafter-layer-types ('full_attention', 'full_attention', "
      "'full_attention') contradicts --init-drafter {folder}, whose value is ('sliding_attention', 'sliding_attention', "
      "'full_attention') (leave --drafter-layer-types out)"),
+    (["--mask-token", "<|x|>"], "--mask-token '<|x|>' contradicts --init-drafter {folder}: the drafter's "
+                                "dflash_config.mask_token_id is its mask token (leave --mask-token out)"),
 ])
 def test_options_that_contradict_the_drafter_are_refused(tmp_path, argv, message):
     folder = released_drafter(tmp_path / "drafter")
