@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.data.cost import CostModel, drafter_rows, store_candidates
-from dflash.data.generation import generation_eos, regeneration_limit, stop_ids
+from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
 from dflash.data.token_store import TokenStore
 from dflash.errors import UserError
@@ -34,11 +34,23 @@ def store_path(data: Path, output_dir: Path) -> Path:
     return data if data.is_dir() else output_dir / "data"
 
 
+def _source(store: TokenStore, data: Path) -> Path:
+    """The JSONL file the token store was prepared from (the data themselves when a file)."""
+    return data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+
+
 def turn_limit(store: TokenStore, data: Path) -> int | None:
     """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
     walks and decoding stop there, as the regeneration did."""
-    source = data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+    source = _source(store, data)
     return regeneration_limit(source) if source.is_file() else None
+
+
+def data_temperature(store: TokenStore, data: Path) -> float | None:
+    """The temperature the data were regenerated at (their `meta`; 0: greedy), if they say: the eval
+    walk at that temperature is exact in expectation."""
+    source = _source(store, data)
+    return regeneration_temperature(source) if source.is_file() else None
 
 
 def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path:

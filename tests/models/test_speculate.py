@@ -1,7 +1,9 @@
-"""Speculative decoding on the demo target: lossless, and its acceptance length equals the walk tau.
+"""Speculative decoding on the demo target: lossless, and its acceptance length equals the walk tau;
+sampled at temperature 1, its acceptance length is the one the walk at temperature predicts.
 
 The turns are regenerated here by the target's own greedy decoding, so the walk over them is the
 decoding figure exactly (fp32, CPU): same context features, block content, positions and stop rule.
+At temperature 1 the turns are the target's samples, as decoding's outputs are.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 
 from dflash.data.collate import collate_packed
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token
-from dflash.models.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
+from dflash.models.acceptance import every_anchor, expected_blocks, limited, target_inputs, turn_spans, walk, walk_tau
+from dflash.models.sampling import Sampler, Sampling
 from dflash.models.speculate import (
     greedy_decode,
     prompts_from_conversations,
@@ -54,17 +57,17 @@ def demo():
         for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
             text = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
             prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    samples, outs = [], []
     newline = tok("\n", add_special_tokens=False)["input_ids"]
-    for p in prompts:
-        out = greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops).tokens
+
+    def sample(prompt, out):
         # as the chat template renders a finished turn: `<|im_end|>\n`, the newline supervised too
         tail = newline if out[-1] in stops else []
-        samples.append((np.asarray(p + out + tail), np.asarray([0] * len(p) + [1] * len(out + tail), dtype=bool)))
-        outs.append(out)
+        return np.asarray(prompt + out + tail), np.asarray([0] * len(prompt) + [1] * len(out + tail), dtype=bool)
+
+    outs = [greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops).tokens for p in prompts]
     assert any(out[-1] in stops for out in outs) and any(len(out) == LIMIT for out in outs)
-    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, samples=samples,
-                outs=outs)
+    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, outs=outs,
+                samples=[sample(p, out) for p, out in zip(prompts, outs, strict=True)], sample=sample)
 
 
 def make_drafter(demo, seed=0, layers=2):
@@ -137,6 +140,68 @@ def test_speculate_report(demo, trained):
     assert set(s) >= {"acceptance_length", "target_tokens_per_s", "speculative_tokens_per_s", "speedup", "lossless"}
 
 
+def walk_at(demo, drafter, samples, temperature):
+    """Per turn (tokens after the first, expected blocks at the temperature) of the walk over `samples`."""
+    out = []
+    for sample in samples:
+        batch = collate_packed([sample], [0])
+        features, logprobs = target_inputs(demo["target"], batch, (temperature,))
+        stats = walk_tau(lambda b, f, a, **kw: drafter(b, f, anchors=a, **kw), batch, features,
+                         block_size=drafter.block_size, max_turn_tokens=LIMIT, stop_ids=demo["stops"],
+                         temperatures=(temperature,), target_logprobs=logprobs)
+        out.append((stats.tokens, stats.expected_blocks[0]))
+    return np.asarray(out)
+
+
+def ratio_and_error(tokens, blocks):
+    """sum tokens / sum blocks over turns, and its standard error (delta method over turns)."""
+    tau = tokens.sum() / blocks.sum()
+    n = len(tokens)
+    return tau, np.sqrt(((tokens - tau * blocks) ** 2).sum() / (n * (n - 1))) / blocks.mean()
+
+
+def test_walk_at_temperature_predicts_speculative_sampling(demo, trained):
+    """tau@1 of the walk over turns the target sampled at temperature 1 against `speculative_decode` at
+    temperature 1 of the same prompts (other seeds), within 3 standard errors of the difference; and,
+    without path noise, the expected blocks along the speculative outputs themselves against the
+    blocks they took (the acceptance coins are the only noise left: z within 3)."""
+    hf, stops, repeats = demo["hf"], demo["stops"], 4
+    sampling = Sampling(1.0)
+    prompts = [p for p in demo["prompts"] for _ in range(repeats)]  # 32 turns
+    regenerated = Sampler(sampling, seed=11)
+    turns = [demo["sample"](p, greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops, sampler=regenerated).tokens)
+             for p in prompts]
+    walked = walk_at(demo, trained, turns, 1.0)
+    predicted, predicted_err = ratio_and_error(walked[:, 0], walked[:, 1])
+
+    decoder = Sampler(sampling, seed=12)
+    decoded = [speculative_decode(hf, trained, p, max_new_tokens=LIMIT, stop_ids=stops, sampler=decoder)
+               for p in prompts]
+    forwards = np.asarray([d.forwards for d in decoded], dtype=np.float64)
+    tokens = np.asarray([len(d.tokens) - 1 for d in decoded], dtype=np.float64)
+    measured, measured_err = ratio_and_error(tokens, forwards)
+    assert abs(predicted - measured) < 3 * np.hypot(predicted_err, measured_err), (predicted, measured)
+    assert measured > 1.05  # drafts are accepted at temperature 1 too
+
+    along = walk_at(demo, trained, [demo["sample"](p, d.tokens) for p, d in zip(prompts, decoded, strict=True)], 1.0)
+    assert np.array_equal(along[:, 0], tokens)
+    residual = forwards - along[:, 1]
+    assert abs(residual.sum()) < 3 * np.sqrt((residual ** 2).sum()), (forwards.sum(), along[:, 1].sum())
+
+
+def test_expected_blocks_of_hits_is_the_walk_and_of_ratios_the_mean_of_sampled_walks():
+    rng = np.random.default_rng(0)
+    spans = [(2, 15), (15, 16), (20, 39)]
+    hits = rng.random((40, 4)) < 0.5
+    accepted = np.cumprod(hits, axis=1).sum(axis=1)
+    assert expected_blocks(hits.astype(float), spans) == sum(walk(accepted, s, e)[1] for s, e in spans)
+    # ratios: the mean number of blocks of walks whose slots are accepted with those probabilities
+    ratios = rng.random((40, 4))
+    draws = rng.random((4000, 40, 4)) < ratios
+    sampled = [sum(walk(np.cumprod(d, axis=1).sum(axis=1), s, e)[1] for s, e in spans) for d in draws]
+    assert abs(expected_blocks(ratios, spans) - np.mean(sampled)) < 4 * np.std(sampled) / np.sqrt(len(sampled))
+
+
 def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
     from dflash.data.prepare import tokenize_conversation
     from dflash.demo import DATA
@@ -190,6 +255,17 @@ def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == result
     assert result["lossless"] and result["turns"] == 2 and result["max_new_tokens"] == 6
     assert result["tokens"] == 12 and result["speedup"] > 0  # the first demo answers are longer than 6 tokens
+    assert result["temperature"] == 0 and result["seed"] is None and result["acceptance_length_stderr"] is None
+    sampled = cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(DATA), "--target", str(TARGET),
+                        "--max-turns", "2", "--max-new-tokens", "6", "--temperature", "1", "--top-p", "0.9",
+                        "--seed", "3", "--json", "--no-progress"])
+    assert json.loads(capsys.readouterr().out) == sampled
+    assert (sampled["temperature"], sampled["top_p"], sampled["seed"], sampled["drafts"]) == (1.0, 0.9, 3, "sampled")
+    assert sampled["lossless"] is None and sampled["turns"] == 2 and sampled["acceptance_length_stderr"] is not None
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(DATA), "--seed", "3"])
+    assert e.value.code == 2
+    assert "--seed applies only to sampling: give --temperature > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.main(["--drafter", str(tmp_path / "drafter")])  # no --prompts and no run around it
     assert e.value.code == 2
