@@ -135,6 +135,17 @@ def target_inputs(target, batch: PackedBatch, temperatures=()) -> tuple[torch.Te
     return features, token_logprobs(output, target.shared_weights().lm_head, batch, sampled)
 
 
+def slot_ratios(label_logq: torch.Tensor, anchors: np.ndarray, target_logprobs: torch.Tensor) -> np.ndarray:
+    """r_k(a) = min(1, q_k(y_{a+k}) / p(y_{a+k} | y_<a+k)) of the blocks anchored at flat positions
+    `anchors`, (temperatures, blocks, B-1): label_logq (blocks, B-1, temperatures) from the drafter,
+    target_logprobs (tokens, temperatures) from `token_logprobs`. A slot without a label has q = 0
+    (log -inf), so r = 0."""
+    n = target_logprobs.shape[0]
+    labels = torch.from_numpy(anchors[:, None] + np.arange(1, label_logq.shape[1] + 1)).clamp_max(n - 1)
+    r = (label_logq - target_logprobs[labels.to(target_logprobs.device)]).clamp_max(0).exp()
+    return r.nan_to_num(0.0).permute(2, 0, 1).double().cpu().numpy()
+
+
 def expected_blocks(ratios: np.ndarray, spans) -> float:
     """Expected blocks of speculative sampling over the turns [start, end) of `spans` (flat positions),
     given the turns' tokens: ratios[a, k-1] = r_k(a), the probability that slot k of the block anchored
@@ -282,10 +293,7 @@ def score_and_walk(
         acc = torch.cumprod(out.hits.cpu().long(), dim=1).sum(dim=1).numpy()
         accepted[pos] = acc
         if sampled:
-            labels = torch.from_numpy(pos[:, None] + np.arange(1, block_size)).clamp_max(n - 1)
-            # r = min(1, q(y) / p(y)); a slot without a label has q = 0 (log -inf), so r = 0
-            r = (out.label_logq - target_logprobs[labels.to(target_logprobs.device)]).clamp_max(0).exp()
-            ratios[:, pos] = r.nan_to_num(0.0).permute(2, 0, 1).double().cpu().numpy()
+            ratios[:, pos] = slot_ratios(out.label_logq, pos, target_logprobs)
         stats.loss_sum += float(out.loss_sum)
         stats.weight_sum += float(out.weight_sum)
         stats.anchor_accepted += int(acc.sum()) + acc.size

@@ -15,8 +15,18 @@ import torch
 
 from dflash.data.collate import collate_packed
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token
-from dflash.models.acceptance import every_anchor, expected_blocks, limited, target_inputs, turn_spans, walk, walk_tau
-from dflash.models.sampling import Sampler, Sampling
+from dflash.models import sampling as sampling_module
+from dflash.models.acceptance import (
+    every_anchor,
+    expected_blocks,
+    limited,
+    slot_ratios,
+    target_inputs,
+    turn_spans,
+    walk,
+    walk_tau,
+)
+from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
     greedy_decode,
     prompts_from_conversations,
@@ -187,6 +197,39 @@ def test_walk_at_temperature_predicts_speculative_sampling(demo, trained):
     assert np.array_equal(along[:, 0], tokens)
     residual = forwards - along[:, 1]
     assert abs(residual.sum()) < 3 * np.sqrt((residual ** 2).sum()), (forwards.sum(), along[:, 1].sum())
+
+
+def test_walk_ratios_are_those_of_decoding(demo, trained, monkeypatch):
+    """At every block speculative sampling ran (T 1), min(1, q/p) of the tokens it emitted equals the
+    walk's ratio at that anchor and slot: the same drafter distribution (cached forward vs scored block)
+    and the same target probability (verify forward vs packed forward), position by position."""
+    hf, stops, B = demo["hf"], demo["stops"], trained.block_size
+    blocks = []
+
+    def recording(drafts, q, p, generator=None):
+        accepted, token = verify_block(drafts, q, p, generator)
+        emitted = drafts[:accepted].tolist() + [token]
+        blocks.append((accepted, [min(1.0, float(q[k, y] / p[k, y])) for k, y in enumerate(emitted[:B - 1])]))
+        return accepted, token
+
+    monkeypatch.setattr(sampling_module, "verify_block", recording)
+    sampler, compared = Sampler(Sampling(1.0), seed=5), []
+    for prompt in demo["prompts"][:4]:
+        blocks.clear()
+        decoded = speculative_decode(hf, trained, prompt, max_new_tokens=LIMIT, stop_ids=stops, sampler=sampler)
+        batch = limited(collate_packed([demo["sample"](prompt, decoded.tokens)], [0]), LIMIT, stops)
+        features, logprobs = target_inputs(demo["target"], batch, (1.0,))
+        (anchors,) = every_anchor(batch, B)
+        positions = anchors.block_anchor.numpy()
+        ratios = slot_ratios(trained(batch, features, anchors=anchors, temperatures=(1.0,)).label_logq, positions,
+                             logprobs)[0]
+        anchor = len(prompt)
+        for accepted, decoding_ratios in blocks:
+            walk_ratios = ratios[int(np.flatnonzero(positions == anchor)[0]), :len(decoding_ratios)]
+            np.testing.assert_allclose(walk_ratios, decoding_ratios, rtol=1e-4, atol=1e-6)
+            anchor += accepted + 1
+            compared.append(accepted)
+    assert sum(a > 0 for a in compared) >= 3, compared  # slots after accepted ones were compared too
 
 
 def test_expected_blocks_of_hits_is_the_walk_and_of_ratios_the_mean_of_sampled_walks():
