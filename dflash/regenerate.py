@@ -126,13 +126,16 @@ class HFBackend:
 
     def __init__(self, target: str, tokenizer, dtype: str):
         import torch
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
+
+        from dflash.models.target import load_language_model
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":
             dtype = "bfloat16" if self.device == "cuda" else "float32"
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).to(self.device)
+        # any TargetModel family; an image-text checkpoint: its language model only
+        self.model = load_language_model(target, getattr(torch, dtype), self.device)
         self.model.eval()
         self.stops = stop_ids(tokenizer, self.model.generation_config.eos_token_id)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]

@@ -11,7 +11,9 @@ ranks of the cost, averaged: the share of time not spent waiting for the slowest
 rows per micro-batch (p50 / max) and planning seconds.
 
 The cost of a sample comes from the target's and drafter's sizes (--model: a preset or a
-config.json) and its drafter rows, block_size x min(anchors, candidates), from the supervised
+config.json of any target family: MoE layers priced by their active experts, Gated DeltaNet
+layers per token, sliding-window layers by the pairs their window leaves, MLA by its head dims)
+and its drafter rows, block_size x min(anchors, candidates), from the supervised
 token counts (--supervised with --lengths, else every token counts as supervised; the store's
 loss masks with --data). Without --lengths or --data it plans the built-in seed-like
 distribution (902,000 samples shaped like the seed run's data set) with supervised shares drawn
@@ -75,8 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="open bins of the packer (default %(default)s)")
     p.add_argument("--supervised", help=".npy file of supervised token counts that go with --lengths")
     p.add_argument("--model", default="qwen3-8b",
-                   help=f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json "
-                   "(default %(default)s)")
+                   help=f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json (or its "
+                   "folder) of a dense, MoE, hybrid Gated DeltaNet, sliding-window or MLA target (default %(default)s)")
     p.add_argument("--target-layers", type=int,
                    help="target layers run for the features (default: last default tap + 1, e.g. 34 for Qwen3-8B)")
     p.add_argument("--drafter-layers", type=int, default=5, help="drafter layers (default %(default)s)")

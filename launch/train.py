@@ -10,8 +10,14 @@ Defaults otherwise follow the DFlash paper: AdamW lr 6e-4, clip 1.0, cosine with
 6 epochs, 512 anchors, block 16, gamma 7, 5 draft layers. On a machine without a GPU,
 DeepSpeed runs CPU ranks (gloo).
 
+With --target random:qwen3-8b (or random:PATH, the shape of PATH/config.json) the target has random
+weights and a synthetic tokenizer, and the data default to `random`: synthetic samples with
+seed-like lengths and random token ids, made in memory. Tokens/s are those of the real shapes,
+before anything is downloaded (add --time-phases for where the step's time goes).
+
 Examples:
   deepspeed launch/train.py                                   # the CPU demo
+  python launch/train.py --target random:qwen3-8b --max-steps 20 --time-phases   # benchmark, no download
   deepspeed --num_gpus 8 launch/train.py --target Qwen/Qwen3-8B-local --data data/store \\
       --token-budget 49152 --order shuffle --layout packed --deepspeed_config ds_configs/zero2.json
 """

@@ -16,9 +16,12 @@ def stop_ids(tokenizer, model_eos) -> list[int]:
 
 
 def generation_eos(target: str):
-    """The eos id(s) of the model's generation config (or its config), without loading weights."""
+    """The eos id(s) of the model's generation config (or its config), without loading weights;
+    None for a target that is no folder (`random:...`: its tokenizer's eos ends turns)."""
     from transformers import GenerationConfig
 
+    if not Path(target).is_dir():
+        return None
     try:
         return GenerationConfig.from_pretrained(target).eos_token_id
     except OSError:

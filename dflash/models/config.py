@@ -154,7 +154,8 @@ class DrafterConfig:
         num_target_features: int = DEFAULT_NUM_TARGET_FEATURES,
         vocab_size: int | None = None,
     ) -> DrafterConfig:
-        """Sizes from a Hugging Face target config (Qwen3, Qwen2, Llama, Mistral, ...).
+        """Sizes from a Hugging Face target config (any family of `TargetModel`: its hidden size, heads,
+        kv heads, head_dim; the MLP width of `drafter_intermediate_size`).
 
         vocab_size defaults to the config's; pass the embedding's row count if it differs.
         """
@@ -169,7 +170,7 @@ class DrafterConfig:
             dtype = getattr(torch, dtype)
         return cls(
             hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
+            intermediate_size=drafter_intermediate_size(target_config),
             num_hidden_layers=num_draft_layers,
             num_attention_heads=target_config.num_attention_heads,
             num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
@@ -181,7 +182,7 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             block_size=block_size,
             rms_norm_eps=target_config.rms_norm_eps,
-            rope_parameters=dict(_rope_parameters(target_config)),
+            rope_parameters=_drafter_rope(target_config),
             max_position_embeddings=target_config.max_position_embeddings,
             initializer_range=getattr(target_config, "initializer_range", 0.02),
             dtype=_DTYPE_NAMES.get(dtype, "bfloat16"),
@@ -306,3 +307,22 @@ def _rope_parameters(target_config) -> dict[str, Any]:
     out = dict(getattr(target_config, "rope_scaling", None) or {"rope_type": "default"})
     out["rope_theta"] = getattr(target_config, "rope_theta", 10000.0)
     return out
+
+
+# The drafter is a Qwen3 stack with 1-D positions and RoPE over its whole head dim: a hybrid target's
+# multimodal sections and partial rotary (Qwen3.5: 25% of a head) are the target's own, not the drafter's
+# (serving engines would apply them to the drafter from its config.json).
+_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def _drafter_rope(target_config) -> dict[str, Any]:
+    return {k: v for k, v in _rope_parameters(target_config).items() if k not in _TARGET_ONLY_ROPE_KEYS}
+
+
+def drafter_intermediate_size(target_config) -> int:
+    """The drafter's MLP width: the target's dense MLP width, or for a MoE target without one (Qwen3.5
+    MoE) the width a token is routed through (experts per token x expert width)."""
+    width = getattr(target_config, "intermediate_size", None)
+    if width:
+        return width
+    return target_config.num_experts_per_tok * target_config.moe_intermediate_size

@@ -5,7 +5,8 @@ Speculative decoding of one turn (the DFlash paper's loop, as in the official `d
 the target's prefill gives the first token and the tapped features of the prompt. Each step the
 drafter drafts one block [last verified token, mask x (B-1)] at positions start..start+B-1 in one
 forward, attending to the fused features of every verified token before `start` (its KV cache) and
-to the whole block; the target verifies the block in one forward (its KV cache cropped to `start`),
+to the whole block; the target verifies the block in one forward (its cache then kept at the
+accepted length: `TargetCache` crops attention layers and restores recurrent ones),
 the leading drafts equal to the target's argmax are accepted, and the target's next token is added.
 The verified tokens' features become the drafter's new context. Output is the target's greedy output.
 The drafter runs its one forward (`DFlashDrafter.draft`, the training forward with a `DrafterCache`).
@@ -18,8 +19,6 @@ on the target's own greedy turns (the official benchmark averages uncut blocks i
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 
 from dflash.models.drafter import DFlashDrafter, DrafterCache
 from dflash.models.sampling import Sampler, Sampling
+from dflash.models.target_cache import TargetCache
 
 DEFAULT_MAX_NEW_TOKENS = 2048  # per turn, when the data do not say what they were regenerated with
 
@@ -52,43 +52,20 @@ def _cut(tokens: list[int], stop_ids: Sequence[int], max_new_tokens: int) -> tup
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
-@functools.cache
-def _cache_argument(cls) -> str:
-    # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` before)
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def _target(hf, ids: list[int], start: int, cache, hidden: bool):
-    device = hf.device
-    x = torch.tensor([ids], dtype=torch.long, device=device)
-    pos = torch.arange(start, start + len(ids), device=device)[None]
-    name = _cache_argument(type(hf))
-    return hf(input_ids=x, position_ids=pos, use_cache=True, output_hidden_states=hidden, **{name: cache})
-
-
-def _crop(cache, length: int) -> None:
-    """Keep the first `length` positions (a negative argument means the same in every transformers)."""
-    extra = cache.get_seq_length() - length
-    if extra:
-        cache.crop(-extra)
-
-
 @torch.no_grad()
 def greedy_decode(hf, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int],
                   sampler: Sampler | None = None) -> Decoded:
     """The target alone, one token per forward with a KV cache (the reference output); greedy, or
     sampled by `sampler`."""
-    from transformers import DynamicCache
-
     sampler = sampler or Sampler()
     _sync(hf.device)
     t0 = time.perf_counter()
-    cache = DynamicCache()
-    out = _target(hf, list(prompt), 0, cache, hidden=False)
+    cache = TargetCache(hf)
+    out = cache.forward(list(prompt))
     tokens = [sampler.next_token(out.logits[0, -1])]
     forwards = 0
     while not _cut(tokens, stop_ids, max_new_tokens)[1]:
-        out = _target(hf, tokens[-1:], len(prompt) + len(tokens) - 1, cache, hidden=False)
+        out = cache.forward(tokens[-1:])
         tokens.append(sampler.next_token(out.logits[0, -1]))
         forwards += 1
     _sync(hf.device)
@@ -103,10 +80,9 @@ def speculative_decode(
     """Speculative decoding of one turn, fewer target forwards: greedy (the target's greedy output), or
     sampled by `sampler` (distributed as the target's own sampling).
 
-    hf: the target's Hugging Face causal LM; drafter: attached to its embedding and lm_head.
+    hf: the target's Hugging Face causal LM (any `TargetModel` family: its cache is rolled back
+    to the accepted length by `TargetCache`); drafter: attached to its embedding and lm_head.
     """
-    from transformers import DynamicCache
-
     taps = drafter.config.target_layer_ids
     B = drafter.block_size
 
@@ -116,8 +92,8 @@ def speculative_decode(
     sampler = sampler or Sampler()
     _sync(hf.device)
     t0 = time.perf_counter()
-    cache = DynamicCache()
-    out = _target(hf, list(prompt), 0, cache, hidden=True)
+    cache = TargetCache(hf)
+    out = cache.forward(list(prompt), hidden=True)
     tokens = [sampler.next_token(out.logits[0, -1])]
     dcache = DrafterCache(drafter, len(prompt) + max_new_tokens + B)
     feats = features(out, len(prompt))
@@ -125,12 +101,11 @@ def speculative_decode(
     while not _cut(tokens, stop_ids, max_new_tokens)[1]:
         start = len(prompt) + len(tokens) - 1  # position of the last verified token, the anchor
         drafts, q = sampler.draft(drafter.draft(dcache, feats, tokens[-1]))
-        block = tokens[-1:] + drafts
-        out = _target(hf, block, start, cache, hidden=True)
+        out = cache.forward(tokens[-1:] + drafts, hidden=True)
         forwards += 1
         accepted, following = sampler.verify(drafts, q, out.logits[0])
         tokens += drafts[:accepted] + [following]
-        _crop(cache, start + accepted + 1)
+        cache.keep(start + accepted + 1)
         feats = features(out, accepted + 1)
     _sync(hf.device)
     tokens, _ = _cut(tokens, stop_ids, max_new_tokens)

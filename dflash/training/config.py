@@ -32,16 +32,24 @@ class TrainConfig:
     # what to train on
     target: str = _opt(
         str(demo.TARGET),
-        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target)",
+        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target); "
+        "random:qwen3-8b or random:PATH (PATH holding a config.json): random weights of that shape and a synthetic "
+        "tokenizer, to benchmark before downloading anything (data: random)",
     )
     data: str = _opt(
         str(demo.DATA),
         "token store folder, or a JSONL file of conversations prepared on the fly with the target's tokenizer "
-        "(default: the demo data)",
+        "(default: the demo data); random or random:SAMPLES: synthetic samples with seed-like lengths and random "
+        "token ids, made in memory (default with a random target; 10,000 samples)",
     )
     output_dir: str = _opt("runs/demo", "run folder: metrics, TensorBoard, checkpoints, exported drafter")
     max_length: int = _opt(0, "when --data is JSONL: truncate samples to this many tokens (0: the token budget)")
     eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")
+    subset_tokens: int = _opt(
+        0,
+        "train on a random subset of the training split holding about this many tokens, the same samples whatever "
+        "the order and layout (benchmarks: compare_modes.py times every mode on one subset); 0: all",
+    )
     # batching
     order: str = _opt("shuffle", f"batch order: {', '.join(ORDERS)}")
     layout: str = _opt("packed", f"micro-batch layout: {', '.join(LAYOUTS)}")
@@ -77,6 +85,11 @@ class TrainConfig:
         False,
         "time every micro-batch (a device sync after each) and log the times with their cost features, to "
         "calibrate the cost model",
+    )
+    time_phases: bool = _opt(
+        False,
+        "time the phases of every logged step with device events (target forward, drafter forward and backward, "
+        "loss, optimizer; no sync of their own) and log them as phase_seconds",
     )
     # optimisation (the paper's recipe)
     epochs: int = _opt(6, "passes over the training split")
@@ -173,6 +186,10 @@ DEMO_PRESET = {
 }
 
 
+# A random target (--target random:...): synthetic data, no held-out decoding (its acceptance means nothing).
+RANDOM_TARGET_PRESET = {"data": "random", "output_dir": "runs/random", "speculate_turns": 0}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -207,6 +224,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
     """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
+    from dflash.models.random_target import is_random_target
+
     args = build_parser(description).parse_args(argv)
     values = {}
     if args.config:
@@ -215,6 +234,8 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
     values.update(cli)
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
+    elif is_random_target(values.get("target", "")):
+        values = {**RANDOM_TARGET_PRESET, **values}
     return resolve(TrainConfig(**values))
 
 
@@ -282,7 +303,7 @@ _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear",
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "speculate_turns", "checkpoint_every", "seed", "row_budget")
+                 "speculate_turns", "checkpoint_every", "seed", "row_budget", "subset_tokens")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
@@ -331,7 +352,22 @@ def _validate_relations(c: TrainConfig) -> None:
             _bad("cost_model", str(e))
     if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:
         _bad("gamma", f"no default for block size {c.block_size}; give --gamma")
+    _validate_synthetic(c)
     if c.force_resume and not c.resume:
         _bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:
         _bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")
+
+
+def _validate_synthetic(c: TrainConfig) -> None:
+    """A random target's shape is known before anything loads, and it has no text to tokenize data with."""
+    from dflash.data.synthetic import is_synthetic, parse_samples
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    if is_synthetic(c.data):
+        parse_samples(c.data)
+    if is_random_target(c.target):
+        random_target_config(c.target)
+        if not is_synthetic(c.data):
+            _bad("data", f"--target {c.target} has random weights and a synthetic tokenizer (no text): train it on "
+                         f"--data random or random:SAMPLES, got {c.data}")

@@ -24,21 +24,27 @@ class LoadedTarget(NamedTuple):
 
 def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_features: int = 5,
                 attention_backend: str = "auto", mask_token: bool = True) -> LoadedTarget:
-    """Tokenizer and frozen target of a Hugging Face folder, tapped at `target_layer_ids` (default: the
-    official rule with `num_features` taps); with `mask_token`, the DFlash mask token is added to the
-    tokenizer (a spare embedding row)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Tokenizer and frozen target of a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
+    weights of that shape and a synthetic tokenizer, `dflash.models.random_target`), tapped at
+    `target_layer_ids` (default: the official rule with `num_features` taps); with `mask_token`, the
+    DFlash mask token is added to the tokenizer (a spare embedding row)."""
+    from transformers import AutoTokenizer
 
     from dflash.data.prepare import check_tokenizer_files
     from dflash.data.vocab import ensure_mask_token
-    from dflash.models import TargetModel
+    from dflash.models import TargetModel, load_language_model
+    from dflash.models.random_target import is_random_target, random_target
 
-    target_path = Path(path)
-    if not (target_path / "config.json").is_file():
-        raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
-    check_tokenizer_files(target_path, "--target")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
+    if is_random_target(path):
+        target_path = str(path)
+        tokenizer, hf = random_target(target_path, device, dtype)
+    else:
+        target_path = Path(path)
+        if not (target_path / "config.json").is_file():
+            raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+        check_tokenizer_files(target_path, "--target")
+        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
     try:
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash.data.synthetic import is_synthetic
 from dflash.errors import UserError
+from dflash.models.random_target import is_random_target
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig
 from dflash.training.data import TrainingData, prepare_token_store
@@ -26,13 +28,15 @@ from dflash.training.ds_config import training_ds_config
 from dflash.training.evaluator import Evaluator
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
 from dflash.training.models import LoadedTarget, Models, load_train_target
+from dflash.training.phases import PhaseTimer
 from dflash.training.ranks import on_rank0
 from dflash.training.run_folder import RunFolder
 from dflash.training.shared_fs import check_shared_paths
 from dflash.training.steps import micro_batches
 
 
-def accumulate_gradients(engine, target, micro: list, device, block_size: int, timings: list | None = None):
+def accumulate_gradients(engine, target, micro: list, device, block_size: int, timings: list | None = None,
+                         phases=None):
     """Forward and backward of one step's micro-batches on this rank.
 
     Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
@@ -40,6 +44,7 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int, t
     Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), and the
     number of skipped samples; nothing here waits for the device, unless `timings` is a list:
     then each micro-batch's seconds (forward and backward, the device synchronised) are appended.
+    `phases` (a PhaseTimer, started) is marked after each phase.
     """
     if timings is not None:
         from deepspeed.accelerator import get_accelerator
@@ -54,8 +59,15 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int, t
     for mb in micro:
         start = time.perf_counter()
         batch = mb.batch.to(device, non_blocking=True)
-        out = engine(batch, target.features(batch), anchors=mb.anchors)
+        if phases:
+            phases.mark("other")
+        features = target.features(batch)
+        if phases:
+            phases.mark("target_forward")
+        out = engine(batch, features, anchors=mb.anchors)  # the drafter's hooks mark its forward and the loss
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
+        if phases:
+            phases.mark("drafter_backward")
         if timings is not None:
             get_accelerator().synchronize()
             timings.append(time.perf_counter() - start)
@@ -88,6 +100,13 @@ def init_distributed() -> None:
     Path("/dev/shm", name).unlink(missing_ok=True)
 
 
+def input_paths(cfg: TrainConfig) -> dict[str, Path]:
+    """The files every rank reads, by flag (a random target and synthetic data are made in memory)."""
+    paths = {"--target": cfg.target, "--data": cfg.data, "--deepspeed_config": cfg.deepspeed_config}
+    made = {"--target": is_random_target(cfg.target), "--data": is_synthetic(cfg.data)}
+    return {flag: Path(path) for flag, path in paths.items() if not made.get(flag)}
+
+
 class Trainer:
     """One training run: the parts, the loop and its state (step, planner position, non-finite count).
 
@@ -106,15 +125,14 @@ class Trainer:
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.output_dir = Path(cfg.output_dir)
-        check_shared_paths(self.output_dir, {"--target": Path(cfg.target), "--data": Path(cfg.data),
-                                             "--deepspeed_config": Path(cfg.deepspeed_config)})
+        check_shared_paths(self.output_dir, input_paths(cfg))
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
 
         # everything that can be refused is refused before the target loads
         ds_config, self.dtype = training_ds_config(cfg.deepspeed_config, cfg.dtype, device=self.device,
                                                    world_size=self.world_size, grad_clip=cfg.grad_clip)
-        if not Path(cfg.data).exists():
+        if not is_synthetic(cfg.data) and not Path(cfg.data).exists():
             raise UserError(f"--data {cfg.data}: no such file or folder")
         self.run_folder = RunFolder(self.output_dir)
         on_rank0(lambda: self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite), "claiming the run folder")
@@ -128,6 +146,7 @@ class Trainer:
         self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
         self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype)
         self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
+        self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
 
         self.step = 0
         self.nonfinite_in_row = self.nonfinite_total = 0
@@ -220,6 +239,22 @@ class Trainer:
                     return
                 yield epoch, first, [next(loader) for _ in range(end - first)]
 
+    def close(self) -> None:
+        """Free what the run holds when it stops without `train()` (a benchmark done with a mode): the
+        loader, the metrics files, the phase hooks, the DeepSpeed engine's buffers, the folder's lock."""
+        self._stream.close()
+        self.metrics.close()
+        if self.phases:
+            self.phases.close()
+        self.models.engine.destroy()
+        self.run_folder.release()
+
+    def skip_to_epoch(self, epoch: int) -> None:
+        """Continue at the first step of `epoch` (benchmarks: a warm-up cut short, then whole epochs)."""
+        self._stream.close()
+        self.data.planner.epoch, self.data.planner.position = epoch, 0
+        self._stream = self._micro_steps()
+
     def train(self) -> dict:
         from tqdm.auto import tqdm
 
@@ -270,10 +305,12 @@ class Trainer:
         loss weight of the WHOLE step (all micro-batches, all ranks), so the gradient is that of
         one big batch. Returns the step's metrics (the same on every rank) on logged steps."""
         cfg, engine, t0 = self.cfg, self.models.engine, time.perf_counter()
+        if self.phases:
+            self.phases.start()
         epoch, first, micro = next(self._stream)  # waiting for data is part of the step
         timings = [] if cfg.time_micro_batches else None
         sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, micro, self.device,
-                                                   cfg.block_size, timings)
+                                                   cfg.block_size, timings, self.phases)
         busy = waited = float("nan")
         if self.step % cfg.log_every == 0 or self.step + 1 >= self.data.total_steps:
             # A step that will be logged: the ranks meet before the step's collectives, and time spent
@@ -284,7 +321,11 @@ class Trainer:
             busy = time.perf_counter() - t0
             dist.barrier()
             waited = time.perf_counter() - t0 - busy
+        if self.phases:
+            self.phases.mark("other")
         engine.step()
+        if self.phases:
+            self.phases.mark("optimizer")
         # The ZeRO optimizers skip the update when the global gradient norm is not finite.
         applied = engine.was_step_applied()
         self.nonfinite_in_row = 0 if applied else self.nonfinite_in_row + 1
@@ -338,6 +379,8 @@ class Trainer:
             gathered = [None] * self.world_size
             dist.all_gather_object(gathered, mine)
             record["micro_batch_costs"] = [row for rank_rows in gathered for row in rank_rows]
+        if self.phases:  # this rank's device seconds per phase (the device has finished: synchronised above)
+            record["phase_seconds"] = self.phases.seconds()
         if self.device.type == "cuda":  # for the config tuner: what this rank's step needed at most
             record["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.metrics.write("train", self.step, record)

@@ -9,7 +9,7 @@ import pytest
 
 from dflash.training.ranks import free_port
 
-from ..conftest import ROOT, make_chat_tokenizer
+from ..conftest import ROOT, make_bpe_chat_tokenizer, make_chat_tokenizer
 
 WORDS = [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is"]
 
@@ -25,6 +25,24 @@ def make_tiny_target(path, seed=0):
                          tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def make_family_target(path, family, seed=0):
+    """A tiny random target of a `dflash.demo.families` family with a byte-level BPE chat tokenizer
+    (transformers loads Qwen3.5 folders with a BPE tokenizer class whatever the folder says)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash.demo.families import CONFIGS
+
+    tok = make_bpe_chat_tokenizer(WORDS)
+    config = CONFIGS[family]()
+    config.vocab_size = (len(tok) // 64 + 1) * 64  # spare rows for the mask token
+    config.pad_token_id, config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

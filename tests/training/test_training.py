@@ -17,7 +17,7 @@ from dflash.training.models import lr_lambda
 from dflash.training.steps import step_ranges
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args
+from .conftest import make_family_target, read_metrics, run_deepspeed, tiny_train_args
 
 
 def test_step_ranges_cover_every_micro_step_with_the_token_target():
@@ -63,15 +63,44 @@ def test_two_ranks_with_uneven_micro_batches_give_the_gradient_of_one_batch(tiny
     assert err < 1e-5
 
 
+def check_official_export(drafter_dir):
+    """The exported drafter in the official format: its config is a Qwen3 config (the official
+    DFlashDraftModel's base class), its tensors the official set, each layer's loading strictly
+    into a Qwen3 decoder layer built from that config."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from dflash.models import CONFIG_KEYS, DFlashDrafter
+
+    from ..models.test_checkpoint import expected_names
+
+    exported = json.loads((drafter_dir / "config.json").read_text())
+    assert set(exported) == CONFIG_KEYS and exported["architectures"] == ["DFlashDraftModel"]
+    tensors = load_file(drafter_dir / "model.safetensors")
+    assert set(tensors) == expected_names(exported["num_hidden_layers"])
+    config = Qwen3Config.from_pretrained(drafter_dir)
+    for i in range(config.num_hidden_layers):
+        prefix = f"layers.{i}."
+        Qwen3DecoderLayer(config, i).load_state_dict({k[len(prefix):]: v for k, v in tensors.items()
+                                                      if k.startswith(prefix)}, strict=True)
+    assert DFlashDrafter.from_pretrained(drafter_dir).config.target_layer_ids == \
+        exported["dflash_config"]["target_layer_ids"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config,layout,order", [
-    ("zero2", "packed", "shuffle"), ("zero2", "padded", "sorted"), ("zero3", "packed", "bucketed"),
-    ("zero3", "padded", "shuffle"),
+@pytest.mark.parametrize("config,layout,order,family", [
+    # the dense control, and the target families of issue 25 in the other launches: MoE padded, hybrid
+    # Gated DeltaNet + MoE packed (decoding too: its recurrent state rolled back), hybrid padded
+    ("zero2", "packed", "shuffle", "qwen3"), ("zero2", "padded", "sorted", "qwen3_moe"),
+    ("zero3", "packed", "bucketed", "qwen3_5_moe_text"), ("zero3", "padded", "shuffle", "qwen3_5_text"),
 ])
-def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order):
+def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order, family):
     target, data = tiny_run_inputs
+    if family != "qwen3":
+        target = make_family_target(tmp_path / "target", family)
     out = tmp_path / "run"
-    decode = ["--speculate-turns", 2] if order == "shuffle" and config == "zero2" else []
+    decode = ["--speculate-turns", 2] if family in ("qwen3", "qwen3_5_moe_text") else []
     proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
                                          "--deepspeed_config", f"ds_configs/{config}.json", *decode))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -91,7 +120,7 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
         assert "speculative decoding of 2 held-out turns: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
-    assert (out / "drafter" / "model.safetensors").is_file()
+    check_official_export(out / "drafter")
 
 
 @pytest.mark.slow
