@@ -96,7 +96,8 @@ class TrainingData:
     indices), `lengths` (of the training samples), `flop_model` (the FLOP cost of a sample),
     `planner` (epoch plans and the run's position), `steps[epoch]` (micro-step ranges of each
     optimizer step), `total_steps`, `maker` (collates a micro-batch and draws its anchors),
-    `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them).
+    `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them), `data_temperature`
+    (what the data were regenerated at, when their `meta` says).
     """
 
     def __init__(self, cfg: TrainConfig, path: Path | SyntheticStore, *, tokenizer, target_config, target_layer_ids,
@@ -117,6 +118,7 @@ class TrainingData:
         if cfg.subset_tokens:
             self.train_idx = token_subset(self.train_idx, store.lengths, cfg.subset_tokens, cfg.seed)
         self.turn_limit = turn_limit(store, Path(cfg.data))
+        self.data_temperature = data_temperature(store, Path(cfg.data))
         self.stop_ids = stop_ids(tokenizer, generation_eos(cfg.target))
         self.lengths = store.lengths[self.train_idx]
         # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes

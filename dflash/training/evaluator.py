@@ -21,6 +21,7 @@ class Evaluator:
     def __init__(self, cfg: TrainConfig, data: TrainingData, models: Models, device, dtype):
         self.cfg, self.data, self.models, self.device, self.dtype = cfg, data, models, device, dtype
         self._chunks = None  # held-out micro-batches and the drafter forwards each takes, once planned
+        self._noted = False
 
     def _batch(self, indices) -> PackedBatch:
         """Held-out samples packed, every turn cut where decoding stops: its first stop token, or the
@@ -80,6 +81,19 @@ class Evaluator:
         total = stats.to_tensor(self.device)
         dist.all_reduce(total)
         return WalkStats.from_tensor(total, B, temperatures).metrics()
+
+    def temperature_note(self) -> str | None:
+        """Once: what tau@T means on these held-out turns when they were not sampled at T."""
+        t = self.data.data_temperature
+        others = [x for x in self.cfg.eval_temperatures if x > 0 and x != t]
+        if self._noted or not others or self.data.eval_idx.size == 0:
+            return None
+        self._noted = True
+        origin = ("of unknown origin (no meta.temperature)" if t is None else
+                  "regenerated greedily" if t == 0 else f"sampled at temperature {t:g}")
+        return (f"note: the held-out turns are {origin}; {', '.join(f'tau@{x:g}' for x in others)} follow them, the "
+                "acceptance decoding would have on them, exact for decoding at T only on turns sampled at T "
+                "(launch/regenerate.py --temperature T; docs/ARCHITECTURE.md)")
 
     def speculate_heldout(self, drafter_dir: Path, step: int, output: Path) -> dict:
         """Greedy speculative decoding of the first held-out turns with the exported drafter (call on
