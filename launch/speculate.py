@@ -59,6 +59,10 @@ def parse_args(argv=None):
                    help="when sampling: sampled (default): every slot drawn from the drafter's softmax at the "
                    "temperature (vLLM draft_sample_method=probabilistic); argmax: the drafter's argmax, q one-hot "
                    "(SGLang's DFlash, vLLM's default greedy drafts)")
+    p.add_argument("--save-heldout", metavar="F.jsonl",
+                   help="write the held-out conversations of the drafter's run (their lines of the run's JSONL "
+                   "data) to F.jsonl and stop: regenerate them at a temperature (launch/regenerate.py "
+                   "--temperature T) and decode them with --prompts, where the walk's tau@T is exact in expectation")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -103,6 +107,32 @@ def run_heldout(drafter_dir: Path):
         raise UserError(f"{config_path}: the run held nothing out (eval_fraction 0); give --prompts")
     return (Path(cfg.get("target") or TARGET), [store[int(i)] for i in eval_idx], turn_limit(store, data),
             data_temperature(store, data))
+
+
+def save_heldout(drafter_dir: Path, output: Path) -> int:
+    """The run's held-out conversations, as lines of its JSONL data, written to `output`."""
+    import os
+
+    from dflash.data.token_store import TokenStore
+    from dflash.demo import DATA
+    from dflash.training.data import held_out_split, source_file, store_path
+
+    config_path = drafter_dir.parent / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"--drafter {drafter_dir}: no run config {config_path} to find its held-out conversations")
+    cfg = json.loads(config_path.read_text())
+    data = Path(cfg.get("data") or DATA)
+    store = TokenStore(store_path(data, drafter_dir.parent))
+    source = source_file(store, data)
+    if not source.is_file():
+        raise UserError(f"--save-heldout: the run's data {data} came from no JSONL file that is still there")
+    _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
+    lines = source.read_text(encoding="utf-8").splitlines()
+    numbers = store.dataset.data.table.column("source_line").to_numpy()[eval_idx]
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text("".join(lines[int(n) - 1] + "\n" for n in numbers), encoding="utf-8")
+    os.replace(tmp, output)  # whole or not at all
+    return len(numbers)
 
 
 def samples_from_conversations(path, tokenizer) -> list:
@@ -198,6 +228,10 @@ def main(argv=None):
     if not (drafter_dir / "config.json").is_file():
         hint = " (train the demo first: deepspeed launch/train.py)" if args.drafter == "runs/demo/drafter" else ""
         raise UserError(f"--drafter {drafter_dir}: no exported drafter there (config.json){hint}")
+    if args.save_heldout:
+        count = save_heldout(drafter_dir, Path(args.save_heldout))
+        print(f"wrote the {count} held-out conversations of {drafter_dir.parent} to {args.save_heldout}")
+        return {"heldout_conversations": count}
     samples = None
     if args.prompts:
         if not Path(args.prompts).is_file():

@@ -44,7 +44,7 @@ def store_path(data: Path, output_dir: Path) -> Path:
     return data if data.is_dir() else output_dir / "data"
 
 
-def _source(store: TokenStore, data: Path) -> Path:
+def source_file(store: TokenStore, data: Path) -> Path:
     """The JSONL file the token store was prepared from (the data themselves when a file)."""
     return data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
 
@@ -52,14 +52,14 @@ def _source(store: TokenStore, data: Path) -> Path:
 def turn_limit(store: TokenStore, data: Path) -> int | None:
     """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
     walks and decoding stop there, as the regeneration did."""
-    source = _source(store, data)
+    source = source_file(store, data)
     return regeneration_limit(source) if source.is_file() else None
 
 
 def data_temperature(store: TokenStore, data: Path) -> float | None:
     """The temperature the data were regenerated at (their `meta`; 0: greedy), if they say: the eval
     walk at that temperature is exact in expectation."""
-    source = _source(store, data)
+    source = source_file(store, data)
     return regeneration_temperature(source) if source.is_file() else None
 
 

@@ -259,6 +259,38 @@ def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
     assert demo["tok"].decode(prompts[-1]).endswith("<|im_start|>assistant\n")
 
 
+def test_speculate_cli_saves_the_runs_heldout_conversations(demo, tmp_path, capsys):
+    """--save-heldout writes the lines of the run's data that its held-out split holds (a sample a blank
+    line before it moves to another line number, so the source lines, not the store order, are used)."""
+    import importlib.util
+
+    from dflash.data.prepare import ensure_store, tokenize_conversation
+    from dflash.data.token_store import TokenStore
+    from dflash.demo import DATA
+    from dflash.training.data import held_out_split
+
+    from ..conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("speculate_cli", ROOT / "launch" / "speculate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with open(DATA) as f:
+        lines = [next(f) for _ in range(12)]
+    data, run = tmp_path / "data.jsonl", tmp_path / "run"
+    data.write_text("\n" + "".join(lines))
+    ensure_store(data, demo["tok"], run / "data", max_length=1024, progress=False, say=lambda *_: None)
+    (run / "config.json").write_text(json.dumps({"data": str(data), "eval_fraction": 0.25, "seed": 3}))
+    make_drafter(demo).save_pretrained(run / "drafter")
+    result = cli.main(["--drafter", str(run / "drafter"), "--save-heldout", str(tmp_path / "heldout.jsonl")])
+    _, eval_idx = held_out_split(12, 0.25, 3)
+    assert result == {"heldout_conversations": 3} and "wrote the 3 held-out conversations" in capsys.readouterr().out
+    assert (tmp_path / "heldout.jsonl").read_text() == "".join(lines[i] for i in eval_idx)
+    saved = [json.loads(x)["messages"] for x in lines]
+    store = TokenStore(run / "data")
+    for i in eval_idx:
+        assert np.array_equal(tokenize_conversation(demo["tok"], saved[i], "x")[0], store[int(i)][0])
+
+
 def test_walk_against_step_by_step_decoding():
     # accepted[a] for a turn at [2, 12): decoding anchors at 2, jumps accepted + 1, stops at the last token
     accepted = np.array([9, 9, 3, 0, 0, 0, 1, 5, 0, 2, 0, 9])
