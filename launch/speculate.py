@@ -22,7 +22,8 @@ Without --prompts the turns are the held-out assistant turns of the run the draf
 walk is computed on them too: `tau` (greedy; on greedy regenerated data the two agree) and, when
 sampling, `tau@T`, the expected acceptance at T along those turns (it predicts the sampled run
 when the turns themselves were sampled at T, e.g. by `launch/regenerate.py --temperature T`).
-With --prompts, a file that holds assistant turns gets the same walk on its turns. With no
+With --prompts, a file that holds assistant turns gets the same walk on its turns; --save-heldout
+writes the run's held-out conversations, to regenerate at T and decode that way. With no
 arguments at all: the demo target, runs/demo/drafter and the demo's held-out turns.
 """
 from __future__ import annotations
