@@ -102,18 +102,35 @@ def _load_npy(flag: str, path: str) -> np.ndarray:
         raise UserError(f"{flag} {path}: cannot read a .npy array ({e})") from None
 
 
+def _load_counts(flag: str, path: str) -> np.ndarray:
+    """A .npy file of token counts, one per sample: 1-D, and finite whole numbers when stored as
+    floats (a NaN would be planned as some arbitrary integer)."""
+    values = _load_npy(flag, path)
+    numeric = np.issubdtype(values.dtype, np.integer) or np.issubdtype(values.dtype, np.floating)
+    if values.ndim != 1 or not numeric:
+        raise UserError(f"{flag} {path}: expected a 1-D array of token counts, got {values.dtype} of shape "
+                        f"{values.shape}")
+    if np.issubdtype(values.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))
+        if bad.size:
+            i = int(bad[0])
+            raise UserError(f"{flag} {path}: sample {i} has {values[i]} tokens ({bad.size} sample(s) are not finite "
+                            "whole numbers); every count must be a whole number of tokens")
+    return values.astype(np.int64)
+
+
 def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """(lengths, supervised, anchor candidates, source) of the samples to plan."""
     if args.supervised and not args.lengths:
         raise UserError("--supervised goes with --lengths (a store has its own; the built-in lengths draw theirs)")
     if args.lengths:
-        lengths = _load_npy("--lengths", args.lengths)
+        lengths = _load_counts("--lengths", args.lengths)
         if not args.supervised:  # the drafter's rows follow from the supervised tokens: assume all of them
             print("plan_batches: no --supervised; every token counted as supervised (drafter rows are upper bounds)",
                   file=sys.stderr)
             supervised = np.asarray(lengths, dtype=np.int64)
             return lengths, supervised, candidates_from_supervised(supervised), args.lengths
-        supervised = _load_npy("--supervised", args.supervised)
+        supervised = _load_counts("--supervised", args.supervised)
         if supervised.shape != lengths.shape:
             raise UserError(f"--supervised {args.supervised}: {supervised.size} counts for {lengths.size} lengths")
         if (supervised < 0).any() or (supervised > lengths).any():

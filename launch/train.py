@@ -31,13 +31,14 @@ if not torch.cuda.is_available():
 
 from dflash.errors import exit_on_user_error  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
-from dflash.training.ranks import peer_failures_are_one_line, single_process_env  # noqa: E402
+from dflash.training.ranks import peer_failures_are_one_line, single_process_env, stop_with_the_launcher  # noqa: E402
 
 
 @exit_on_user_error
 @peer_failures_are_one_line
 def main(argv=None):
     config = load_config(argv, description=__doc__)
+    stop_with_the_launcher(config.output_dir)  # Ctrl-C, SIGTERM, a stopped `deepspeed`: every rank stops, one line
     single_process_env(os.environ, torch.cuda.device_count())  # `python launch/train.py`: one rank, no launcher
     from dflash.training.trainer import Trainer
 

@@ -19,6 +19,7 @@ the per-sample Python work matters and on an accelerator the GEMMs do.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -60,9 +61,13 @@ class CostModel:
         try:
             fields = json.loads(open(path).read())
             kinds = {"unit": str, "window": int}
-            return cls(**{k: kinds.get(k, float)(v) for k, v in fields.items()})
-        except (OSError, ValueError, TypeError) as e:
+            model = cls(**{k: kinds.get(k, float)(v) for k, v in fields.items()})
+        except (OSError, ValueError, TypeError, OverflowError) as e:  # int(inf) of a window
             raise UserError(f"{path}: not a cost model JSON of {', '.join(asdict(cls()))} ({e})") from None
+        bad = [k for k, v in asdict(model).items() if k != "unit" and not math.isfinite(v)]
+        if bad:  # JSON as Python writes it allows NaN and Infinity
+            raise UserError(f"{path}: {bad[0]} is {fields[bad[0]]}; every coefficient of a cost model must be finite")
+        return model
 
     def sample_costs(self, lengths, rows) -> np.ndarray:
         """`(N,)` cost of every sample (without the per-micro-batch term, whose column is 0 here)."""

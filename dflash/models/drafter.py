@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
-from dflash.errors import UserError
+from dflash.errors import DiskFull, UserError, disk_full, free_space
 from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
 from dflash.models.config import DrafterConfig, default_gamma
 from dflash.models.loss import DEFAULT_CHUNK_ROWS, acceptance_stats, chunked_weighted_ce, slot_weights
@@ -438,6 +438,12 @@ class DFlashDrafter(nn.Module):
             if directory.exists():
                 os.replace(directory, work / "old")  # removed below, once the new one is in place
             os.replace(staged, directory)
+        except Exception as err:  # noqa: BLE001 - safetensors reports a full disk as a SafetensorError
+            if not disk_full(err):
+                raise
+            raise DiskFull(f"{directory}: not exported: the disk is full ({free_space(directory.parent)}); "
+                            "nothing was written" + (" and the previous export is unchanged" if directory.exists()
+                                                     else "")) from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
+from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
 from dflash.models.config import GAMMA_BY_BLOCK_SIZE
 from dflash.ops import ATTENTION_BACKENDS
@@ -25,6 +26,15 @@ from dflash.options import parse_list
 def _opt(default, help: str, list_options: dict | None = None):
     """An option: its default, its `--help` text and, for a comma-separated list, how to check it."""
     return field(default=default, metadata={"help": help, **({"list": list_options} if list_options else {})})
+
+
+SPECULATE_TURNS_MAX = 100  # held-out turns decoded at the end of a run of at least as many steps
+
+
+def speculate_turns(c: TrainConfig, total_steps: int) -> int:
+    """Held-out turns to decode at the end: --speculate-turns, or with -1 one per optimizer step of
+    the run, at most SPECULATE_TURNS_MAX (a 4-step run decodes 4 turns, not 100)."""
+    return c.speculate_turns if c.speculate_turns >= 0 else min(total_steps, SPECULATE_TURNS_MAX)
 
 
 @dataclass
@@ -114,6 +124,11 @@ class TrainConfig:
         list_options={"distinct": True, "minimum": 0},
     )
     num_target_features: int = _opt(5, "number of taps when --target-layer-ids is not given")
+    mask_token: str = _opt(
+        "",
+        f"text of the token the drafter's block slots hold (empty: add {MASK_TOKEN} in a spare row of the target's "
+        "embedding); an existing token the data never use, e.g. a reserved special token, when there is no spare row",
+    )
     activation_checkpointing: bool = _opt(
         False,
         "recompute drafter layers in backward: less activation memory, about a third more drafter compute",
@@ -147,9 +162,10 @@ class TrainConfig:
         list_options={"cast": float, "distinct": True, "minimum": 0},
     )
     speculate_turns: int = _opt(
-        100,
+        -1,
         "at the end, decode this many held-out assistant turns by speculative decoding with the exported drafter "
-        "and print the acceptance length (0: skip)",
+        f"and print the acceptance length (0: skip; -1: one per optimizer step of the run, at most "
+        f"{SPECULATE_TURNS_MAX}, so that a short run stays short)",
     )
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: at the end of each epoch)")
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
@@ -303,7 +319,7 @@ _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear",
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "speculate_turns", "checkpoint_every", "seed", "row_budget", "subset_tokens")
+                 "checkpoint_every", "seed", "row_budget", "subset_tokens")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
@@ -314,6 +330,7 @@ _RANGES = {
     "lr": (lambda v: v > 0, "must be positive"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
+    "speculate_turns": (lambda v: v >= -1, "must be >= 0, or -1 (one per optimizer step)"),
     "eval_temperatures": (lambda v: all(math.isfinite(t) for t in v), "must be finite numbers >= 0"),
 }
 

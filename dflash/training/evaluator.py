@@ -95,15 +95,15 @@ class Evaluator:
                 "acceptance decoding would have on them, exact for decoding at T only on turns sampled at T "
                 "(launch/regenerate.py --temperature T; docs/ARCHITECTURE.md)")
 
-    def speculate_heldout(self, drafter_dir: Path, step: int, output: Path) -> dict:
-        """Greedy speculative decoding of the first held-out turns with the exported drafter (call on
-        one rank): the acceptance length decoding reaches, to set beside the eval walk tau; written
-        to `output` as JSON."""
+    def speculate_heldout(self, drafter_dir: Path, step: int, output: Path, turns: int) -> dict:
+        """Greedy speculative decoding of the first `turns` held-out turns with the exported drafter
+        (call on one rank): the acceptance length decoding reaches, to set beside the eval walk tau;
+        written to `output` as JSON."""
         from dflash.models import DFlashDrafter
         from dflash.models.speculate import DEFAULT_MAX_NEW_TOKENS, prompts_from_samples, speculate
 
         d, target = self.data, self.models.target
-        prompts = prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), self.cfg.speculate_turns)
+        prompts = prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), turns)
         drafter = DFlashDrafter.from_pretrained(drafter_dir, target.model.shared_weights())
         drafter.to(self.device, self.dtype).eval()
         limit = d.turn_limit or DEFAULT_MAX_NEW_TOKENS

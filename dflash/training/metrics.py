@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
-from dflash.errors import UserError
+from dflash.errors import UserError, os_reason
+from dflash.partial import replace_file
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep the records of steps <= last_step (and drop a line cut short by a crash); atomic."""
+    """Keep the records of steps <= last_step (and drop a line cut short by a crash); all or
+    nothing, and a full disk is one line that leaves the file as it was and no temporary file."""
     if not path.is_file():
         return
     kept = []
@@ -20,10 +21,12 @@ def trim_jsonl(path: Path, last_step: int) -> None:
         except ValueError:
             continue
         if record["step"] <= last_step:
-            kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+            kept.append((line + "\n").encode())
+    try:
+        replace_file(path, kept)
+    except OSError as err:
+        raise UserError(f"{path}: cannot cut it back to step {last_step} for the resume ({os_reason(err, path)}); "
+                        "it is unchanged: free some space and --resume again") from None
 
 
 def step_metrics(sums, slot) -> dict:

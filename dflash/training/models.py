@@ -23,18 +23,23 @@ class LoadedTarget(NamedTuple):
 
 
 def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_features: int = 5,
-                attention_backend: str = "auto", mask_token: bool = True) -> LoadedTarget:
+                attention_backend: str = "auto", mask_token: bool = True, mask_text: str = "",
+                chat_data: str | None = None) -> LoadedTarget:
     """Tokenizer and frozen target of a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
     weights of that shape and a synthetic tokenizer, `dflash.models.random_target`), tapped at
     `target_layer_ids` (default: the official rule with `num_features` taps); with `mask_token`, the
-    DFlash mask token is added to the tokenizer (a spare embedding row)."""
+    DFlash mask token (`mask_text`, default MASK_TOKEN) is added to the tokenizer in a spare
+    embedding row, or reused if the tokenizer has it. `chat_data`: conversations that will be
+    rendered with the tokenizer's chat template, which must then have one. Both are checked before
+    a folder's weights load."""
     from transformers import AutoTokenizer
 
     from dflash.data.prepare import check_tokenizer_files
-    from dflash.data.vocab import ensure_mask_token
+    from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
     from dflash.models import TargetModel, load_language_model
     from dflash.models.random_target import is_random_target, random_target
 
+    mask_text = mask_text or MASK_TOKEN
     if is_random_target(path):
         target_path = str(path)
         tokenizer, hf = random_target(target_path, device, dtype)
@@ -44,19 +49,119 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
             raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
         check_tokenizer_files(target_path, "--target")
         tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        if chat_data is not None and not tokenizer.chat_template:
+            raise UserError(f"--target {target_path}: its tokenizer has no chat template, which renders the "
+                            f"conversations of --data {chat_data}; give the chat (instruct) model's folder, or add "
+                            "its template there (chat_template.jinja)")
+        rows = _embedding_rows(target_path) if mask_token else None
+        try:
+            if rows is not None:
+                check_mask_token(tokenizer, rows, mask_text)
+        except ValueError as e:
+            raise UserError(f"--target {target_path}: {e}") from None
         hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
     try:
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
-        mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows) if mask_token else None
+        mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows, mask_text) if mask_token else None
     except ValueError as e:
         raise UserError(f"--target {target_path}: {e}") from None
     return LoadedTarget(tokenizer, hf, model, mask_id)
 
 
+def _embedding_rows(path: Path) -> int | None:
+    """The rows of the target's input embedding, as its config says (None: it does not say)."""
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(str(path)).get_text_config().vocab_size)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def target_fingerprint(path: str | Path) -> dict:
+    """The target's folder and a hash of what tells one model from another without reading the
+    weights: config.json, and the name, size and first 64 KiB (the safetensors header) of every
+    weight file. A moved folder keeps its hash; a `random:` target is its name."""
+    import hashlib
+
+    from dflash.models.random_target import is_random_target
+
+    if is_random_target(path):
+        return {"path": str(path)}
+    folder = Path(path)
+    h = hashlib.sha256()
+    for f in [folder / "config.json", *sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]:
+        with f.open("rb") as data:
+            h.update(f"{f.name}:{f.stat().st_size}:".encode() + data.read(1 << 16))
+    return {"path": str(folder.resolve()), "sha256": h.hexdigest()}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def target_layers(path: str | Path) -> int | None:
+    """The target's number of layers, from its config (None: not a model folder; loading it says so)."""
+    from transformers import AutoConfig
+
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    try:
+        if is_random_target(path):
+            return random_target_config(str(path)).num_hidden_layers
+        if not (Path(path) / "config.json").is_file():
+            return None
+        return AutoConfig.from_pretrained(str(path)).get_text_config().num_hidden_layers
+    except (OSError, ValueError, UserError):
+        return None
+
+
+def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
+    """What shapes the drafter's weights and what they learn, by option, as a checkpoint records it
+    and `--resume` compares it (with the target, `target_fingerprint`): the taps (resolved by the
+    official rule for a target of `num_target_layers` when not given), the drafter's size, block,
+    anchors, loss decay and mask token."""
+    from dflash.data.vocab import MASK_TOKEN
+    from dflash.models.config import default_target_layer_ids
+
+    settings = {"--block-size": cfg.block_size, "--draft-layers": cfg.draft_layers,
+                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma, "--mask-token": cfg.mask_token or MASK_TOKEN}
+    taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
+    if taps is None and num_target_layers is not None:
+        try:
+            taps = default_target_layer_ids(num_target_layers, cfg.num_target_features)
+        except ValueError:  # too few layers: loading the target says so
+            pass
+    if taps is not None:
+        settings.update({"--target-layer-ids": taps, "--num-target-features": len(taps)})
+    return settings
+
+
+def drafter_differences(before: dict, now: dict) -> list[str]:
+    """`option: checkpoint value -> value now` for every setting of `drafter_settings` that differs
+    (a target by its hash, shown by its folder; one recorded by path alone by its path)."""
+    def show(value):
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    diffs = []
+    for flag, new in now.items():
+        old = before.get(flag)
+        if old is None:
+            continue
+        if flag == "--target":
+            same = old["sha256"] == new["sha256"] if old.get("sha256") else old["path"] == new["path"]
+            if not same:
+                diffs.append(f"--target: {old['path']} -> {new['path']}" if old["path"] != new["path"]
+                             else f"--target: {new['path']} is another model now (its config or weights changed)")
+        elif old != new:
+            diffs.append(f"{flag}: {show(old)} -> {show(new)}")
+    return diffs
+
+
 def load_train_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
     return load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
-                       num_features=cfg.num_target_features, attention_backend=cfg.attention_backend)
+                       num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
+                       mask_text=cfg.mask_token, chat_data=cfg.data if Path(cfg.data).is_file() else None)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):

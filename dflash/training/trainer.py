@@ -19,15 +19,24 @@ import torch
 import torch.distributed as dist
 
 from dflash.data.synthetic import is_synthetic
-from dflash.errors import UserError
+from dflash.errors import DiskFull, UserError
 from dflash.models.random_target import is_random_target
+from dflash.partial import write_json
 from dflash.training.checkpoint import Checkpointer
-from dflash.training.config import TrainConfig
+from dflash.training.config import TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, prepare_token_store
 from dflash.training.ds_config import training_ds_config
 from dflash.training.evaluator import Evaluator
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
-from dflash.training.models import LoadedTarget, Models, load_train_target
+from dflash.training.models import (
+    LoadedTarget,
+    Models,
+    drafter_differences,
+    drafter_settings,
+    load_train_target,
+    target_fingerprint,
+    target_layers,
+)
 from dflash.training.phases import PhaseTimer
 from dflash.training.ranks import on_rank0
 from dflash.training.run_folder import RunFolder
@@ -135,7 +144,11 @@ class Trainer:
         if not is_synthetic(cfg.data) and not Path(cfg.data).exists():
             raise UserError(f"--data {cfg.data}: no such file or folder")
         self.run_folder = RunFolder(self.output_dir)
-        on_rank0(lambda: self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite), "claiming the run folder")
+        self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
+        self.drafter_settings = drafter_settings(cfg, target_layers(cfg.target))
+        if is_random_target(cfg.target) or (Path(cfg.target) / "config.json").is_file():
+            self.drafter_settings["--target"] = target_fingerprint(cfg.target)
+        on_rank0(self._claim, "claiming the run folder")
 
         target = target or load_train_target(cfg, self.device, self.dtype)
         self.data = TrainingData(cfg, prepare_token_store(cfg, target.tokenizer, self._say),
@@ -145,7 +158,6 @@ class Trainer:
                                  gamma=cfg.gamma, world_size=self.world_size)
         self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
         self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype)
-        self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
         self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
 
         self.step = 0
@@ -155,19 +167,43 @@ class Trainer:
                   f"ZeRO-{self.models.zero_stage}; {len(d.train_idx):,} train / {len(d.eval_idx):,} eval samples "
                   f"({len(d.store) - d.usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
                   f"budget {cfg.token_budget:,}, {cfg.step_tokens:,} tokens/rank/step, {d.total_steps} steps")
-        resumed = cfg.resume and self._resume()
+        if cfg.resume:
+            self._resume()
         if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
-            (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-        # a resumed run's logs end at its checkpoint: what a crash wrote after it is redone
+            write_json(self.output_dir / "config.json", dataclasses.asdict(cfg))
+        # A resumed run's logs end at its checkpoint (step 0 without one): what the stopped attempt
+        # wrote after it is redone, so no record is there twice.
         self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0,
-                                     resume_step=self.step if resumed else None)
-        if resumed and cfg.sample_log:
+                                     resume_step=self.step if cfg.resume else None)
+        if cfg.resume and cfg.sample_log:
             trim_jsonl(self._sample_log_path(), self.step)
         self._stream = self._micro_steps()
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
             print(text, flush=True)
+
+    def _claim(self) -> None:
+        """Lock the run folder (rank 0) and, for --resume, refuse options that would train another
+        drafter than the checkpoint's, before anything loads."""
+        cfg = self.cfg
+        self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite)
+        state = self.checkpointer.newest_state() if cfg.resume else None
+        if state is None:
+            return
+        recorded = state.get("drafter")
+        if recorded is None:  # a checkpoint of an older dflash: its options, and the target by its path
+            known = {f.name for f in dataclasses.fields(TrainConfig)}
+            old = dataclasses.replace(cfg, **{k: v for k, v in state.get("config", {}).items() if k in known})
+            recorded = {**drafter_settings(old, target_layers(cfg.target)),
+                        "--target": {"path": str(Path(old.target).resolve())}}
+        diffs = drafter_differences(recorded, self.drafter_settings)
+        if diffs:
+            self.run_folder.release()
+            raise UserError(f"--resume: {state['checkpoint']} trained a drafter with other settings (checkpoint -> "
+                            "now):\n  " + "\n  ".join(diffs) + "\nthey shape its weights or what it learns: resume "
+                            "with the checkpoint's values, or train these in a new run (another --output-dir, or "
+                            "--overwrite)")
 
     def _resume(self) -> bool:
         """Load the newest complete checkpoint; False when there is none. A checkpoint of other
@@ -190,7 +226,8 @@ class Trainer:
 
         state = self.checkpointer.load_latest(self.models.engine, check, module_only=world_changed)
         if state is None:
-            self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning")
+            self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning "
+                      "(the records of the attempt before are removed)")
             return False
         for d in check(state):
             self._say(f"--force-resume: {d}")
@@ -290,13 +327,18 @@ class Trainer:
         result = {"step": self.step, "eval": last_eval}
         drafter_dir = self.output_dir / "drafter"
         if cfg.export:
-            self.models.export(drafter_dir)
+            try:
+                self.models.export(drafter_dir)
+            except DiskFull as err:
+                raise UserError(f"{err}; the last checkpoint holds the weights: free some space and run the same "
+                                "command with --resume to export them") from None
             self._say(f"exported the drafter to {drafter_dir}")
         if self.rank == 0 and self.metrics.path.is_file():
             plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
             self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
-        if cfg.export and cfg.speculate_turns and self.data.eval_idx.size and self.rank == 0:
-            result["speculate"] = self._speculate_heldout(drafter_dir)
+        turns = speculate_turns(cfg, self.data.total_steps)
+        if cfg.export and turns and self.data.eval_idx.size and self.rank == 0:
+            result["speculate"] = self._speculate_heldout(drafter_dir, turns)
         self.run_folder.release()
         return result
 
@@ -420,8 +462,8 @@ class Trainer:
                   f"anchor_tau {record['anchor_tau']:.3f}")
         return record
 
-    def _speculate_heldout(self, drafter_dir: Path) -> dict:
-        report = self.evaluator.speculate_heldout(drafter_dir, self.step, self.output_dir / "speculate.json")
+    def _speculate_heldout(self, drafter_dir: Path, turns: int) -> dict:
+        report = self.evaluator.speculate_heldout(drafter_dir, self.step, self.output_dir / "speculate.json", turns)
         self._say(f"speculative decoding of {report['turns']} held-out turns: acceptance length "
                   f"{report['acceptance_length']:.3f} ({report['tokens']:,} tokens, {report['target_forwards']:,} "
                   f"target forwards after the prefills, {report['speculative_tokens_per_s']:.0f} tokens/s); "
@@ -432,5 +474,6 @@ class Trainer:
         state = {"planner": self.data.planner.state_dict(), "step_tokens": self.cfg.step_tokens,
                  "world_size": self.world_size,
                  "nonfinite_steps": self.nonfinite_total, "config": dataclasses.asdict(self.cfg),
+                 "drafter": self.drafter_settings,
                  "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
         return self.checkpointer.save(self.models.engine, self.step, state)

@@ -100,7 +100,8 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     if family != "qwen3":
         target = make_family_target(tmp_path / "target", family)
     out = tmp_path / "run"
-    decode = ["--speculate-turns", 2] if family in ("qwen3", "qwen3_5_moe_text") else []
+    # the default rule (-1): one held-out turn per optimizer step, so these 3-step runs decode 3 (of 6)
+    decode = ["--speculate-turns", -1] if family in ("qwen3", "qwen3_5_moe_text") else []
     proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
                                          "--deepspeed_config", f"ds_configs/{config}.json", *decode))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -116,8 +117,8 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     assert (out / "speculate.json").is_file() == bool(decode)
     if decode:
         figure = json.loads((out / "speculate.json").read_text())
-        assert figure["turns"] == 2 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
-        assert "speculative decoding of 2 held-out turns: acceptance length" in proc.stdout
+        assert figure["turns"] == 3 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
+        assert "speculative decoding of 3 held-out turns: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
     check_official_export(out / "drafter")
@@ -156,7 +157,8 @@ BAD_OPTIONS = [
     (["--row-budget", "100"], "--row-budget: must be 0 or at least block size x anchors (1024) so that every sample "
                               "fits, got 100"),
     (["--balance", "--cost-model", "nope.json"], "--cost-model: nope.json: not a cost model JSON of per_token, "
-     "per_pair, per_row, per_row_key, per_sample, per_batch, unit ([Errno 2] No such file or directory: 'nope.json')"),
+     "per_pair, per_row, per_row_key, per_sample, per_batch, per_window_pair, unit, window ([Errno 2] No such file or "
+     "directory: 'nope.json')"),
 ]
 
 
@@ -165,6 +167,17 @@ def test_bad_options_name_the_flag(argv, message):
     with pytest.raises(UserError) as err:
         load_config(argv)
     assert str(err.value) == message
+
+
+def test_the_end_of_run_decode_scales_with_the_run():
+    from dflash.training.config import speculate_turns
+
+    default = load_config([])
+    assert [speculate_turns(default, steps) for steps in (4, 100, 5000)] == [4, 100, 100]
+    assert speculate_turns(load_config(["--speculate-turns", "7"]), 4) == 7, "an explicit number is kept"
+    assert speculate_turns(load_config(["--speculate-turns", "0"]), 5000) == 0, "0 skips it"
+    with pytest.raises(UserError, match=r"--speculate-turns: must be >= 0, or -1 \(one per optimizer step\)"):
+        load_config(["--speculate-turns", "-2"])
 
 
 def test_config_file_errors_name_the_file_and_key(tmp_path):
