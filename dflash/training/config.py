@@ -158,7 +158,7 @@ class TrainConfig:
         (0.0, 1.0),
         "temperatures of the eval walk, e.g. 0,0.7,1: tau@T, the expected acceptance length of speculative sampling "
         "at T (drafts drawn from the drafter at T, the engines' ratio test) along the held-out turns, beside "
-        "greedy tau (tau@0 = tau); exact in expectation when the turns were sampled at T",
+        "greedy tau (tau@0 = tau; 0 alone: greedy only); exact in expectation when the turns were sampled at T",
         list_options={"cast": float, "distinct": True, "minimum": 0},
     )
     speculate_turns: int = _opt(
