@@ -179,6 +179,9 @@ class DrafterOutput:
     hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
     num_blocks: int
     num_skipped: int  # samples skipped for too few supervised tokens
+    # (NB, B-1, len(temperatures)) float32, when the forward was given temperatures: log q_t(label) of slot k of
+    # block j at each temperature t (the eval walk at temperature), -inf where the label is not valid
+    label_logq: torch.Tensor | None = None
 
 
 def is_drafter_folder(path: Path) -> bool:
@@ -341,6 +344,7 @@ class DFlashDrafter(nn.Module):
         epoch: int = 0,
         seed: int = 0,
         anchors: Anchors | None = None,
+        temperatures: tuple[float, ...] = (),
     ) -> DrafterOutput:
         """Training forward of one micro-batch.
 
@@ -350,6 +354,8 @@ class DFlashDrafter(nn.Module):
             features: (T, K*H) target taps of the batch's real tokens, packed order.
             epoch, seed: key of the anchor draw (ignored when `anchors` are given).
             anchors: precomputed anchors (`drafter.anchors(batch, epoch=..., seed=...)`).
+            temperatures: also return each label's log-probability under the drafter's softmax at
+                these temperatures (> 0), `label_logq`.
 
         A micro-batch without any block runs one zero-weight block so that every rank runs
         the same modules (ZeRO-3) and the loss still has a graph.
@@ -379,8 +385,9 @@ class DFlashDrafter(nn.Module):
         scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
         row_w = slot_weights(B, self.gamma, device=device)[None, :] * valid
         lm_head = self._require_shared().lm_head
-        loss_sum, preds = chunked_weighted_ce(
-            scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), row_w.reshape(-1), self.ce_chunk_rows
+        loss_sum, preds, logq = chunked_weighted_ce(
+            scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), row_w.reshape(-1), self.ce_chunk_rows,
+            temperatures,
         )
         correct = preds.view_as(blocks.labels) == blocks.labels
         # [:num_blocks] leaves out the zero-weight stand-in block of an empty micro-batch.
@@ -395,6 +402,8 @@ class DFlashDrafter(nn.Module):
             hits=hits,
             num_blocks=num_blocks,
             num_skipped=anchors.num_skipped,
+            label_logq=logq.view(-1, B - 1, len(temperatures))[:num_blocks].masked_fill(
+                ~valid[:num_blocks, :, None], float("-inf")) if temperatures else None,
         )
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:

@@ -271,8 +271,10 @@ class TargetModel(nn.Module):
         )
 
     @torch.no_grad()
-    def features(self, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    def features(self, batch: PackedBatch | PaddedBatch, *, with_output: bool = False):
         """Concatenated outputs of the tapped layers, `(tokens, K*H)`, in packed token order.
+        `with_output`: also run the remaining layers and the final norm, and return
+        `(features, output)` with the model's output states `(tokens, H)` (before the lm_head).
 
         Packed batch: one flat row, attention per sample through `dflash.ops.varlen_attention`
         (position_ids restart at 0 per sample, so RoPE sees in-sample positions).
@@ -300,7 +302,7 @@ class TargetModel(nn.Module):
         if isinstance(batch, PaddedBatch):
             mask_mapping = self._padded_masks(hidden, batch.attention_mask, position_ids)
         position_embeddings = base.rotary_emb(hidden, position_ids)
-        last = max(self.target_layer_ids)
+        last = len(base.layers) - 1 if with_output else max(self.target_layer_ids)
         taps = {}
         layer_types = self._layer_types()
         for i, layer in enumerate(base.layers[: last + 1]):
@@ -314,9 +316,12 @@ class TargetModel(nn.Module):
             if i in self.target_layer_ids:
                 taps[i] = hidden
         out = torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)
+        if with_output:
+            out = (out, base.norm(hidden))
         if isinstance(batch, PackedBatch):
-            return out[0]
-        return out[batch.attention_mask.bool()]
+            return tuple(x[0] for x in out) if with_output else out[0]
+        real = batch.attention_mask.bool()
+        return tuple(x[real] for x in out) if with_output else out[real]
 
     def _layer_types(self) -> list[str]:
         config = self.model.config

@@ -2,7 +2,7 @@
 
 Precedence: dataclass defaults (the paper's recipe) < the built-in demo preset (only when
 neither --target nor --data is given) < the YAML file of --config < command-line flags.
-`load_config` resolves every option once: lists become tuples of ints, derived defaults
+`load_config` resolves every option once: lists become tuples (of ints, or floats where said), derived defaults
 (step tokens, maximum length, gamma) are filled in, and every value is checked, so a bad one
 fails before anything loads. The rest of the code reads the result and interprets nothing.
 """
@@ -178,6 +178,13 @@ class TrainConfig:
         0,
         "evaluate on the held-out split every N steps (0: once per epoch and at the end): walk tau (what greedy "
         "speculative decoding reaches), anchor tau, per-slot accuracy, loss",
+    )
+    eval_temperatures: tuple[float, ...] = _opt(
+        (0.0, 1.0),
+        "temperatures of the eval walk, e.g. 0,0.7,1: tau@T, the expected acceptance length of speculative sampling "
+        "at T (drafts drawn from the drafter at T, the engines' ratio test) along the held-out turns, beside "
+        "greedy tau (tau@0 = tau; 0 alone: greedy only); exact in expectation when the turns were sampled at T",
+        list_options={"cast": float, "distinct": True, "minimum": 0},
     )
     speculate_turns: int = _opt(
         -1,
@@ -405,6 +412,7 @@ _RANGES = {
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
     "speculate_turns": (lambda v: v >= -1, "must be >= 0, or -1 (one per optimizer step)"),
+    "eval_temperatures": (lambda v: all(math.isfinite(t) for t in v), "must be finite numbers >= 0"),
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.data.cost import CostModel, drafter_rows, store_candidates
-from dflash.data.generation import generation_eos, regeneration_limit, stop_ids
+from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
 from dflash.data.synthetic import SyntheticStore, is_synthetic, open_store, synthetic_store
 from dflash.data.token_store import TokenStore
@@ -44,11 +44,23 @@ def store_path(data: Path, output_dir: Path) -> Path:
     return data if data.is_dir() else output_dir / "data"
 
 
+def source_file(store: TokenStore, data: Path) -> Path:
+    """The JSONL file the token store was prepared from (the data themselves when a file)."""
+    return data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+
+
 def turn_limit(store: TokenStore, data: Path) -> int | None:
     """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
     walks and decoding stop there, as the regeneration did."""
-    source = data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+    source = source_file(store, data)
     return regeneration_limit(source) if source.is_file() else None
+
+
+def data_temperature(store: TokenStore, data: Path) -> float | None:
+    """The temperature the data were regenerated at (their `meta`; 0: greedy), if they say: the eval
+    walk at that temperature is exact in expectation."""
+    source = source_file(store, data)
+    return regeneration_temperature(source) if source.is_file() else None
 
 
 def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticStore:
@@ -84,7 +96,8 @@ class TrainingData:
     indices), `lengths` (of the training samples), `flop_model` (the FLOP cost of a sample),
     `planner` (epoch plans and the run's position), `steps[epoch]` (micro-step ranges of each
     optimizer step), `total_steps`, `maker` (collates a micro-batch and draws its anchors),
-    `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them).
+    `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them), `data_temperature`
+    (what the data were regenerated at, when their `meta` says).
     """
 
     def __init__(self, cfg: TrainConfig, path: Path | SyntheticStore, *, tokenizer, target_config, target_layer_ids,
@@ -105,6 +118,7 @@ class TrainingData:
         if cfg.subset_tokens:
             self.train_idx = token_subset(self.train_idx, store.lengths, cfg.subset_tokens, cfg.seed)
         self.turn_limit = turn_limit(store, Path(cfg.data))
+        self.data_temperature = data_temperature(store, Path(cfg.data))
         self.stop_ids = stop_ids(tokenizer, generation_eos(cfg.target))
         self.lengths = store.lengths[self.train_idx]
         # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes

@@ -1,5 +1,7 @@
-"""The evaluator part: the decoding walk on the held-out turns (every rank, summed), and at the end
-of a run greedy speculative decoding of the first held-out turns with the exported drafter."""
+"""The evaluator part: the decoding walk on the held-out turns (every rank, summed), greedy `tau` and
+`tau@T`, the expected acceptance of speculative sampling at each temperature of --eval-temperatures,
+and at the end of a run greedy speculative decoding of the first held-out turns with the exported
+drafter."""
 from __future__ import annotations
 
 import json
@@ -19,6 +21,7 @@ class Evaluator:
     def __init__(self, cfg: TrainConfig, data: TrainingData, models: Models, device, dtype):
         self.cfg, self.data, self.models, self.device, self.dtype = cfg, data, models, device, dtype
         self._chunks = None  # held-out micro-batches and the drafter forwards each takes, once planned
+        self._noted = False
 
     def _batch(self, indices) -> PackedBatch:
         """Held-out samples packed, every turn cut where decoding stops: its first stop token, or the
@@ -44,27 +47,31 @@ class Evaluator:
     @torch.no_grad()
     def walk(self) -> dict | None:
         """Walk tau on the held-out split: a block at every position of every assistant turn (short
-        ones too), walked as greedy speculative decoding does (`dflash.models.acceptance`); beside
-        it anchor_tau (the mean over those blocks), per-slot accuracy and the loss. Collective."""
-        from dflash.models.acceptance import WalkStats, every_anchor, score_and_walk
+        ones too), walked as greedy speculative decoding does (`dflash.models.acceptance`), and
+        `tau@T` at each temperature of --eval-temperatures; beside them anchor_tau (the mean over
+        those blocks), per-slot accuracy and the loss. Collective."""
+        from dflash.models.acceptance import WalkStats, every_anchor, score_and_walk, target_inputs
 
         if self.data.eval_idx.size == 0:
             return None
         B, rank, world_size = self.cfg.block_size, dist.get_rank(), dist.get_world_size()
+        temperatures = self.cfg.eval_temperatures
         target, engine = self.models.target.model, self.models.engine
         batches, chunks = self._plan()
         # Round-robin over ranks. Every rank runs the same number of forwards (ZeRO-3 gathers
         # parameters collectively), so a rank with fewer repeats one and discards it.
         forwards = max(sum(chunks[r::world_size]) for r in range(world_size))
-        stats, done = WalkStats(B), 0
+        stats, done = WalkStats(B, temperatures), 0
 
-        def forward(batch, features, anchors):
-            return engine(batch, features, anchors=anchors)
+        def forward(batch, features, anchors, **kwargs):
+            return engine(batch, features, anchors=anchors, **kwargs)
 
         for k in range(rank, len(batches), world_size):
             batch = self._batch(batches[k]).to(self.device)
             chunk = every_anchor(batch, B)
-            stats.add(score_and_walk(forward, batch, target.features(batch), chunk, block_size=B))
+            features, logprobs = target_inputs(target, batch, temperatures)
+            stats.add(score_and_walk(forward, batch, features, chunk, block_size=B, temperatures=temperatures,
+                                     target_logprobs=logprobs))
             done += len(chunk)
         if done < forwards:
             batch = self._batch(batches[next(k for k, c in enumerate(chunks) if c)]).to(self.device)
@@ -73,7 +80,20 @@ class Evaluator:
                 forward(batch, features, anchors)
         total = stats.to_tensor(self.device)
         dist.all_reduce(total)
-        return WalkStats.from_tensor(total, B).metrics()
+        return WalkStats.from_tensor(total, B, temperatures).metrics()
+
+    def temperature_note(self) -> str | None:
+        """Once: what tau@T means on these held-out turns when they were not sampled at T."""
+        t = self.data.data_temperature
+        others = [x for x in self.cfg.eval_temperatures if x > 0 and x != t]
+        if self._noted or not others or self.data.eval_idx.size == 0:
+            return None
+        self._noted = True
+        origin = ("of unknown origin (no meta.temperature)" if t is None else
+                  "regenerated greedily" if t == 0 else f"sampled at temperature {t:g}")
+        return (f"note: the held-out turns are {origin}; {', '.join(f'tau@{x:g}' for x in others)} follow them, the "
+                "acceptance decoding would have on them, exact for decoding at T only on turns sampled at T "
+                "(launch/regenerate.py --temperature T; docs/ARCHITECTURE.md)")
 
     def speculate_heldout(self, drafter_dir: Path, step: int, output: Path, turns: int) -> dict:
         """Greedy speculative decoding of the first `turns` held-out turns with the exported drafter

@@ -96,9 +96,16 @@ def read_records(run: Path) -> list[dict]:
     return records
 
 
+def sampled_tau_keys(records: list[dict]) -> list[str]:
+    """The eval records' tau@T keys for T > 0 (tau@0 is tau), in order of temperature."""
+    keys = {k for r in records if r["kind"] == "eval" for k in r if k.startswith("tau@") and k != "tau@0"}
+    return sorted(keys, key=lambda k: float(k.removeprefix("tau@")))
+
+
 def plot_curves(records: list[dict], output: Path, title: str) -> None:
     """Loss and acceptance against the step, training records and held-out evaluations, as a PNG:
-    the walk tau of the evaluations (what decoding reaches) beside the anchor tau of both."""
+    the walk tau of the evaluations (what greedy decoding reaches) and tau@T (the expected acceptance
+    of speculative sampling at T) beside the anchor tau of both."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,7 +115,9 @@ def plot_curves(records: list[dict], output: Path, title: str) -> None:
     curves = {"loss": [("train", "loss", "-", "train"), ("eval", "loss", "o-", "held out")],
               "acceptance length": [("train", "anchor_tau", "-", "train anchor_tau"),
                                     ("eval", "anchor_tau", "s--", "held-out anchor_tau"),
-                                    ("eval", "tau", "o-", "held-out tau (decoding walk)")]}
+                                    ("eval", "tau", "o-", "held-out tau (decoding walk, greedy)")]
+              + [("eval", key, "^-", f"held-out {key} (sampling at T={key.removeprefix('tau@')}, expected)")
+                 for key in sampled_tau_keys(records)]}
     for ax, (ylabel, lines) in zip(axes, curves.items(), strict=True):
         for kind, key, style, label in lines:
             rows = [r for r in records if r["kind"] == kind and key in r]

@@ -453,8 +453,12 @@ class Trainer:
         if record is None:
             return None
         self.metrics.write("eval", self.step, record)
+        note = self.evaluator.temperature_note()
+        if note:
+            self._say(note)
+        sampled = "".join(f", {k} {v:.3f}" for k, v in record.items() if k.startswith("tau@") and k != "tau@0")
         self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} (decoding walk: "
-                  f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns), "
+                  f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns){sampled}, "
                   f"anchor_tau {record['anchor_tau']:.3f}")
         return record
 

@@ -98,6 +98,18 @@ def test_padded_features_match_per_sample_forward(family):
     torch.testing.assert_close(feats, reference_features(reference, samples, [3, 1]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_output_states_give_the_per_sample_logits(layout):
+    model, reference = tiny_models("qwen3", seed=3)
+    target = TargetModel(model, [1, 3])
+    samples, packed, padded = make_batches([7, 30, 12], seed=4)
+    feats, output = target.features(packed if layout == "packed" else padded, with_output=True)
+    torch.testing.assert_close(feats, reference_features(reference, samples, [1, 3]), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        logits = torch.cat([reference(s[None]).logits[0] for s in samples])
+    torch.testing.assert_close(output @ target.shared_weights().lm_head.t(), logits, rtol=1e-4, atol=1e-4)
+
+
 def test_forward_stops_after_last_tapped_layer():
     model, _ = tiny_models("qwen3")
     target = TargetModel(model, [2, 0])

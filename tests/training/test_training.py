@@ -112,6 +112,8 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     final = read_metrics(out, "eval")[-1]  # evaluated at the end
     # the walk covers every held-out turn (6 samples of one turn each), split over both ranks
     assert final["turns"] == 6 and final["tau"] >= 1 and final["anchor_tau"] >= 1
+    # --eval-temperatures 0,1 (default): tau@0 is the greedy walk, tau@1 an expected acceptance length
+    assert final["tau@0"] == final["tau"] and 1 <= final["tau@1"] <= 16
     assert (out / "speculate.json").is_file() == bool(decode)
     if decode:
         figure = json.loads((out / "speculate.json").read_text())
@@ -150,6 +152,8 @@ BAD_OPTIONS = [
     (["--target-layer-ids", "1,x"], "--target-layer-ids: 'x' is not an integer (expected a comma-separated list, "
                                     "got '1,x')"),
     (["--boundaries", "900,300"], "--boundaries: values must be strictly increasing, got '900,300'"),
+    (["--eval-temperatures", "0,-1"], "--eval-temperatures: values must be >= 0, got '0,-1'"),
+    (["--eval-temperatures", "1,inf"], "--eval-temperatures: must be finite numbers >= 0, got (1.0, inf)"),
     (["--row-budget", "100"], "--row-budget: must be 0 or at least block size x anchors (1024) so that every sample "
                               "fits, got 100"),
     (["--drafter-layer-types", "sliding,dense"], "--drafter-layer-types: 'dense' is not sliding or full (expected a "
@@ -232,12 +236,12 @@ def test_config_file_values_are_read_as_the_option_types(tmp_path):
 
 
 def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
-    from dflash.training.metrics import plot_curves, read_records
+    from dflash.training.metrics import plot_curves, read_records, sampled_tau_keys
 
     writer = MetricsWriter(tmp_path, enabled=True)
     for step in (1, 2, 3):
         writer.write("train", step, {"loss": 3.0 / step, "anchor_tau": 1.0 + step / 10})
-    writer.write("eval", 2, {"loss": 2.5, "tau": 1.1})
+    writer.write("eval", 2, {"loss": 2.5, "tau": 1.1, "tau@0": 1.1, "tau@0.7": 1.08, "tau@1": 1.05})
     writer.write("train", 4, {"loss": float("nan"), "anchor_tau": 1.0})  # a skipped step: strict JSON null
     writer.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
@@ -247,6 +251,7 @@ def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
     assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
     plot_curves(records + [{"kind": "train", "step": 3, "loss": None, "anchor_tau": None}], tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert sampled_tau_keys(records) == ["tau@0.7", "tau@1"]  # a curve each, beside tau
 
 
 def test_non_finite_metric_values_are_written_as_null(tmp_path):
