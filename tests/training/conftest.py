@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -75,13 +76,23 @@ def tiny_store(tiny_run_inputs, tmp_path_factory):
     return out
 
 
-def run_deepspeed(args, num_ranks=2, timeout=600, script=None):
-    """Run `deepspeed --num_gpus N` on CPU ranks; returns the completed process."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None):
+    """Run `deepspeed --num_gpus N` on CPU ranks; returns the completed process. On a timeout the
+    launcher and its ranks (their own process group) are killed, so no rank outlives the test."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env or {})}
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(num_ranks),
            "--master_port", str(free_port()), str(script or ROOT / "launch" / "train.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def tiny_train_args(target, data, out, *extra):

@@ -55,16 +55,24 @@ def shared_memory_buffers():
 
 @pytest.fixture(scope="module")
 def reference(tiny_run_inputs, tmp_path_factory):
+    """The reference run, in a torch extensions folder where a killed build left its lock behind
+    (the state that once made every later run on a CI machine wait forever)."""
     target, data = tiny_run_inputs
     out = tmp_path_factory.mktemp("reference") / "run"
+    extensions = tmp_path_factory.mktemp("torch_extensions")
+    (extensions / "deepspeed_shm_comm").mkdir()
+    (extensions / "deepspeed_shm_comm" / "lock").touch()
     before = shared_memory_buffers()
-    ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON)))
+    ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON), timeout=300,
+                     env={"TORCH_EXTENSIONS_DIR": str(extensions)}))
     (out / "leaked_shm.json").write_text(json.dumps(sorted(map(str, shared_memory_buffers() - before))))
+    (out / "built.json").write_text(json.dumps(sorted(str(p.relative_to(extensions)) for p in extensions.rglob("*"))))
     return out
 
 
-def test_cpu_ranks_leave_no_shared_memory_behind(reference):
+def test_cpu_ranks_build_nothing_and_leave_no_shared_memory_behind(reference):
     assert json.loads((reference / "leaked_shm.json").read_text()) == []
+    assert json.loads((reference / "built.json").read_text()) == ["deepspeed_shm_comm", "deepspeed_shm_comm/lock"]
 
 
 def test_reference_run_sees_every_training_sample_once_per_epoch(reference):
