@@ -7,7 +7,8 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
                head dim 128, seed-like lengths packed to a 49,152-token micro-batch, DFlash blocks
                of 16): our kernels' first call (the one that autotunes on a GPU) and second call,
                atomic and deterministic dQ, against an fp32 per-sample reference; deterministic
-               mode repeated bitwise; torch varlen and FlexAttention checked the same way.
+               mode repeated bitwise; torch varlen and FlexAttention checked the same way; the
+               block kernels also as a drafter's sliding layer (window 2,048, causal in the block).
   kernels      OUT/bench_kernels.json: TFLOP/s, forward and forward+backward, ours (atomic and
                deterministic) vs torch varlen (FlashAttention-2 inside torch), padded SDPA and
                FlexAttention, seed-like lengths sorted and shuffled (launch/bench_kernels.py).
@@ -106,9 +107,11 @@ def shapes(dry_run: bool) -> dict:
     """Qwen3-8B attention shapes on the GPU; tiny ones for the dry run."""
     if dry_run:
         return {"tokens": 64, "heads": 2, "kv_heads": 1, "head_dim": 32, "block_size": 4, "blocks": 8,
-                "dtype": "float32", "max_len": 48, "patterns": ("seed-like",), "dry_run": True}
+                "dtype": "float32", "max_len": 48, "patterns": ("seed-like",), "dry_run": True, "window": 8}
+    # window: a drafter's sliding layers (the Qwen3.6 recipe's 2,048) for the block-sliding check
     return {"tokens": 49152, "heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "blocks": 4096,
-            "dtype": "bfloat16", "max_len": 8192, "patterns": ("seed-like", "bimodal"), "dry_run": False}
+            "dtype": "bfloat16", "max_len": 8192, "patterns": ("seed-like", "bimodal"), "dry_run": False,
+            "window": 2048}
 
 
 def seed_like_batch(cfg: dict, seed: int = 0) -> list[int]:
@@ -167,6 +170,12 @@ def stage_correctness(out: Path, cfg: dict, deadline: float) -> bool:
                   randn(rows, hq),
                   lambda x, backend, det=None: dflash_block_attention(*x, cu, seq_t, anchor_t, b, backend=backend,
                                                                       cu_seqlens_cpu=cu_cpu, deterministic=det)),
+        # a sliding drafter layer: context limited to the window, causal inside the block
+        "block-sliding": ((randn(rows, hq), randn(t, hkv), randn(t, hkv), randn(rows, hkv), randn(rows, hkv)),
+                          randn(rows, hq),
+                          lambda x, backend, det=None: dflash_block_attention(
+                              *x, cu, seq_t, anchor_t, b, backend=backend, cu_seqlens_cpu=cu_cpu, deterministic=det,
+                              window=cfg["window"], causal=True)),
     }
     report = Report(out / "correctness.json", shapes=cfg, samples=len(lengths), max_len=max(lengths),
                     block_rows=rows, tolerance_rel_rms=tol, reference="fp32, per sample (backend='torch')",

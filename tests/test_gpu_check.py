@@ -45,7 +45,8 @@ def test_gpu_check_dry_run(tmp_path):
                                                                              "e2e": True}
     checks = json.loads((out / "correctness.json").read_text())["checks"]
     seen = {(c["op"], c["mode"], c["call"]) for c in checks if c["passed"]}
-    assert seen == {(op, mode, call) for op in ("varlen", "block") for mode in ("atomic", "deterministic")
+    assert seen == {(op, mode, call) for op in ("varlen", "block", "block-sliding")
+                    for mode in ("atomic", "deterministic")
                     for call in ("first call", "second call")}
     assert all(c["bitwise_equal_to_first_call"] for c in checks if c["mode"] == "deterministic" and
                c["call"] == "second call")

@@ -4,8 +4,10 @@ Per token of the micro-batch, the K tapped target states are fused once:
 ctx = hidden_norm(fc(concat(taps))). Each block (anchor token, then B-1 mask tokens, embedded
 with the target's frozen embedding) runs through N layers; in every layer the block's queries
 attend to keys/values that are k_proj/v_proj of the context rows before the anchor (RoPE at
-their in-sample positions j) and of the block's own B rows (RoPE at anchor + k), without a
-mask inside the block. Then the final norm and the target's frozen lm_head.
+their in-sample positions j) and of the block's own B rows (RoPE at anchor + k): a full_attention
+layer without a mask inside the block, a sliding_attention layer causal inside the block and
+limited to the last `sliding_window` positions (as vLLM and SGLang serve it; `config.layer_types`).
+Then the final norm and the target's frozen lm_head.
 
 Training runs all blocks of a packed micro-batch at once through
 `dflash.ops.dflash_block_attention`. The module owns only trainable parameters (fc, norms,
@@ -104,13 +106,15 @@ class DrafterCache:
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, config: DrafterConfig, backend: str = "auto") -> None:
+    def __init__(self, config: DrafterConfig, backend: str = "auto", layer_idx: int = 0) -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
         super().__init__()
         H, D = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
         self.backend = backend
+        # The mask this layer is served with (vLLM / SGLang): window and causality of its type.
+        self.window, self.causal = config.layer_attention(layer_idx)
         self.q_proj = nn.Linear(H, self.num_heads * D, bias=False)
         self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
@@ -138,17 +142,17 @@ class DFlashAttention(nn.Module):
         cu_seqlens, cu_seqlens_cpu = seqlens
         out = dflash_block_attention(
             q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, anchors.block_seq, anchors.block_anchor, anchors.block_size,
-            backend=self.backend, cu_seqlens_cpu=cu_seqlens_cpu,
+            backend=self.backend, cu_seqlens_cpu=cu_seqlens_cpu, window=self.window, causal=self.causal,
         )
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: DrafterConfig, backend: str = "auto") -> None:
+    def __init__(self, config: DrafterConfig, backend: str = "auto", layer_idx: int = 0) -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
         super().__init__()
-        self.self_attn = DFlashAttention(config, backend)
+        self.self_attn = DFlashAttention(config, backend, layer_idx)
         self.mlp = Qwen3MLP(config.to_qwen3_config())
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -229,7 +233,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_target_features * H, H, bias=False)
         self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, attention_backend) for _ in range(config.num_hidden_layers)
+            DFlashDecoderLayer(config, attention_backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.num_anchors = num_anchors

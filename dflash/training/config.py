@@ -18,9 +18,20 @@ from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
-from dflash.models.config import GAMMA_BY_BLOCK_SIZE
+from dflash.models.config import FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import parse_list
+
+
+def layer_type(name: str) -> str:
+    """A drafter layer type from its short or full name (sliding / full, or as in config.json)."""
+    full = {"sliding": SLIDING, "full": FULL}.get(name, name)
+    if full not in LAYER_TYPES:
+        raise ValueError(name)
+    return full
+
+
+layer_type.expected = "sliding or full"
 
 
 def _opt(default, help: str, list_options: dict | None = None):
@@ -128,6 +139,20 @@ class TrainConfig:
         "",
         f"text of the token the drafter's block slots hold (empty: add {MASK_TOKEN} in a spare row of the target's "
         "embedding); an existing token the data never use, e.g. a reserved special token, when there is no spare row",
+    )
+    drafter_layer_types: tuple[str, ...] | None = _opt(
+        None,
+        "attention of each drafter layer, e.g. sliding,sliding,sliding,sliding,full: a sliding layer sees the last "
+        "--sliding-window positions and is causal within the block, as vLLM and SGLang serve it (default: all full)",
+        list_options={"cast": layer_type},
+    )
+    sliding_window: int = _opt(0, "positions a sliding drafter layer sees, its own included (config.json "
+                               "sliding_window; needed with sliding layers)")
+    init_drafter: str = _opt(
+        "",
+        "start from this drafter folder (official format, ours or a released one): its weights, block size, mask "
+        "token, tapped layers and layer types, checked against the target; the optimizer starts fresh (--resume "
+        "still continues a checkpoint)",
     )
     activation_checkpointing: bool = _opt(
         False,
@@ -257,11 +282,67 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
         values.update(_read_yaml(args.config))
     cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     values.update(cli)
+    explicit = set(values)  # the user's own options (YAML and flags), not the demo preset's
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
     elif is_random_target(values.get("target", "")):
         values = {**RANDOM_TARGET_PRESET, **values}
+    if values.get("init_drafter"):
+        values = _from_init_drafter(values, explicit)
     return resolve(TrainConfig(**values))
+
+
+def init_drafter_config(folder: str, target: str):
+    """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
+    (raises UserError naming the field that disagrees). Reads config files only."""
+    import json
+
+    from transformers import AutoConfig
+
+    from dflash.models.config import DrafterConfig, check_fits_target
+
+    path = Path(folder)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise UserError(f"--init-drafter {folder}: not a drafter folder in the official format (config.json and "
+                        "model.safetensors)")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        drafter = DrafterConfig.from_json_dict(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--init-drafter {path / 'config.json'}: {e}") from None
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    try:
+        target_config = random_target_config(target) if is_random_target(target) else AutoConfig.from_pretrained(
+            target)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
+    try:
+        check_fits_target(drafter, target_config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+    except ValueError as e:
+        raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
+    return drafter
+
+
+def _from_init_drafter(values: dict, explicit: set) -> dict:
+    """values with the drafter options taken from --init-drafter; an explicit option that
+    contradicts the drafter is an error naming both."""
+    if values.get("mask_token"):
+        raise UserError(f"--mask-token {values['mask_token']!r} contradicts --init-drafter {values['init_drafter']}: "
+                        "the drafter's dflash_config.mask_token_id is its mask token (leave --mask-token out)")
+    c = init_drafter_config(values["init_drafter"], values.get("target", TrainConfig.target))
+    taken = {
+        "block_size": c.block_size, "draft_layers": c.num_hidden_layers,
+        "target_layer_ids": tuple(c.target_layer_ids), "num_target_features": c.num_target_features,
+        "drafter_layer_types": tuple(c.layer_types), "sliding_window": c.sliding_window or 0,
+    }
+    for name, value in taken.items():
+        given = values.get(name)
+        if name in explicit and given is not None and given != value and not (
+                name == "drafter_layer_types" and tuple(map(layer_type, given)) == value):
+            raise UserError(f"{_flag(name)} {given!r} contradicts --init-drafter {values['init_drafter']}, whose "
+                            f"value is {value!r} (leave {_flag(name)} out)")
+    return {**values, **taken}
 
 
 def resolve(c: TrainConfig) -> TrainConfig:
@@ -379,6 +460,14 @@ def _validate_relations(c: TrainConfig) -> None:
     if c.gamma == 0 and c.block_size not in GAMMA_BY_BLOCK_SIZE:
         _bad("gamma", f"no default for block size {c.block_size}; give --gamma")
     _validate_synthetic(c)
+    if c.drafter_layer_types is not None and len(c.drafter_layer_types) != c.draft_layers:
+        _bad("drafter_layer_types", f"gives {len(c.drafter_layer_types)} types for {c.draft_layers} drafter layers "
+                                    "(--draft-layers): one per layer")
+    sliding = c.drafter_layer_types is not None and SLIDING in map(layer_type, c.drafter_layer_types)
+    if sliding and c.sliding_window < 1:
+        _bad("sliding_window", "sliding drafter layers need a window >= 1 (positions seen, the query's own included)")
+    if not sliding and c.sliding_window:
+        _bad("sliding_window", "no drafter layer is sliding (--drafter-layer-types)")
     if c.force_resume and not c.resume:
         _bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:

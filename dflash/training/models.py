@@ -124,8 +124,12 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     from dflash.data.vocab import MASK_TOKEN
     from dflash.models.config import default_target_layer_ids
 
+    types = list(cfg.drafter_layer_types or [])
     settings = {"--block-size": cfg.block_size, "--draft-layers": cfg.draft_layers,
-                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma, "--mask-token": cfg.mask_token or MASK_TOKEN}
+                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma, "--mask-token": cfg.mask_token or MASK_TOKEN,
+                # the mask each layer trains with (the weights have the same shapes whatever it is)
+                "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
+                "--sliding-window": cfg.sliding_window}
     taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
     if taps is None and num_target_layers is not None:
         try:
@@ -159,9 +163,23 @@ def drafter_differences(before: dict, now: dict) -> list[str]:
 
 
 def load_train_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
-    return load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
-                       num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
-                       mask_text=cfg.mask_token, chat_data=cfg.data if Path(cfg.data).is_file() else None)
+    """The run's target; with --init-drafter, the mask token id is the drafter's (what the engines
+    feed its mask slots: nothing is added to the tokenizer), checked against the embedding's rows."""
+    target = load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
+                         num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
+                         mask_token=not cfg.init_drafter, mask_text=cfg.mask_token,
+                         chat_data=cfg.data if Path(cfg.data).is_file() else None)
+    if not cfg.init_drafter:
+        return target
+    from dflash.models.config import check_fits_target
+    from dflash.training.config import init_drafter_config
+
+    drafter = init_drafter_config(cfg.init_drafter, cfg.target)
+    try:  # its layer count was checked with the options; now against the embedding's rows
+        check_fits_target(drafter, target.hf.config, target.model.num_embedding_rows, num_target_layers_given=False)
+    except ValueError as e:
+        raise UserError(f"--init-drafter {cfg.init_drafter} does not fit --target {cfg.target}: {e}") from None
+    return target._replace(mask_id=drafter.mask_token_id)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -176,6 +194,25 @@ def lr_lambda(schedule: str, warmup: int, total: int):
         return 1.0
 
     return f
+
+
+def init_drafter(folder: str, target: LoadedTarget, options: dict):
+    """The DFlashDrafter of --init-drafter `folder` with its weights, in fp32 (DeepSpeed casts to the
+    run's dtype) and lent the target's embedding; the optimizer starts fresh. Its options (block
+    size, taps, layer types, mask token) were taken by `config.load_config` / `load_train_target`."""
+    import dataclasses
+
+    from dflash.models import DFlashDrafter
+
+    drafter = DFlashDrafter.from_pretrained(folder, **options).float()
+    if drafter.config.target_layer_ids != list(target.model.target_layer_ids):
+        raise UserError(f"--init-drafter {folder}: taps {drafter.config.target_layer_ids}, but the target is tapped "
+                        f"at {list(target.model.target_layer_ids)}")
+    # Exported with the target's layer count also when the drafter's config.json left it out.
+    layers = target.hf.config.get_text_config().num_hidden_layers
+    drafter.config = dataclasses.replace(drafter.config, num_target_layers=layers)
+    drafter.attach(target.model.shared_weights())
+    return drafter
 
 
 class Models:
@@ -194,13 +231,18 @@ class Models:
 
         self.target = target
         torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
-        dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id, block_size=cfg.block_size,
-                                         num_draft_layers=cfg.draft_layers,
-                                         target_layer_ids=target.model.target_layer_ids,
-                                         vocab_size=target.model.num_embedding_rows)
-        self.drafter = DFlashDrafter(dcfg, target.model.shared_weights(), num_anchors=cfg.num_anchors,
-                                     gamma=cfg.gamma, attention_backend=cfg.attention_backend,
-                                     activation_checkpointing=cfg.activation_checkpointing)
+        options = dict(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention_backend=cfg.attention_backend,
+                       activation_checkpointing=cfg.activation_checkpointing)
+        if cfg.init_drafter:
+            self.drafter = init_drafter(cfg.init_drafter, target, options)
+        else:
+            dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id,
+                                             block_size=cfg.block_size, num_draft_layers=cfg.draft_layers,
+                                             target_layer_ids=target.model.target_layer_ids,
+                                             vocab_size=target.model.num_embedding_rows,
+                                             layer_types=cfg.drafter_layer_types,
+                                             sliding_window=cfg.sliding_window or None)
+            self.drafter = DFlashDrafter(dcfg, target.model.shared_weights(), **options)
         self.zero_stage = zero_stage(ds_config)
         params = self.drafter.parameters()
         if offloads_optimizer(ds_config):

@@ -80,18 +80,17 @@ def demo():
                 samples=[sample(p, out) for p, out in zip(prompts, outs, strict=True)], sample=sample)
 
 
-def make_drafter(demo, seed=0, layers=2):
+def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
     torch.manual_seed(seed)
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
                                        num_draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
-                                       vocab_size=demo["target"].num_embedding_rows)
+                                       vocab_size=demo["target"].num_embedding_rows, layer_types=layer_types,
+                                       sliding_window=sliding_window)
     return DFlashDrafter(config, demo["target"].shared_weights(), num_anchors=32, attention_backend="torch")
 
 
-@pytest.fixture(scope="module")
-def trained(demo):
-    """A drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
-    drafter = make_drafter(demo, seed=1, layers=1)
+def fit(demo, drafter):
+    """The drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
     feats = demo["target"].features(batch)
     (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
@@ -102,6 +101,22 @@ def trained(demo):
         (out.loss_sum / out.weight_sum).backward()
         opt.step()
     return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(demo):
+    return fit(demo, make_drafter(demo, seed=1, layers=1))
+
+
+def test_sliding_drafter_lossless_and_equal_to_walk(demo):
+    """A sliding layer (window 12, shorter than the prompts, and than the block plus context) then a
+    full one: decoding applies each layer's mask as training does, so the walk is still exact."""
+    drafter = fit(demo, make_drafter(demo, seed=2, layer_types=["sliding_attention", "full_attention"],
+                                     sliding_window=12))
+    lossless, decoded, walked, stats = decode_and_walk(demo, drafter, LIMIT)
+    assert lossless
+    assert decoded == walked
+    assert stats.metrics()["tau"] > 1.15
 
 
 def decode_and_walk(demo, drafter, limit):

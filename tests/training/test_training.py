@@ -160,6 +160,15 @@ BAD_OPTIONS = [
     (["--eval-temperatures", "1,inf"], "--eval-temperatures: must be finite numbers >= 0, got (1.0, inf)"),
     (["--row-budget", "100"], "--row-budget: must be 0 or at least block size x anchors (1024) so that every sample "
                               "fits, got 100"),
+    (["--drafter-layer-types", "sliding,dense"], "--drafter-layer-types: 'dense' is not sliding or full (expected a "
+                                                 "comma-separated list, got 'sliding,dense')"),
+    (["--drafter-layer-types", "sliding,full,full"], "--drafter-layer-types: gives 3 types for 2 drafter layers "
+                                                     "(--draft-layers): one per layer"),
+    (["--drafter-layer-types", "sliding,full"], "--sliding-window: sliding drafter layers need a window >= 1 "
+                                                "(positions seen, the query's own included)"),
+    (["--sliding-window", "8"], "--sliding-window: no drafter layer is sliding (--drafter-layer-types)"),
+    (["--init-drafter", "nope"], "--init-drafter nope: not a drafter folder in the official format (config.json "
+                                 "and model.safetensors)"),
     (["--balance", "--cost-model", "nope.json"], "--cost-model: nope.json: not a cost model JSON of per_token, "
      "per_pair, per_row, per_row_key, per_sample, per_batch, per_window_pair, unit, window ([Errno 2] No such file or "
      "directory: 'nope.json')"),
