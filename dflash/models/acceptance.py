@@ -106,6 +106,23 @@ def tau_key(temperature: float) -> str:
     return f"tau@{temperature:g}"
 
 
+def stderr_key(temperature: float) -> str:
+    """The metric name of tau@T's standard error over turns: tau@1_stderr."""
+    return tau_key(temperature) + "_stderr"
+
+
+def ratio_stderr(n: int, tokens: float, blocks: float, tokens_sq: float, blocks_sq: float,
+                 cross: float) -> float | None:
+    """The standard error of tau = sum t_i / sum b_i over n turns (t_i tokens, b_i blocks of turn i),
+    from the sums of t, b, t^2, b^2 and t b: the delta method, sqrt(sum (t_i - tau b_i)^2 / (n (n-1)))
+    / mean b, as `SpeculateReport.acceptance_length_stderr` computes it for decoding. None when n < 2."""
+    if n < 2 or blocks <= 0:
+        return None
+    tau = tokens / blocks
+    residual = max(tokens_sq - 2 * tau * cross + tau * tau * blocks_sq, 0.0)
+    return float(np.sqrt(residual / (n * (n - 1))) / (blocks / n))
+
+
 def token_logprobs(output: torch.Tensor, lm_head: torch.Tensor, batch: PackedBatch, temperatures,
                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
     """log p_T(x_t | x_<t) of every token of a packed batch at each temperature (T, len(temperatures)),
@@ -146,8 +163,8 @@ def slot_ratios(label_logq: torch.Tensor, anchors: np.ndarray, target_logprobs: 
     return r.nan_to_num(0.0).permute(2, 0, 1).double().cpu().numpy()
 
 
-def expected_blocks(ratios: np.ndarray, spans) -> float:
-    """Expected blocks of speculative sampling over the turns [start, end) of `spans` (flat positions),
+def expected_turn_blocks(ratios: np.ndarray, spans) -> np.ndarray:
+    """Expected blocks of speculative sampling over each turn [start, end) of `spans` (flat positions),
     given the turns' tokens: ratios[a, k-1] = r_k(a), the probability that slot k of the block anchored
     at a is accepted given the token it emits (0 where the slot is past the turn or unscored).
 
@@ -155,12 +172,13 @@ def expected_blocks(ratios: np.ndarray, spans) -> float:
     with P(M >= m) = r_1(a) ... r_m(a). Positions are solved in order of their distance to the turn's
     end, all turns at once. With 0/1 ratios (the greedy hits) this is `walk`.
     """
-    spans = [(s, e) for s, e in spans if e - s > 1]
-    if not spans:
-        return 0.0
+    out = np.zeros(len(spans))
+    long = [i for i, (s, e) in enumerate(spans) if e - s > 1]
+    if not long:
+        return out
     n, width = ratios.shape
-    pos = np.concatenate([np.arange(s, e - 1) for s, e in spans])
-    dist = np.concatenate([np.arange(e - 1 - s, 0, -1) for s, e in spans])  # e - 1 - a >= 1
+    pos = np.concatenate([np.arange(spans[i][0], spans[i][1] - 1) for i in long])
+    dist = np.concatenate([np.arange(spans[i][1] - 1 - spans[i][0], 0, -1) for i in long])  # e - 1 - a >= 1
     order = np.argsort(dist, kind="stable")
     pos, dist = pos[order], dist[order]
     surv = np.cumprod(ratios[pos], axis=1)  # P(M >= m), m = 1..B-1
@@ -173,7 +191,13 @@ def expected_blocks(ratios: np.ndarray, spans) -> float:
         a, d = pos[lo:hi], dist[lo]
         following = np.where(jumps < d, e_of[a[:, None] + jumps], 0.0)
         e_of[a] = 1.0 + (p_eq[lo:hi] * following).sum(axis=1)
-    return float(e_of[[s for s, _ in spans]].sum())
+    out[long] = e_of[[spans[i][0] for i in long]]
+    return out
+
+
+def expected_blocks(ratios: np.ndarray, spans) -> float:
+    """Expected blocks over all the turns of `spans` (`expected_turn_blocks`, summed)."""
+    return float(expected_turn_blocks(ratios, spans).sum())
 
 
 def walk(accepted: np.ndarray, start: int, end: int) -> tuple[int, int]:
@@ -208,13 +232,18 @@ class WalkStats:
     slot_correct: np.ndarray = field(default=None)  # (B-1,) int64
     slot_count: np.ndarray = field(default=None)
     expected_blocks: np.ndarray = field(default=None)  # (temperatures > 0,) float64: expected blocks walked
+    # per-turn second moments, for the standard error of tau@T over turns (t_i tokens, e_i expected blocks)
+    tokens_sq: float = 0.0  # sum t_i^2
+    blocks_sq: np.ndarray = field(default=None)  # (temperatures > 0,): sum e_i^2
+    cross: np.ndarray = field(default=None)  # (temperatures > 0,): sum t_i e_i
 
     def __post_init__(self) -> None:
         for name in ("slot_correct", "slot_count"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(self.block_size - 1, dtype=np.int64))
-        if self.expected_blocks is None:
-            self.expected_blocks = np.zeros(len(self.sampled), dtype=np.float64)
+        for name in ("expected_blocks", "blocks_sq", "cross"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(len(self.sampled), dtype=np.float64))
 
     @property
     def sampled(self) -> tuple[float, ...]:
@@ -223,29 +252,41 @@ class WalkStats:
 
     def add(self, other: WalkStats) -> None:
         for name in ("loss_sum", "weight_sum", "tokens", "blocks", "turns", "anchor_accepted", "anchors",
-                     "slot_correct", "slot_count", "expected_blocks"):
+                     "slot_correct", "slot_count", "expected_blocks", "tokens_sq", "blocks_sq", "cross"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_tensor(self, device=None) -> torch.Tensor:
         """All sums in one float64 vector (for one all-reduce)."""
         head = [self.loss_sum, self.weight_sum, self.tokens, self.blocks, self.turns, self.anchor_accepted,
-                self.anchors]
-        return torch.tensor(head + self.slot_correct.tolist() + self.slot_count.tolist()
-                            + self.expected_blocks.tolist(), dtype=torch.float64, device=device)
+                self.anchors, self.tokens_sq]
+        return torch.tensor(head + self.slot_correct.tolist() + self.slot_count.tolist() + self.expected_blocks.tolist()
+                            + self.blocks_sq.tolist() + self.cross.tolist(), dtype=torch.float64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, block_size: int, temperatures=()) -> WalkStats:
         v = t.cpu().tolist()
-        n = block_size - 1
+        n, head = block_size - 1, 8
+        sampled = sum(1 for x in temperatures if x > 0)
+        tail = [np.asarray(v[head + 2 * n + i * sampled:head + 2 * n + (i + 1) * sampled], dtype=np.float64)
+                for i in range(3)]
         return cls(block_size, tuple(temperatures), v[0], v[1], int(v[2]), int(v[3]), int(v[4]), int(v[5]),
-                   int(v[6]), np.asarray(v[7:7 + n], dtype=np.int64), np.asarray(v[7 + n:7 + 2 * n], dtype=np.int64),
-                   np.asarray(v[7 + 2 * n:], dtype=np.float64))
+                   int(v[6]), np.asarray(v[head:head + n], dtype=np.int64),
+                   np.asarray(v[head + n:head + 2 * n], dtype=np.int64), tail[0], v[7], tail[1], tail[2])
 
     def metrics(self) -> dict:
+        """The figures; at each T > 0, `tau@T` and its standard error over turns `tau@T_stderr` (None
+        with fewer than 2 turns), which counts the spread between turns, as decoding's does."""
         tau = self.tokens / self.blocks if self.blocks else 1.0
-        expected = dict(zip(self.sampled, self.expected_blocks.tolist(), strict=True))
-        at = {tau_key(t): tau if t == 0 else (self.tokens / expected[t] if expected[t] else 1.0)
-              for t in self.temperatures}
+        at = {}
+        for t in self.temperatures:
+            if t == 0:
+                at[tau_key(t)] = tau
+                continue
+            i = self.sampled.index(t)
+            blocks = float(self.expected_blocks[i])
+            at[tau_key(t)] = self.tokens / blocks if blocks else 1.0
+            at[stderr_key(t)] = ratio_stderr(self.turns, self.tokens, blocks, self.tokens_sq, float(self.blocks_sq[i]),
+                                             float(self.cross[i]))
         return {
             "loss": self.loss_sum / max(self.weight_sum, 1e-12),
             "tau": tau,
@@ -303,12 +344,19 @@ def score_and_walk(
     mask = batch.loss_mask.cpu().numpy()
     spans = [(bos + s, bos + e) for bos, eos in zip(bounds[:-1], bounds[1:], strict=True)
              for s, e in turn_spans(mask[bos:eos])]
-    for s, e in spans:
+    turn_tokens = np.zeros(len(spans))
+    for i, (s, e) in enumerate(spans):
         tokens, blocks = walk(accepted, s, e)
+        turn_tokens[i] = tokens
         stats.tokens += tokens
         stats.blocks += blocks
         stats.turns += 1
-    stats.expected_blocks += np.asarray([expected_blocks(r, spans) for r in ratios])
+    stats.tokens_sq += float((turn_tokens ** 2).sum())
+    for i, r in enumerate(ratios):
+        per_turn = expected_turn_blocks(r, spans)
+        stats.expected_blocks[i] += per_turn.sum()
+        stats.blocks_sq[i] += (per_turn ** 2).sum()
+        stats.cross[i] += (per_turn * turn_tokens).sum()
     return stats
 
 

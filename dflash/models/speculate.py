@@ -191,10 +191,8 @@ def speculate(hf, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, m
     sampling = sampling or Sampling()
     report = SpeculateReport(reference=reference, sampling=sampling, seed=seed)
     spec_sampler, ref_sampler = (Sampler(sampling, seed, hf.device) for _ in range(2))
-    positions = getattr(hf.config, "max_position_embeddings", None)
     for i, prompt in enumerate(tqdm(prompts, desc="decode", unit="turn", disable=not progress)):
-        # a target without an end-of-turn habit stops at its last position, not past it
-        limit = min(max_new_tokens, positions - len(prompt)) if positions else max_new_tokens
+        limit = decode_limit(hf, prompt, max_new_tokens)
         spec = speculative_decode(hf, drafter, prompt, max_new_tokens=limit, stop_ids=stop_ids, sampler=spec_sampler)
         report.add(spec)
         if reference:
@@ -204,6 +202,27 @@ def speculate(hf, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, m
             if sampling.greedy and spec.tokens != ref.tokens:
                 report.mismatches.append(i)
     return report
+
+
+def decode_limit(hf, prompt: Sequence[int], max_new_tokens: int) -> int:
+    """The token limit of one turn: `max_new_tokens`, or fewer where the target's positions end (a
+    target without an end-of-turn habit stops at its last position, not past it)."""
+    positions = getattr(hf.config, "max_position_embeddings", None)
+    return min(max_new_tokens, positions - len(prompt)) if positions else max_new_tokens
+
+
+def sample_turns(hf, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, sampling: Sampling,
+                 max_new_tokens: int, stop_ids: Sequence[int], progress: bool = False) -> list[list[int]]:
+    """The target's own continuation of each prompt, sampled at `sampling` by the target alone
+    (`greedy_decode` with a `Sampler`), prompt i with its own generator seeded with seeds[i] (so a
+    turn does not depend on which others are sampled with it); each ends as decoding's would, at
+    its first stop token or the turn's limit (`decode_limit`)."""
+    from tqdm.auto import tqdm
+
+    return [greedy_decode(hf, prompt, max_new_tokens=decode_limit(hf, prompt, max_new_tokens), stop_ids=stop_ids,
+                          sampler=Sampler(sampling, seed, hf.device)).tokens
+            for prompt, seed in tqdm(list(zip(prompts, seeds, strict=True)), desc=f"sample T={sampling.temperature:g}",
+                                     unit="turn", disable=not progress)]
 
 
 def prompts_from_samples(samples, max_turns: int | None = None) -> list[list[int]]:

@@ -186,6 +186,14 @@ class TrainConfig:
         "greedy tau (tau@0 = tau; 0 alone: greedy only); exact in expectation when the turns were sampled at T",
         list_options={"cast": float, "distinct": True, "minimum": 0},
     )
+    eval_sample_turns: int = _opt(
+        100,
+        "tau@T at a temperature T > 0 the held-out turns were not sampled at (their meta.temperature; unknown counts "
+        "as not): walk the prompts of the first N held-out turns continued by the target alone at T (sampled once "
+        "per run, the same at every evaluation, kept in eval_turns.json), so that tau@T is decoding's expected "
+        "acceptance at T on those prompts, with its standard error tau@T_stderr; 0: walk the held-out turns as "
+        "they are (tau@T then reads what decoding would accept had it produced them)",
+    )
     speculate_turns: int = _opt(
         -1,
         "at the end, decode this many held-out assistant turns by speculative decoding with the exported drafter "
@@ -228,7 +236,8 @@ DEMO_PRESET = {
 
 
 # A random target (--target random:...): synthetic data, no held-out decoding (its acceptance means nothing).
-RANDOM_TARGET_PRESET = {"data": "random", "output_dir": "runs/random", "speculate_turns": 0}
+# random weights: no end of turn to decode to, and samples of noise to walk
+RANDOM_TARGET_PRESET = {"data": "random", "output_dir": "runs/random", "speculate_turns": 0, "eval_sample_turns": 0}
 
 
 def _flag(name: str) -> str:
@@ -400,7 +409,7 @@ _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear",
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "checkpoint_every", "seed", "row_budget", "subset_tokens")
+                 "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {

@@ -96,10 +96,29 @@ def read_records(run: Path) -> list[dict]:
     return records
 
 
+def _temperature(key: str) -> float | None:
+    """T of a key tau@T (None for other keys, e.g. tau@1_stderr)."""
+    if not key.startswith("tau@"):
+        return None
+    try:
+        return float(key.removeprefix("tau@"))
+    except ValueError:
+        return None
+
+
 def sampled_tau_keys(records: list[dict]) -> list[str]:
     """The eval records' tau@T keys for T > 0 (tau@0 is tau), in order of temperature."""
-    keys = {k for r in records if r["kind"] == "eval" for k in r if k.startswith("tau@") and k != "tau@0"}
-    return sorted(keys, key=lambda k: float(k.removeprefix("tau@")))
+    keys = {k for r in records if r["kind"] == "eval" for k in r if (_temperature(k) or 0) > 0}
+    return sorted(keys, key=_temperature)
+
+
+def tau_at_words(record: dict) -> list[str]:
+    """An eval record's tau@T for T > 0, with the standard error when it has one: 'tau@1 1.412 +- 0.084'."""
+    words = []
+    for key in sampled_tau_keys([{**record, "kind": "eval"}]):
+        err = record.get(key + "_stderr")
+        words.append(f"{key} {record[key]:.3f}" + (f" +- {err:.3f}" if err is not None else ""))
+    return words
 
 
 def plot_curves(records: list[dict], output: Path, title: str) -> None:
@@ -121,8 +140,13 @@ def plot_curves(records: list[dict], output: Path, title: str) -> None:
     for ax, (ylabel, lines) in zip(axes, curves.items(), strict=True):
         for kind, key, style, label in lines:
             rows = [r for r in records if r["kind"] == kind and key in r]
-            ax.plot([r["step"] for r in rows], [float("nan") if r[key] is None else r[key] for r in rows], style,
-                    label=label, alpha=0.6 if kind == "train" else 1.0)
+            x = [r["step"] for r in rows]
+            y = [float("nan") if r[key] is None else r[key] for r in rows]
+            err = [r.get(key + "_stderr") for r in rows]
+            if any(e is not None for e in err):  # tau@T with its standard error over turns
+                ax.errorbar(x, y, yerr=[0.0 if e is None else e for e in err], fmt=style, capsize=3, label=label)
+            else:
+                ax.plot(x, y, style, label=label, alpha=0.6 if kind == "train" else 1.0)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -17,7 +17,7 @@ from dflash.errors import UserError, os_reason
 
 LOCK = ".dflash.lock"
 # what a run writes in its folder, and so what --overwrite may delete
-RUN_ENTRIES = ("config.json", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "drafter")
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "drafter", "eval_turns.json")
 RUN_PATTERNS = ("samples.rank*.jsonl",)
 
 

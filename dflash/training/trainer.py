@@ -27,7 +27,7 @@ from dflash.training.config import TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, prepare_token_store
 from dflash.training.ds_config import training_ds_config
 from dflash.training.evaluator import Evaluator
-from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
+from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
 from dflash.training.models import (
     LoadedTarget,
     Models,
@@ -157,7 +157,7 @@ class Trainer:
                                  vocab_rows=target.model.num_embedding_rows, mask_token_id=target.mask_id,
                                  gamma=cfg.gamma, world_size=self.world_size)
         self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
-        self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype)
+        self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype, say=self._say)
         self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
 
         self.step = 0
@@ -456,7 +456,7 @@ class Trainer:
         note = self.evaluator.temperature_note()
         if note:
             self._say(note)
-        sampled = "".join(f", {k} {v:.3f}" for k, v in record.items() if k.startswith("tau@") and k != "tau@0")
+        sampled = "".join(f", {part}" for part in tau_at_words(record))
         self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} (decoding walk: "
                   f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns){sampled}, "
                   f"anchor_tau {record['anchor_tau']:.3f}")

@@ -113,7 +113,11 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     # the walk covers every held-out turn (6 samples of one turn each), split over both ranks
     assert final["turns"] == 6 and final["tau"] >= 1 and final["anchor_tau"] >= 1
     # --eval-temperatures 0,1 (default): tau@0 is the greedy walk, tau@1 an expected acceptance length
-    assert final["tau@0"] == final["tau"] and 1 <= final["tau@1"] <= 16
+    # along the 6 held-out prompts continued by the target at 1 (3 on each rank, kept for the run)
+    assert final["tau@0"] == final["tau"] and 1 <= final["tau@1"] <= 16 and final["tau@1_stderr"] > 0
+    sampled = json.loads((out / "eval_turns.json").read_text())
+    assert sampled["fingerprint"]["turns"] == 6 and len(sampled["turns"]["1"]) == 6
+    assert "eval: sampling 6 held-out turns at temperature 1" in proc.stdout
     assert (out / "speculate.json").is_file() == bool(decode)
     if decode:
         figure = json.loads((out / "speculate.json").read_text())
@@ -236,12 +240,13 @@ def test_config_file_values_are_read_as_the_option_types(tmp_path):
 
 
 def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
-    from dflash.training.metrics import plot_curves, read_records, sampled_tau_keys
+    from dflash.training.metrics import plot_curves, read_records, sampled_tau_keys, tau_at_words
 
     writer = MetricsWriter(tmp_path, enabled=True)
     for step in (1, 2, 3):
         writer.write("train", step, {"loss": 3.0 / step, "anchor_tau": 1.0 + step / 10})
-    writer.write("eval", 2, {"loss": 2.5, "tau": 1.1, "tau@0": 1.1, "tau@0.7": 1.08, "tau@1": 1.05})
+    writer.write("eval", 2, {"loss": 2.5, "tau": 1.1, "tau@0": 1.1, "tau@0.7": 1.08, "tau@0.7_stderr": None,
+                             "tau@1": 1.05, "tau@1_stderr": 0.02})
     writer.write("train", 4, {"loss": float("nan"), "anchor_tau": 1.0})  # a skipped step: strict JSON null
     writer.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
@@ -251,7 +256,8 @@ def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
     assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
     plot_curves(records + [{"kind": "train", "step": 3, "loss": None, "anchor_tau": None}], tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
-    assert sampled_tau_keys(records) == ["tau@0.7", "tau@1"]  # a curve each, beside tau
+    assert sampled_tau_keys(records) == ["tau@0.7", "tau@1"]  # a curve each (with error bars), beside tau
+    assert tau_at_words(records[-1]) == ["tau@0.7 1.080", "tau@1 1.050 +- 0.020"]
 
 
 def test_non_finite_metric_values_are_written_as_null(tmp_path):
