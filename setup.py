@@ -57,6 +57,9 @@ setup(
             "tensorboard",
         ],
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6"],
+        # GPU only, optional: flash-linear-attention's Gated DeltaNet kernels with cu_seqlens for
+        # hybrid targets (Qwen3.5 / 3.6); without it their layers run the PyTorch reference.
+        "fla": ["flash-linear-attention>=0.3"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -9,6 +9,10 @@ class UserError(Exception):
     """Bad input or configuration: the message says what is wrong, where, and how to fix it."""
 
 
+class DiskFull(UserError):
+    """A write that failed for want of space and left nothing behind; callers may add what to do next."""
+
+
 def say_error(line: str) -> None:
     """One write of the whole line: ranks started with `python -u` share stderr, and print()'s
     separate write of the newline lets another rank's line land in between."""
@@ -16,22 +20,24 @@ def say_error(line: str) -> None:
     sys.stderr.flush()
 
 
-def exit_with_error(line: str):
-    """Print `line` and exit with status 2. A rank of several first takes down its process group:
-    left to interpreter shutdown, the threads that talk to its peers can die in std::terminate
-    (SIGABRT, status 250 instead of 2)."""
+def exit_with_error(line: str, status: int = 2):
+    """Print `line` and exit with `status`. A rank first takes down its process group: left to
+    interpreter shutdown, the threads of gloo can die in std::terminate (SIGABRT, status 250 instead
+    of 2), also in a one-rank group once it ran a collective."""
     say_error(line)
     dist = sys.modules.get("torch.distributed")  # loaded only if this process uses it
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist is not None and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; the message is out
             pass
-    sys.exit(2)
+    sys.exit(status)
 
 
 def exit_on_user_error(main):
-    """Decorate a CLI `main`: a UserError becomes `error: ...` on stderr and exit status 2."""
+    """Decorate a CLI `main`: a UserError, or a fault of the environment that no code path named
+    more precisely (a full disk, a read-only or missing folder, a path of the wrong kind), becomes
+    one `error: ...` line on stderr and exit status 2."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -39,13 +45,58 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as err:
             exit_with_error(f"error: {err}")
+        except Exception as err:  # noqa: BLE001 - anything else is raised again as it was
+            line = environment_error(err)
+            if line is None:
+                raise
+            exit_with_error(f"error: {line}")
 
     return wrapper
 
 
+# errno -> what it means for the user, for faults of the environment (not of dflash)
+_ENVIRONMENT = {
+    "ENOSPC": "the disk is full", "EDQUOT": "the disk quota is used up", "EROFS": "read-only file system",
+    "EACCES": "permission denied", "EPERM": "operation not permitted", "ENOTDIR": "a part of the path is not a folder",
+    "EISDIR": "is a folder, not a file", "EEXIST": "already exists", "EIO": "input/output error (a failing disk?)",
+    "ENAMETOOLONG": "file name too long", "EMFILE": "too many open files (raise `ulimit -n`)",
+}
+
+
+def os_reason(err: OSError, path=None) -> str:
+    """What an OSError means, in words; for a full disk, the free space where `path` (or the
+    error's file) lies."""
+    import errno
+
+    name = errno.errorcode.get(err.errno or 0, "")
+    reason = _ENVIRONMENT.get(name) or err.strerror or str(err)
+    if name in ("ENOSPC", "EDQUOT") and (path or err.filename):
+        reason += f" ({free_space(path or err.filename)})"
+    return reason
+
+
+def environment_error(err: BaseException) -> str | None:
+    """One line for a fault of the environment in `err` or an error it was raised from (None:
+    not one): the file it concerns and what happened, and, for a full disk, what to do."""
+    import errno
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and errno.errorcode.get(err.errno or 0) in _ENVIRONMENT:
+            where = f"{err.filename}: " if err.filename else ""
+            advice = "; free some space and run again" if disk_full(err) else ""
+            return f"{where}{os_reason(err)}{advice}"
+        if not isinstance(err, OSError) and disk_full(err):  # torch.save, safetensors: no errno, no file
+            return f"the disk is full while writing a file ({type(err).__name__}: {err}); free some space and run again"
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def disk_full(err: BaseException) -> bool:
     """Whether `err`, or an error it was raised from, is a full disk. torch.save reports one as
-    a RuntimeError "unexpected pos ..." from its zip writer, with no errno."""
+    a RuntimeError "unexpected pos ..." from its zip writer, safetensors as a SafetensorError, with
+    no errno."""
     import errno
 
     seen = set()
@@ -54,6 +105,8 @@ def disk_full(err: BaseException) -> bool:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if isinstance(err, RuntimeError) and "unexpected pos" in str(err):
+            return True
+        if "No space left on device" in str(err):  # e.g. safetensors' SafetensorError (os error 28)
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -67,4 +120,8 @@ def free_space(path) -> str:
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
-    return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free"
+    free = shutil.disk_usage(path).free
+    for unit, power in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if free >= 2**power:
+            return f"{free / 2**power:.2f} {unit} free"
+    return f"{free} bytes free"

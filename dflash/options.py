@@ -24,7 +24,7 @@ def parse_list(text, flag: str, cast=int, *, increasing: bool = False, distinct:
                 raise ValueError
             values.append(cast(item))
         except (TypeError, ValueError):
-            kind = "an integer" if cast is int else "a valid value"
+            kind = "an integer" if cast is int else getattr(cast, "expected", "a valid value")
             raise UserError(f"{flag}: {item!r} is not {kind} (expected a comma-separated list, got {text!r})") from None
     if not values:
         raise UserError(f"{flag}: give at least one value")

@@ -43,3 +43,39 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def replace_file(path: Path, chunks) -> None:
+    """Write `chunks` (bytes) to `path` all or nothing: into `.NAME.partial-XXXX` beside it, synced,
+    then renamed over it (and the rename synced). On any failure (a full disk) the temporary file
+    is removed and `path` is as it was."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+    try:
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp's is 0600
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):  # named by the file being written, not the temporary one
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+    sync_folder(path.parent)
+
+
+def write_json(path: Path, value) -> None:
+    """`value` as indented JSON in `path`, all or nothing (`replace_file`)."""
+    replace_file(path, [(json.dumps(value, indent=2) + "\n").encode()])
+
+
+def sync_folder(path: Path) -> None:
+    """fsync a folder, so that a rename in it reaches the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -7,15 +7,22 @@ conversation that ends with a user turn gets one response). A conversation with 
 turns is regenerated turn by turn, each turn seeing the target's earlier answers as history.
 
 Output: JSONL in the `messages` form, one line per input conversation, in input order, with a
-`meta` object saying how it was made. Writing is resumable: every batch is appended as whole lines
-and synced; a rerun truncates a torn last line, skips the input lines already present (keyed by
-`meta.source_line`) and, because batches are always the same consecutive groups of valid input
-lines, regenerates an unfinished batch exactly as an uninterrupted run would have.
+`meta` object saying how it was made (settings, input file and line). One run at a time writes an
+output (a lock beside it). Writing is resumable: every batch is appended as whole lines and
+synced; a rerun truncates a torn last line, skips the conversations already present (matched by
+content: the turns that shape the response and the settings, not by line number) and, because
+batches are always the same consecutive groups of valid input lines, regenerates an unfinished
+batch exactly as an uninterrupted run would have. When the input file was edited, the lines of
+conversations no longer in it are dropped and the changed ones regenerated; an output made of
+another input file, or with other settings, is refused.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,9 +30,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflash.data.conversations import BadSample, SkipCounter, read_conversations, render_chat
+from dflash.data.conversations import (
+    BadSample,
+    SkipCounter,
+    parse_conversation,
+    read_conversations,
+    render_chat,
+)
 from dflash.data.generation import generation_eos, stop_ids
-from dflash.errors import UserError
+from dflash.errors import UserError, disk_full, os_reason
+from dflash.partial import replace_file
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -73,6 +87,9 @@ class RegenerateConfig:
             raise UserError("--output must differ from --input")
         if not Path(self.output).resolve().parent.is_dir():
             raise UserError(f"--output {self.output}: the folder {Path(self.output).parent} does not exist")
+        if Path(self.output).exists() and not Path(self.output).is_file():
+            kind = "a folder" if Path(self.output).is_dir() else "not a regular file"
+            raise UserError(f"--output {self.output}: is {kind}; give the path of a JSONL file to write")
 
     @property
     def sampling_seed(self) -> int | None:
@@ -126,13 +143,16 @@ class HFBackend:
 
     def __init__(self, target: str, tokenizer, dtype: str):
         import torch
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
+
+        from dflash.models.target import load_language_model
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":
             dtype = "bfloat16" if self.device == "cuda" else "float32"
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).to(self.device)
+        # any TargetModel family; an image-text checkpoint: its language model only
+        self.model = load_language_model(target, getattr(torch, dtype), self.device)
         self.model.eval()
         self.stops = stop_ids(tokenizer, self.model.generation_config.eos_token_id)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
@@ -255,35 +275,156 @@ def load_tokenizer(target: str):
     return tokenizer
 
 
-def read_done(output: Path, settings: dict) -> set[int]:
-    """Input line numbers already in `output`. A torn last line (a crash mid-write) is cut off;
-    lines made with other generation settings are an error, not something to mix in."""
+class OutputLock:
+    """An exclusive lock on `--output` for the life of a run (`.NAME.lock` beside it, holding
+    pid@host), so that two runs never write one output; the lock file goes when the run ends."""
+
+    def __init__(self, output: Path):
+        self.path = output.with_name(f".{output.name}.lock")
+        self.output = output
+        self._fd = None
+
+    def __enter__(self):
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise UserError(f"--output {self.output}: cannot write in {self.path.parent} ({os_reason(err)})") \
+                    from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 128).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise UserError(f"--output {self.output}: another regenerate run is writing it (process {holder}); "
+                                "wait for it to end, or choose another --output") from None
+            # the previous holder may have removed the file between our open and our lock
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
+        except OSError as err:
+            self.__exit__()
+            raise UserError(f"--output {self.output}: cannot write in {self.path.parent} "
+                            f"({os_reason(err, self.path)})") from None
+        return self
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)  # still locked: whoever opens it now fails, or finds it gone
+        os.close(self._fd)
+
+
+def conversation_key(messages: list[dict], raw: dict) -> str:
+    """What shapes a conversation's regeneration, hashed: its turns with the assistant turns' text
+    left out (they are regenerated), a final user turn counted as followed by one, and the line's
+    other fields (copied to the output). The same for an input line and the output line made of it."""
+    turns = [[m["role"], None if m["role"] == "assistant" else m["content"]] for m in messages]
+    if turns[-1][0] == "user":
+        turns.append(["assistant", None])
+    extra = {k: v for k, v in raw.items() if k not in ("messages", "conversations", "meta")}
+    text = json.dumps([turns, extra], sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass
+class OutputLine:
+    source_line: int  # the input line it was made of
+    key: str  # conversation_key
+    data: bytes  # the line as written
+
+
+def read_output(output: Path, settings: dict) -> list[OutputLine]:
+    """The lines of an existing `--output`. A torn last line (a crash mid-write) is cut off; a line
+    not written by regenerate, or made with other generation settings, is an error."""
     if not output.exists():
-        return set()
+        return []
     data = output.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):
         with output.open("r+b") as f:
             f.truncate(end)
-    done = set()
-    for lineno, line in enumerate(data[:end].splitlines(), start=1):
+    lines = []
+    for lineno, line in enumerate(data[:end].splitlines(keepends=True), start=1):
+        if not line.strip():
+            continue
         try:
-            meta = json.loads(line)["meta"]
+            row = json.loads(line)
+            meta = row["meta"]
             source = int(meta["source_line"])
+            messages = parse_conversation(row, f"{output}:{lineno}")
         except (ValueError, KeyError, TypeError):
-            raise UserError(
-                f"{output}:{lineno}: not a line written by regenerate (no meta.source_line); "
-                "give a new --output"
-            ) from None
+            raise UserError(f"{output}:{lineno}: not a line written by regenerate (no meta.source_line); "
+                            "give a new --output") from None
         mismatch = [k for k in SETTINGS if meta.get(k) != settings[k]]
         if mismatch:
             diff = ", ".join(f"{k}={meta.get(k)!r} (now {settings[k]!r})" for k in mismatch)
+            raise UserError(f"{output}:{lineno} was generated with other settings: {diff}; resume with the same "
+                            "settings or give a new --output")
+        lines.append(OutputLine(source, conversation_key(messages, row), line))
+    return lines
+
+
+def input_keys(path: Path) -> dict[int, str]:
+    """conversation_key of every usable line of the input, by line number."""
+    return {lineno: conversation_key(messages, raw)
+            for lineno, messages, raw in read_conversations(path, skip_bad=True, require_assistant=False)}
+
+
+def _with_source_line(line: OutputLine, source_line: int) -> bytes:
+    if line.source_line == source_line:
+        return line.data
+    row = json.loads(line.data)
+    row["meta"]["source_line"] = source_line
+    return _dump(row)
+
+
+def resume_output(output: Path, cfg: RegenerateConfig, settings: dict, say) -> tuple[set[int], int]:
+    """Match the lines already in `output` with the input's conversations by content: returns the
+    input lines done and how many output lines were dropped.
+
+    A line is kept for an input line whose conversation is the one it was made of (the same line
+    first, else a moved one, which gets its new line number). When the output also holds lines of
+    conversations no longer in the input, the input was edited: they are dropped (the file is
+    rewritten, in input order) and the changed conversations regenerated, but only when the output
+    was made of this input file; lines of another file are a foreign output, refused.
+    """
+    lines = read_output(output, settings)
+    if not lines:
+        return set(), 0
+    keys = input_keys(Path(cfg.input))
+    by_key: dict[str, list[OutputLine]] = {}
+    for line in lines:
+        by_key.setdefault(line.key, []).append(line)
+    kept: dict[int, bytes] = {}
+    for lineno, key in keys.items():  # exact first: the same content at the same line
+        same = [x for x in by_key.get(key, ()) if x.source_line == lineno]
+        if same:
+            kept[lineno] = same[0].data
+            by_key[key].remove(same[0])
+    for lineno, key in keys.items():  # then moved: the same content at another line
+        if lineno not in kept and by_key.get(key):
+            kept[lineno] = _with_source_line(by_key[key].pop(0), lineno)
+    stale = sum(len(v) for v in by_key.values())
+    source = str(Path(cfg.input).resolve())
+    if stale:
+        made_of = {json.loads(x.data)["meta"].get("source") for x in lines}
+        if made_of != {source}:
+            other = ", ".join(sorted(str(m) for m in made_of if m != source)) or "an unknown input"
             raise UserError(
-                f"{output}:{lineno} was generated with other settings: {diff}; resume with the same "
-                "settings or give a new --output"
-            )
-        done.add(source)
-    return done
+                f"--output {output}: {stale} of its {len(lines)} conversations are not in --input {cfg.input} "
+                f"(it was regenerated from {other}); give a new --output, or the input it was made of to resume it")
+        say(f"--input {cfg.input} changed since {output} was written: {stale} conversation(s) no longer in it are "
+            f"dropped, {len(keys) - len(kept)} new or changed ones are regenerated")
+    if [x.data for x in lines] != [kept[k] for k in sorted(kept)]:  # stale, moved or out of order
+        try:
+            replace_file(output, (kept[k] for k in sorted(kept)))
+        except OSError as err:
+            raise UserError(f"--output {output}: cannot rewrite it ({os_reason(err, output)}); it is unchanged") \
+                from None
+    return set(kept), stale
 
 
 def _assistant_slots(messages: list[dict]) -> list[int]:
@@ -357,14 +498,43 @@ def regenerate_batch(backend, tokenizer, batch: list[list[dict]], cfg: Regenerat
 
 
 def _record(raw: dict, lineno: int, messages: list[dict], gens: list[Generation], settings: dict,
-            backend: str) -> bytes:
+            backend: str, source: str) -> bytes:
     extra = {k: v for k, v in raw.items() if k not in ("messages", "conversations", "meta")}
     meta = {
         "source_line": lineno, **settings, "backend": backend,
         "hit_limit": any(g.hit_limit for g in gens),
         "response_tokens": [len(g.token_ids) for g in gens],
+        "source": source,
     }
-    return (json.dumps({"messages": messages, **extra, "meta": meta}, ensure_ascii=False) + "\n").encode()
+    return _dump({"messages": messages, **extra, "meta": meta})
+
+
+def _dump(row: dict) -> bytes:
+    """One JSONL line, UTF-8; text that is not (a lone surrogate escape in a field of the input line
+    that is copied) stays escaped."""
+    try:
+        return (json.dumps(row, ensure_ascii=False) + "\n").encode()
+    except UnicodeEncodeError:
+        return (json.dumps(row) + "\n").encode()
+
+
+def _sort_output(output: Path) -> None:
+    """Rewrite `output` in input order (by meta.source_line), all or nothing; a crash before it
+    leaves complete lines in another order, which a rerun sorts."""
+    lines = output.read_bytes().splitlines(keepends=True)
+    lines.sort(key=lambda line: json.loads(line)["meta"]["source_line"])
+    try:
+        replace_file(output, lines)
+    except OSError as err:
+        raise UserError(f"--output {output}: cannot rewrite it in input order ({os_reason(err, output)}); every "
+                        "line is written: rerun the same command to sort it") from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write may write part of `data` (a disk filling up): write the rest, or raise."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _count_lines(path: Path) -> int:
@@ -372,15 +542,21 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress: bool = True) -> dict:
+def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress: bool = True,
+               say=print) -> dict:
     """Run (or resume) a regeneration. Returns counts and timings for the summary.
 
     `backend`/`tokenizer` may be passed in to reuse a loaded model (benchmarks, tests).
     """
     cfg.validate()
     output = Path(cfg.output)
+    with OutputLock(output):
+        return _regenerate(cfg, output, backend, tokenizer, progress, say)
+
+
+def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progress: bool, say) -> dict:
     settings = cfg.settings()
-    done = read_done(output, settings)
+    done, dropped = resume_output(output, cfg, settings, say)
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     backend = backend or load_backend(cfg, tokenizer)
     skipped = SkipCounter()
@@ -389,14 +565,19 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
     total = _count_lines(Path(cfg.input))
     if cfg.limit is not None:
         total = min(total, cfg.limit)
-    stats = {"backend": backend.name, "written": 0, "resumed": len(done), "new_tokens": 0,
+    source = str(Path(cfg.input).resolve())
+    stats = {"backend": backend.name, "written": 0, "resumed": len(done), "dropped": dropped, "new_tokens": 0,
              "hit_limit": 0, "seconds": 0.0}
     created = not output.exists()
-    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise UserError(f"--output {output}: cannot write it ({os_reason(err)})") from None
     bar = tqdm(total=total, initial=min(len(done), total), unit="sample", desc=f"regenerate [{backend.name}]",
                disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
     counted_skips = read = 0
+    last, unsorted = max(done, default=0), False  # lines are appended: after an edit, not in input order
     try:
         for batch in _batches(samples, cfg.batch_size, cfg.limit):
             read += len(batch)
@@ -409,12 +590,23 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
             # line sees the same padding and random draws as in an uninterrupted run.
             convs, gens = regenerate_batch(backend, tokenizer, [m for _, m, _ in batch], cfg, batch[0][0])
             lines = [
-                _record(raw, lineno, conv, g, settings, backend.name)
+                _record(raw, lineno, conv, g, settings, backend.name, source)
                 for (lineno, _, raw), conv, g, new in zip(batch, convs, gens, todo, strict=True) if new
             ]
-            # One write of whole lines, then fsync: a crash loses at most this batch
-            os.write(fd, b"".join(lines))
-            os.fsync(fd)
+            # Whole lines, then fsync: a crash loses at most this batch; a full disk cuts it off
+            size = os.fstat(fd).st_size
+            try:
+                _write_all(fd, b"".join(lines))
+                os.fsync(fd)
+            except OSError as err:
+                os.ftruncate(fd, size)
+                raise UserError(f"--output {output}: {os_reason(err, output)}; the {len(done)} "
+                                "conversation(s) written so far are complete: rerun the same command to resume"
+                                + (" once there is space" if disk_full(err) else "")) from None
+            new_lines = [lineno for (lineno, _, _), new in zip(batch, todo, strict=True) if new]
+            done.update(new_lines)
+            unsorted |= new_lines[0] < last
+            last = max(last, new_lines[-1])
             stats["written"] += len(lines)
             new_gens = [g for g, new in zip(gens, todo, strict=True) if new]
             stats["new_tokens"] += sum(sum(len(x.token_ids) for x in g) for g in new_gens)
@@ -425,6 +617,8 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
     finally:
         os.close(fd)
         bar.close()
+    if unsorted:
+        _sort_output(output)
     if not read:
         if created and output.stat().st_size == 0:
             output.unlink()  # ours, and empty: nothing to resume
@@ -439,7 +633,8 @@ def summary(stats: dict, output: str) -> str:
     lines = [
         f"backend: {stats['backend']}",
         f"wrote {stats['written']} conversation(s) to {output}"
-        + (f" (resumed: {stats['resumed']} already there)" if stats["resumed"] else ""),
+        + (f" (resumed: {stats['resumed']} already there)" if stats["resumed"] else "")
+        + (f"; dropped {stats['dropped']} no longer in the input" if stats.get("dropped") else ""),
         f"{stats['new_tokens']} new tokens in {stats['seconds']:.1f}s: "
         f"{stats['written'] / secs:.2f} samples/s, {stats['new_tokens'] / secs:.0f} tokens/s",
         f"hit the --max-new-tokens limit: {stats['hit_limit']}",

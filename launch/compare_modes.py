@@ -5,11 +5,17 @@ target, data and token budget: throughput by default, learning curves with --con
   python launch/compare_modes.py [--target PATH --data PATH --steps N --deepspeed_config F] [--json]
   deepspeed --num_gpus N launch/compare_modes.py [...]          # several ranks
 
-The modes take their steps interleaved (step i of every mode, then step i + 1), each from the
-same drafter initialisation, so drift of the machine hits them alike; the first --warmup steps
-of each mode are left out. Reports real and computed tokens/s, padding efficiency, step-time
-spread across steps and ranks, and each mode's ratio to sorted-padded (the seed's batching):
-a table, a PNG chart and, with --json, a JSON document on stdout keyed "<order>-<layout>".
+Every mode is timed on the same samples: a random subset of the training split holding about
+--steps packed steps of tokens (or --subset-tokens), planned by each mode, so each sees a fair
+sample of the epoch's lengths (a few steps of a whole sorted or bucketed epoch would hold only a
+few lengths). Epoch 0 of the subset gives --warmup steps, left out; epoch 1 is timed whole. The
+modes take their steps interleaved (step i of every mode, then step i + 1), each from the same
+drafter initialisation, so drift of the machine hits them alike. Reports real and computed
+tokens/s, padding efficiency (on the subset, and planned over the whole split), step-time spread
+across steps and ranks, each mode's ratio to sorted-padded (the seed's batching), the lengths
+every mode saw beside the split's, and with --time-phases the share of time in target forward,
+drafter, loss, optimizer: a table, a PNG chart and, with --json, a JSON document on stdout keyed
+"<order>-<layout>". --target random:qwen3-8b benchmarks the real shapes with no download.
 
 --convergence trains every mode on the same number of real tokens and plots loss and offline
 tau on the held-out split against tokens seen and training seconds, for --repeats seeds.
@@ -51,10 +57,13 @@ def add_compare_args(p):
     g.add_argument("--modes", default="",
                    help="comma-separated modes to compare (default: all six, e.g. sorted-padded,shuffle-packed)")
     g.add_argument("--steps", type=int, default=None,
-                   help="measured optimizer steps per mode (default: 3; with --convergence: the steps whose tokens "
-                        "set the budget, 30)")
+                   help="about this many measured optimizer steps per mode: every mode trains on the same random "
+                        "samples, as many tokens as this many steps hold (default: 8; fewer samples make a noisy "
+                        "ratio; --subset-tokens instead sets the tokens); with --convergence: the steps whose tokens "
+                        "set the budget (default: 30)")
     g.add_argument("--warmup", type=int, default=1,
-                   help="steps per mode left out of the throughput statistics (default: 1)")
+                   help="steps per mode left out of the throughput statistics, taken before the measured pass over "
+                        "the same samples (default: 1)")
     g.add_argument("--convergence", action="store_true",
                    help="train every mode on the same real tokens and plot loss and tau curves instead of measuring "
                         "throughput")
@@ -77,7 +86,7 @@ def main(argv=None):
     cfg = load_config(cfg_argv, description=__doc__)
     if cfg.output_dir == "runs/demo":  # the demo's default run folder: keep training runs apart
         cfg = dataclasses.replace(cfg, output_dir="runs/compare")
-    steps = args.steps if args.steps is not None else (30 if args.convergence else 3)
+    steps = args.steps if args.steps is not None else (30 if args.convergence else 8)
     for flag, value, low in (("--steps", steps, 1), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
                              ("--eval-interval", args.eval_interval, 1)):
         if value < low:

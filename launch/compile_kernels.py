@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config
 
-REPORTED = ("CAUSAL", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ")  # constexprs that tell a kernel's cases apart
+# constexprs that tell a kernel's cases apart
+REPORTED = ("CAUSAL", "HAS_WINDOW", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
     p.add_argument("--first-only", action="store_true", help="only the first config of each kernel (a quick check)")
     p.add_argument("--causal-only", action="store_true", help="varlen: only the causal kernels (the target's)")
+    p.add_argument("--sliding-only", action="store_true",
+                   help="block: only the sliding-layer variants (HAS_WINDOW, CAUSAL: a drafter's sliding_attention)")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compiler processes")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout)")
     p.add_argument("--table", action="store_true",
@@ -87,7 +90,9 @@ def tasks(args):
                 for arch in args.arch:
                     cases = _cases(op, head_dim, args.heads, args.kv_heads, dtype, arch)
                     for index, (tuner, constexprs) in enumerate(cases):
-                        if args.causal_only and constexprs.get("CAUSAL") is False:
+                        if op == "varlen" and args.causal_only and constexprs.get("CAUSAL") is False:
+                            continue
+                        if op == "block" and args.sliding_only and not constexprs.get("HAS_WINDOW"):
                             continue
                         out += [(op, index, config_index, arch, head_dim, dtype, args.heads, args.kv_heads)
                                 for config_index in range(1 if args.first_only else len(tuner.configs))]
@@ -122,6 +127,8 @@ def table(records) -> str:
         variant = " (atomic dQ)" if r["constexprs"].get("FUSED_DQ") else (
             " (deterministic)" if "FUSED_DQ" in r["constexprs"] else "")
         causal = {True: " causal", False: " full"}.get(r["constexprs"].get("CAUSAL"), "")
+        if "HAS_WINDOW" in r["constexprs"]:  # block attention: a drafter's sliding or full layers
+            causal = " sliding" if r["constexprs"]["HAS_WINDOW"] else " full"
         tile = ",".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in ("BLOCK_M", "BLOCK_N", "OWN_M"))
         key = (r["op"], f"`{r['kernel']}`{causal}{variant}", r["arch"], f"d{r['head_dim']} {r['dtype']}", tile)
         groups.setdefault(key, []).append(r)

@@ -1,5 +1,5 @@
-"""One-shot GPU check of the attention kernels, made for a lent GPU machine (one H200, the image's
-python3 with torch and Triton, no install, no network), in at most 8 minutes.
+"""One-shot GPU check of the attention kernels and a training step, made for a lent GPU machine
+(one H200, the image's python3 with torch and Triton, no install, no network), in at most 8 minutes.
 
 Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it measured):
   env          OUT/env.json: versions, GPU, what was carried in (wheels/)
@@ -7,11 +7,19 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
                head dim 128, seed-like lengths packed to a 49,152-token micro-batch, DFlash blocks
                of 16): our kernels' first call (the one that autotunes on a GPU) and second call,
                atomic and deterministic dQ, against an fp32 per-sample reference; deterministic
-               mode repeated bitwise; torch varlen and FlexAttention checked the same way.
+               mode repeated bitwise; torch varlen and FlexAttention checked the same way; the
+               block kernels also as a drafter's sliding layer (window 2,048, causal in the block).
   kernels      OUT/bench_kernels.json: TFLOP/s, forward and forward+backward, ours (atomic and
                deterministic) vs torch varlen (FlashAttention-2 inside torch), padded SDPA and
                FlexAttention, seed-like lengths sorted and shuffled (launch/bench_kernels.py).
-  (end-to-end training throughput goes here, after the trainer refactor: see STAGES)
+  e2e          OUT/e2e.json: end to end, drafter training steps (DeepSpeed ZeRO-2, bf16) on a
+               randomly initialised Qwen3-8B-shaped target (`--target random:qwen3-8b`, synthetic
+               seed-like data: nothing downloaded), tokens/s for sorted-padded, shuffle-packed and
+               bucketed-packed, each timed on the SAME random samples of the epoch (planned by the
+               mode, one whole pass after a warm-up step), with the share of device time in target
+               forward, drafter forward + backward, loss and optimizer. Its own time cap
+               (--e2e-seconds, kept free of the stages before it); the JSON is rewritten after
+               every mode. DeepSpeed, absent from the image, comes as wheels in wheels/.
 
     bash launch/gpu_check.sh OUT                 # what the GPU machine runs
     python3 launch/gpu_check.py OUT --dry-run    # tiny shapes on the CPU (Triton interpreter), seconds
@@ -31,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minutes)
+E2E_S = 200  # kept for the end-to-end stage: the stages before it stop at BUDGET_S - E2E_S
 
 
 def parse_args(argv=None):
@@ -39,28 +48,42 @@ def parse_args(argv=None):
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated, of {', '.join(STAGE_NAMES)}")
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help="seconds for all stages; the benchmark stops measuring when it runs out")
+    p.add_argument("--e2e-seconds", type=float, default=E2E_S,
+                   help="seconds of the budget kept for the end-to-end stage (the stages before it stop earlier)")
+    p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
+                   help="folder of wheels carried in for what the image lacks (DeepSpeed and its dependencies)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on the CPU through the Triton interpreter (what CI runs)")
     return p.parse_args(argv)
 
 
-def use_carried_wheels(folder: Path) -> list[str]:
+def use_carried_wheels(folder: Path) -> tuple[list[str], list[str]]:
     """Put the packages carried in as wheels (folder/*.whl, made by `pip download` on a machine with
-    a network: docs/BENCHMARKS.md) on the path: each is unpacked once into folder/site (a wheel is a
-    zip of its installed files), which becomes a site directory (its .pth files are read too; the
-    image lacks these packages, so last on the path is enough). Returns the wheels used."""
-    wheels = sorted(folder.glob("*.whl"))
-    if not wheels:
-        return []
-    site = folder / "site"
-    for wheel in wheels:
+    a network: docs/BENCHMARKS.md) on the path: each wheel this interpreter can run (its tags) is
+    unpacked once into folder/site-<interpreter> (a wheel is a zip of its installed files), which
+    becomes a site directory (its .pth files are read too), first on the path: the carried set was
+    resolved together, and it may hold newer versions of what the image has (pydantic 2.14 needs
+    typing_extensions >= 4.16). Returns the wheels used and those skipped (built for another Python)."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    supported = set(sys_tags())
+    used, skipped = [], []
+    for wheel in sorted(folder.glob("*.whl")):
+        (used if parse_wheel_filename(wheel.name)[3] & supported else skipped).append(wheel)
+    if not used:
+        return [], [w.name for w in skipped]
+    site = folder / f"site-{sys.implementation.cache_tag}"
+    for wheel in used:
         done = site / f".{wheel.name}.unpacked"
         if not done.exists():
             with zipfile.ZipFile(wheel) as z:
                 z.extractall(site)
             done.touch()
     site_module.addsitedir(str(site))
-    return [w.name for w in wheels]
+    sys.path.remove(str(site))
+    sys.path.insert(0, str(site))
+    return [w.name for w in used], [w.name for w in skipped]
 
 
 class Report:
@@ -84,9 +107,11 @@ def shapes(dry_run: bool) -> dict:
     """Qwen3-8B attention shapes on the GPU; tiny ones for the dry run."""
     if dry_run:
         return {"tokens": 64, "heads": 2, "kv_heads": 1, "head_dim": 32, "block_size": 4, "blocks": 8,
-                "dtype": "float32", "max_len": 48, "patterns": ("seed-like",)}
+                "dtype": "float32", "max_len": 48, "patterns": ("seed-like",), "dry_run": True, "window": 8}
+    # window: a drafter's sliding layers (the Qwen3.6 recipe's 2,048) for the block-sliding check
     return {"tokens": 49152, "heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "blocks": 4096,
-            "dtype": "bfloat16", "max_len": 8192, "patterns": ("seed-like", "bimodal")}
+            "dtype": "bfloat16", "max_len": 8192, "patterns": ("seed-like", "bimodal"), "dry_run": False,
+            "window": 2048}
 
 
 def seed_like_batch(cfg: dict, seed: int = 0) -> list[int]:
@@ -145,6 +170,12 @@ def stage_correctness(out: Path, cfg: dict, deadline: float) -> bool:
                   randn(rows, hq),
                   lambda x, backend, det=None: dflash_block_attention(*x, cu, seq_t, anchor_t, b, backend=backend,
                                                                       cu_seqlens_cpu=cu_cpu, deterministic=det)),
+        # a sliding drafter layer: context limited to the window, causal inside the block
+        "block-sliding": ((randn(rows, hq), randn(t, hkv), randn(t, hkv), randn(rows, hkv), randn(rows, hkv)),
+                          randn(rows, hq),
+                          lambda x, backend, det=None: dflash_block_attention(
+                              *x, cu, seq_t, anchor_t, b, backend=backend, cu_seqlens_cpu=cu_cpu, deterministic=det,
+                              window=cfg["window"], causal=True)),
     }
     report = Report(out / "correctness.json", shapes=cfg, samples=len(lengths), max_len=max(lengths),
                     block_rows=rows, tolerance_rel_rms=tol, reference="fp32, per sample (backend='torch')",
@@ -209,12 +240,62 @@ def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
     return True
 
 
-# The stages in order. Stage (c), end-to-end training throughput, is added here after the trainer
-# refactor (issue 22): a drafter step on a randomly initialised Qwen3-8B-shaped target, tokens/s
-# for sorted-padded, shuffle-packed and bucketed-packed on the same samples, with the share of
-# time per phase. It needs DeepSpeed, which the GPU image lacks: use_carried_wheels() already puts
-# wheels/ on sys.path (docs/BENCHMARKS.md: how to fill it).
-STAGES = {"correctness": stage_correctness, "kernels": stage_kernels}
+E2E_MODES = ("sorted-padded", "shuffle-packed", "bucketed-packed")
+
+
+def e2e_options(dry_run: bool) -> tuple[list[str], int]:
+    """Training options of the end-to-end stage and its measured steps' worth of tokens: the
+    trainer's defaults (the paper's recipe: 512 anchors, block 16, 5 drafter layers, 16,384-token
+    micro-batches, 4 per step) on Qwen3-8B; for the dry run the demo target's tiny shape."""
+    if dry_run:
+        target = f"random:{ROOT / 'dflash' / 'demo' / 'assets' / 'target'}"
+        return ["--target", target, "--data", "random:300", "--token-budget", "512", "--num-anchors", "8",
+                "--draft-layers", "1", "--num-target-features", "2", "--num-workers", "0"], 2
+    return ["--target", "random:qwen3-8b", "--data", "random"], 4
+
+
+def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
+    """Drafter training steps on a random Qwen3-8B-shaped target, three batching modes on the same
+    samples (`dflash.training.compare.measure_sequentially`), one after the other; OUT/e2e.json is
+    rewritten after each mode. Our kernels run their pinned configs (DFLASH_PIN_CONFIGS=1): no
+    autotuning inside a timed pass. Passes when every mode was measured."""
+    import torch
+
+    from dflash.training import compare
+    from dflash.training.config import load_config
+    from dflash.training.ranks import single_process_env
+
+    options, steps = e2e_options(cfg["dry_run"])
+    runs = out / "e2e_runs"
+    train_cfg = load_config([*options, "--output-dir", str(runs), "--time-phases", "--no-progress"])
+    single_process_env(os.environ, min(torch.cuda.device_count(), 1))
+    report = Report(out / "e2e.json", options=options, measured_steps=steps, warmup_steps=1, modes=list(E2E_MODES),
+                    kernel_configs="pinned (DFLASH_PIN_CONFIGS=1)", results={},
+                    method="every mode trains on the same random subset of the split (about `measured_steps` steps "
+                           "of tokens), planned by the mode: a warm-up step, then one whole pass, timed")
+    pinned = os.environ.get("DFLASH_PIN_CONFIGS")
+    os.environ["DFLASH_PIN_CONFIGS"] = "1"
+
+    def record(result):
+        report.update(results=result)
+        print(compare.throughput_table(result), flush=True)
+
+    try:
+        result = compare.measure_sequentially(train_cfg, list(E2E_MODES), runs, steps=steps, warmup=1,
+                                              say=lambda text: print(text, flush=True), deadline=deadline,
+                                              on_result=record, keep_going=True)
+    finally:
+        if pinned is None:
+            os.environ.pop("DFLASH_PIN_CONFIGS")
+        else:
+            os.environ["DFLASH_PIN_CONFIGS"] = pinned
+    ok = all("tokens_per_s" in result.get(mode, {}) for mode in E2E_MODES)
+    report.update(results=result, passed=ok)
+    return ok
+
+
+# The stages in order, each with the deadline main() gives it.
+STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "e2e": stage_e2e}
 STAGE_NAMES = tuple(STAGES)
 
 
@@ -235,6 +316,14 @@ def environment(wheels: list[str]) -> dict:
     return env
 
 
+def stage_deadline(name: str, stages: list[str], deadline: float, e2e_seconds: float) -> float:
+    """The end-to-end stage has the budget's end; the stages before it stop `e2e_seconds` earlier,
+    so that autotuning and compiles there cannot eat its time."""
+    if name != "e2e" and "e2e" in stages[stages.index(name) + 1:]:
+        return deadline - e2e_seconds
+    return deadline
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
@@ -243,7 +332,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-    wheels = use_carried_wheels(ROOT / "wheels")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed
+    wheels, skipped = use_carried_wheels(args.wheels)
+    if skipped:
+        print(f"carried wheels for another Python, not used: {', '.join(skipped)}", flush=True)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -254,7 +346,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"unknown stage(s) {unknown}; choose from {list(STAGES)}", file=sys.stderr)
         return 2
-    Report(out / "env.json", **environment(wheels))
+    Report(out / "env.json", **environment(wheels), carried_wheels_skipped=skipped)
     cfg = shapes(args.dry_run)
     summary = Report(out / "summary.json", stages={}, budget_s=args.budget)
     ok = True
@@ -262,7 +354,7 @@ def main(argv=None) -> int:
         began = time.monotonic()
         print(f"== {name} ({began - start:.0f} s in)", flush=True)
         try:
-            passed = STAGES[name](out, cfg, deadline)
+            passed = STAGES[name](out, cfg, stage_deadline(name, stages, deadline, args.e2e_seconds))
         except Exception:  # a stage that breaks is recorded; the next still runs
             traceback.print_exc()
             passed = False

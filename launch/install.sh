@@ -2,7 +2,7 @@
 # Create a virtual environment (.venv, or $DFLASH_VENV) and install dflash into it, with the C++
 # extension compiled against the torch of that environment.
 #   bash launch/install.sh          # library + training dependencies
-#   bash launch/install.sh test     # ... plus pytest and hypothesis
+#   bash launch/install.sh test     # ... plus pytest, hypothesis and the official DFlash class (for tests)
 # torch: an environment that already has torch keeps it; otherwise $TORCH_SPEC is installed
 # (default torch==2.13.0, the CPU build). GPU users: install your CUDA torch into the venv first.
 set -euo pipefail
@@ -18,5 +18,11 @@ py="$venv/bin/python"
 # No build isolation: the extension (and DeepSpeed's setup) must see the torch installed above;
 # an isolated build environment would fetch a different torch.
 "$py" -m pip install -q --no-build-isolation -e ".[$extras]"
+if [ "${1:-}" = test ]; then
+  # The official DFlash class (PyPI `dflash` 0.1.0; its package name clashes with ours), kept as a
+  # wheel that tests/models/official.py loads by path for the round-trip tests, never installed.
+  wheel="$venv/official/dflash-0.1.0-py3-none-any.whl"
+  [ -f "$wheel" ] || "$py" -m pip download -q --no-deps "dflash==0.1.0" -d "$venv/official"
+fi
 "$py" -c "import torch, dflash._C" 2>/dev/null && echo "dflash installed in $venv (C++ packer built)" \
   || echo "dflash installed in $venv WITHOUT the C++ packer (no compiler?): the pure-Python path will be used"

@@ -39,7 +39,7 @@ def main() -> None:
         weights = torch.rand(n, generator=g)
 
         def step(hidden=hidden, labels=labels, weights=weights):
-            loss, _ = chunked_weighted_ce(hidden, weight, labels, weights, args.chunk)
+            loss, _, _ = chunked_weighted_ce(hidden, weight, labels, weights, args.chunk)
             loss.backward()
 
         start = time.perf_counter()

@@ -11,7 +11,9 @@ ranks of the cost, averaged: the share of time not spent waiting for the slowest
 rows per micro-batch (p50 / max) and planning seconds.
 
 The cost of a sample comes from the target's and drafter's sizes (--model: a preset or a
-config.json) and its drafter rows, block_size x min(anchors, candidates), from the supervised
+config.json of any target family: MoE layers priced by their active experts, Gated DeltaNet
+layers per token, sliding-window layers by the pairs their window leaves, MLA by its head dims)
+and its drafter rows, block_size x min(anchors, candidates), from the supervised
 token counts (--supervised with --lengths, else every token counts as supervised; the store's
 loss masks with --data). Without --lengths or --data it plans the built-in seed-like
 distribution (902,000 samples shaped like the seed run's data set) with supervised shares drawn
@@ -75,8 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="open bins of the packer (default %(default)s)")
     p.add_argument("--supervised", help=".npy file of supervised token counts that go with --lengths")
     p.add_argument("--model", default="qwen3-8b",
-                   help=f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json "
-                   "(default %(default)s)")
+                   help=f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json (or its "
+                   "folder) of a dense, MoE, hybrid Gated DeltaNet, sliding-window or MLA target (default %(default)s)")
     p.add_argument("--target-layers", type=int,
                    help="target layers run for the features (default: last default tap + 1, e.g. 34 for Qwen3-8B)")
     p.add_argument("--drafter-layers", type=int, default=5, help="drafter layers (default %(default)s)")
@@ -100,18 +102,35 @@ def _load_npy(flag: str, path: str) -> np.ndarray:
         raise UserError(f"{flag} {path}: cannot read a .npy array ({e})") from None
 
 
+def _load_counts(flag: str, path: str) -> np.ndarray:
+    """A .npy file of token counts, one per sample: 1-D, and finite whole numbers when stored as
+    floats (a NaN would be planned as some arbitrary integer)."""
+    values = _load_npy(flag, path)
+    numeric = np.issubdtype(values.dtype, np.integer) or np.issubdtype(values.dtype, np.floating)
+    if values.ndim != 1 or not numeric:
+        raise UserError(f"{flag} {path}: expected a 1-D array of token counts, got {values.dtype} of shape "
+                        f"{values.shape}")
+    if np.issubdtype(values.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))
+        if bad.size:
+            i = int(bad[0])
+            raise UserError(f"{flag} {path}: sample {i} has {values[i]} tokens ({bad.size} sample(s) are not finite "
+                            "whole numbers); every count must be a whole number of tokens")
+    return values.astype(np.int64)
+
+
 def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """(lengths, supervised, anchor candidates, source) of the samples to plan."""
     if args.supervised and not args.lengths:
         raise UserError("--supervised goes with --lengths (a store has its own; the built-in lengths draw theirs)")
     if args.lengths:
-        lengths = _load_npy("--lengths", args.lengths)
+        lengths = _load_counts("--lengths", args.lengths)
         if not args.supervised:  # the drafter's rows follow from the supervised tokens: assume all of them
             print("plan_batches: no --supervised; every token counted as supervised (drafter rows are upper bounds)",
                   file=sys.stderr)
             supervised = np.asarray(lengths, dtype=np.int64)
             return lengths, supervised, candidates_from_supervised(supervised), args.lengths
-        supervised = _load_npy("--supervised", args.supervised)
+        supervised = _load_counts("--supervised", args.supervised)
         if supervised.shape != lengths.shape:
             raise UserError(f"--supervised {args.supervised}: {supervised.size} counts for {lengths.size} lengths")
         if (supervised < 0).any() or (supervised > lengths).any():

@@ -4,12 +4,16 @@
 
 Every assistant turn is replaced by the target's own response to the turns before it (a
 conversation that ends with a user turn gets one response). Greedy by default. Rerunning the same
-command resumes: conversations already in --output are skipped. The output is JSONL in the
-`messages` form that launch/prepare_data.py reads, with a `meta` field per line.
+command resumes: conversations already in --output are skipped, matched by content, so after an
+edit of --input the changed ones are regenerated and those no longer in it dropped. One run at a
+time writes an --output; one made of another input file or with other settings is refused. The
+output is JSONL in the `messages` form that launch/prepare_data.py reads, with a `meta` field per
+line.
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from dflash.errors import exit_on_user_error
@@ -22,7 +26,8 @@ def parse_args(argv=None) -> RegenerateConfig:
                    help="Hugging Face model directory of the target (with tokenizer and chat template)")
     p.add_argument("--input", required=True,
                    help="JSONL conversations ({'messages': [...]} or ShareGPT {'conversations': [...]})")
-    p.add_argument("--output", required=True, help="output JSONL; if it exists, the run resumes and appends to it")
+    p.add_argument("--output", required=True,
+                   help="output JSONL; if it exists, the run resumes it (conversations matched by content)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="limit per assistant turn (default: 2048)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples at this temperature")
@@ -49,6 +54,11 @@ def parse_args(argv=None) -> RegenerateConfig:
 @exit_on_user_error
 def main(argv=None):
     cfg = parse_args(argv)
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt  # `kill`: stop as after Ctrl-C, the lock released
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         stats = regenerate(cfg)
     except KeyboardInterrupt:

@@ -2,15 +2,28 @@
 """Speculative decoding with a trained DFlash drafter: acceptance length, speed, and proof it is lossless.
 
   python launch/speculate.py [--drafter DIR] [--prompts F.jsonl] [--target DIR] [--json]
+                             [--temperature T [--top-p P] [--seed S] [--drafts sampled|argmax]]
 
-Every prompt is decoded greedily twice, by the target alone and by target + drafter (blocks of the
-drafter's block size, KV caches for both, the verified tokens' target features fed back as the
-drafter's context). Reported: the acceptance length (target tokens per target forward after the
-prefill), tokens/s of both, the speedup, and whether every output is identical (it must be).
+Every prompt is decoded twice, by the target alone and by target + drafter (blocks of the drafter's
+block size, KV caches for both, the verified tokens' target features fed back as the drafter's
+context). Reported: the acceptance length (target tokens per target forward after the prefill),
+tokens/s of both and the speedup. Greedy (the default, --temperature 0): whether every output is
+identical (it must be). Sampled (--temperature T > 0): speculative sampling as the serving engines
+verify DFlash blocks: every slot's draft is drawn from the drafter's softmax at T (vLLM's
+probabilistic drafts; --drafts argmax: its argmax, as SGLang's DFlash and vLLM's default), accepted
+with probability min(1, p/q), the first rejected slot resampled from max(0, p - q) renormalised, a
+bonus token from p after a fully accepted block; p is the target's distribution at T cut to its
+top-p nucleus. The output is distributed as the target's own sampling (tests/models/
+test_speculative_sampling.py shows it), so the two runs' outputs differ; the acceptance length
+comes with its standard error.
 
 Without --prompts the turns are the held-out assistant turns of the run the drafter came from
-(DIR/../config.json and its token store, the same split as the run's evaluation), and the walk
-tau of the evaluation is computed on them too: on regenerated data the two agree. With no
+(DIR/../config.json and its token store, the same split as the run's evaluation), and the eval
+walk is computed on them too: `tau` (greedy; on greedy regenerated data the two agree) and, when
+sampling, `tau@T`, the expected acceptance at T along those turns (it predicts the sampled run
+when the turns themselves were sampled at T, e.g. by `launch/regenerate.py --temperature T`).
+With --prompts, a file that holds assistant turns gets the same walk on its turns; --save-heldout
+writes the run's held-out conversations, to regenerate at T and decode that way. With no
 arguments at all: the demo target, runs/demo/drafter and the demo's held-out turns.
 """
 from __future__ import annotations
@@ -24,6 +37,8 @@ from dflash.errors import UserError, exit_on_user_error
 
 
 def parse_args(argv=None):
+    from dflash.models.sampling import DRAFTS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default="runs/demo/drafter",
                    help="exported drafter folder (default: runs/demo/drafter)")
@@ -34,18 +49,51 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, help="limit per turn (default: the limit the data was regenerated "
                    "with, meta.max_new_tokens, else 2048)")
     p.add_argument("--max-turns", type=int, help="decode only the first N turns")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy decoding, outputs checked token for token (default); > 0: speculative sampling "
+                   "at this temperature (lossless in distribution)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="when sampling: the target's nucleus (default 1: the whole vocabulary); the drafts use the "
+                   "temperature only, as vLLM's")
+    p.add_argument("--seed", type=int, help="when sampling: seed of both runs' random draws (default 0)")
+    p.add_argument("--drafts", choices=DRAFTS, default="sampled",
+                   help="when sampling: sampled (default): every slot drawn from the drafter's softmax at the "
+                   "temperature (vLLM draft_sample_method=probabilistic); argmax: the drafter's argmax, q one-hot "
+                   "(SGLang's DFlash, vLLM's default greedy drafts)")
+    p.add_argument("--save-heldout", metavar="F.jsonl",
+                   help="write the held-out conversations of the drafter's run (their lines of the run's JSONL "
+                   "data) to F.jsonl and stop: regenerate them at a temperature (launch/regenerate.py "
+                   "--temperature T) and decode them with --prompts, where the walk's tau@T is exact in expectation")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p.parse_args(argv)
 
 
+def sampling_options(args):
+    """(Sampling, seed) from the flags; sampling flags without a temperature are refused."""
+    from dflash.models.sampling import Sampling
+
+    if args.temperature == 0:
+        given = [flag for flag, on in (("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None),
+                                       ("--drafts", args.drafts != "sampled")) if on]
+        if given:
+            one = len(given) == 1
+            raise UserError(f"{' and '.join(given)} {'applies' if one else 'apply'} only to sampling: give "
+                            f"--temperature > 0 or leave {'it' if one else 'them'} out")
+    try:
+        sampling = Sampling(args.temperature, args.top_p, args.drafts)
+    except ValueError as e:
+        raise UserError(f"--temperature {args.temperature} --top-p {args.top_p}: {e}") from None
+    return sampling, 0 if args.seed is None else args.seed
+
+
 def run_heldout(drafter_dir: Path):
-    """(target path, tokenized held-out samples, their turn limit) of the run the drafter came from:
-    its store and split, found as the run found them."""
+    """(target path, tokenized held-out samples, their turn limit, the temperature they were regenerated
+    at) of the run the drafter came from: its store and split, found as the run found them."""
     from dflash.data.token_store import TokenStore
     from dflash.demo import DATA, TARGET
-    from dflash.training.data import held_out_split, store_path, turn_limit
+    from dflash.training.data import data_temperature, held_out_split, store_path, turn_limit
 
     run = drafter_dir.parent
     config_path = run / "config.json"
@@ -58,46 +106,57 @@ def run_heldout(drafter_dir: Path):
     _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
     if eval_idx.size == 0:
         raise UserError(f"{config_path}: the run held nothing out (eval_fraction 0); give --prompts")
-    return Path(cfg.get("target") or TARGET), [store[int(i)] for i in eval_idx], turn_limit(store, data)
+    return (Path(cfg.get("target") or TARGET), [store[int(i)] for i in eval_idx], turn_limit(store, data),
+            data_temperature(store, data))
 
 
-@exit_on_user_error
-def main(argv=None):
-    args = parse_args(argv)
+def save_heldout(drafter_dir: Path, output: Path) -> int:
+    """The run's held-out conversations, as lines of its JSONL data, written to `output`."""
+    import os
+
+    from dflash.data.token_store import TokenStore
+    from dflash.demo import DATA
+    from dflash.training.data import held_out_split, source_file, store_path
+
+    config_path = drafter_dir.parent / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"--drafter {drafter_dir}: no run config {config_path} to find its held-out conversations")
+    cfg = json.loads(config_path.read_text())
+    data = Path(cfg.get("data") or DATA)
+    store = TokenStore(store_path(data, drafter_dir.parent))
+    source = source_file(store, data)
+    if not source.is_file():
+        raise UserError(f"--save-heldout: the run's data {data} came from no JSONL file that is still there")
+    _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
+    lines = source.read_text(encoding="utf-8").splitlines()
+    numbers = store.dataset.data.table.column("source_line").to_numpy()[eval_idx]
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text("".join(lines[int(n) - 1] + "\n" for n in numbers), encoding="utf-8")
+    os.replace(tmp, output)  # whole or not at all
+    return len(numbers)
+
+
+def samples_from_conversations(path, tokenizer) -> list:
+    """The conversations of a JSONL file that hold assistant turns, tokenized as the token store does."""
+    from dflash.data.conversations import read_conversations
+    from dflash.data.prepare import tokenize_conversation
+
+    samples = []
+    for line, messages, _ in read_conversations(path, require_assistant=False):
+        if any(m["role"] == "assistant" for m in messages):
+            samples.append(tokenize_conversation(tokenizer, messages, f"{path}:{line}"))
+    return samples
+
+
+def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
     import torch
 
-    from dflash.data.generation import generation_eos, regeneration_limit, stop_ids
-    from dflash.demo import TARGET
     from dflash.devices import resolve_dtype
     from dflash.models import DFlashDrafter
-    from dflash.models.acceptance import walk_samples
-    from dflash.models.speculate import (
-        DEFAULT_MAX_NEW_TOKENS,
-        prompts_from_conversations,
-        prompts_from_samples,
-        speculate,
-    )
     from dflash.training.models import load_target
 
-    drafter_dir = Path(args.drafter)
-    if not (drafter_dir / "config.json").is_file():
-        hint = " (train the demo first: deepspeed launch/train.py)" if args.drafter == "runs/demo/drafter" else ""
-        raise UserError(f"--drafter {drafter_dir}: no exported drafter there (config.json){hint}")
-    samples = None
-    if args.prompts:
-        if not Path(args.prompts).is_file():
-            raise UserError(f"--prompts {args.prompts}: no such file")
-        target_path = Path(args.target or TARGET)
-        data_limit = regeneration_limit(args.prompts)
-    else:
-        target_path, samples, data_limit = run_heldout(drafter_dir)
-        target_path = Path(args.target or target_path)
-    limit = args.max_new_tokens or data_limit or DEFAULT_MAX_NEW_TOKENS
-    if limit < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(dtype_option, device)
     try:
         drafter = DFlashDrafter.from_pretrained(drafter_dir)
         target = load_target(target_path, device, dtype, target_layer_ids=drafter.config.target_layer_ids,
@@ -106,31 +165,110 @@ def main(argv=None):
     except ValueError as e:
         raise UserError(f"--drafter {drafter_dir} with --target {target_path}: {e}") from None
     drafter.to(device, dtype).eval()
+    return drafter, target, device, dtype
+
+
+def eval_walk(drafter, target, samples, device, *, limit: int, stops, sampling) -> dict:
+    """The eval walk on the decoded turns' data: greedy tau, anchor tau and, when sampling, tau@T."""
+    from dflash.models.acceptance import tau_key, walk_samples
+
+    temperatures = (0.0,) if sampling.greedy else (0.0, sampling.temperature)
+    walk = walk_samples(lambda b, f, a, **kw: drafter(b, f, anchors=a, **kw), target.model, samples,
+                        block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops,
+                        temperatures=temperatures, device=device).metrics()
+    result = {"walk_tau": walk["tau"], "anchor_tau": walk["anchor_tau"], "walk_turns": walk["turns"]}
+    if not sampling.greedy:
+        result["walk_" + tau_key(sampling.temperature)] = walk[tau_key(sampling.temperature)]
+    return result
+
+
+def describe(result: dict, *, limit: int, where: str) -> None:
+    """The report in words."""
+    sampled = result["temperature"] > 0
+    print(f"{result['turns']} turns, {result['tokens']:,} tokens (at most {limit} per turn), {where}")
+    if sampled:
+        print(f"speculative sampling at temperature {result['temperature']:g}, top-p {result['top_p']:g}, "
+              f"{result['drafts']} drafts, seed {result['seed']}")
+        print(f"acceptance length {result['acceptance_length']:.3f} +- {result['acceptance_length_stderr'] or 0:.3f} "
+              "(standard error) target tokens per target forward")
+    else:
+        print(f"acceptance length {result['acceptance_length']:.3f} target tokens per target forward")
+    if "walk_tau" in result:
+        line = f"eval walk on the data's {result['walk_turns']} turns: tau {result['walk_tau']:.3f} (greedy)"
+        key = f"walk_tau@{result['temperature']:g}"
+        if key in result:
+            data_t = result.get("data_temperature")
+            origin = "of unknown temperature" if data_t is None else f"regenerated at temperature {data_t:g}"
+            line += (f", tau@{result['temperature']:g} {result[key]:.3f} (expected acceptance along those turns, "
+                     f"{origin}; it predicts this run when they were sampled at {result['temperature']:g})")
+        print(line + f", anchor tau {result['anchor_tau']:.3f}")
+    print(f"target alone {result['target_tokens_per_s']:.1f} tokens/s, speculative "
+          f"{result['speculative_tokens_per_s']:.1f} tokens/s, speedup {result['speedup']:.2f}x")
+    if sampled:
+        print("lossless in distribution (tests/models/test_speculative_sampling.py); the two runs' outputs differ")
+    else:
+        print("lossless: every output equals the target's greedy output" if result["lossless"] else
+              f"NOT LOSSLESS: turns {result['mismatched_turns']} differ from the target's greedy output")
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    sampling, seed = sampling_options(args)
+
+    from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
+    from dflash.demo import TARGET
+    from dflash.models.speculate import (
+        DEFAULT_MAX_NEW_TOKENS,
+        prompts_from_conversations,
+        prompts_from_samples,
+        speculate,
+    )
+
+    drafter_dir = Path(args.drafter)
+    if not (drafter_dir / "config.json").is_file():
+        hint = " (train the demo first: deepspeed launch/train.py)" if args.drafter == "runs/demo/drafter" else ""
+        raise UserError(f"--drafter {drafter_dir}: no exported drafter there (config.json){hint}")
+    if args.save_heldout:
+        count = save_heldout(drafter_dir, Path(args.save_heldout))
+        print(f"wrote the {count} held-out conversations of {drafter_dir.parent} to {args.save_heldout}")
+        return {"heldout_conversations": count}
+    samples = None
+    if args.prompts:
+        if not Path(args.prompts).is_file():
+            raise UserError(f"--prompts {args.prompts}: no such file")
+        target_path = Path(args.target or TARGET)
+        data_limit, data_temperature = regeneration_limit(args.prompts), regeneration_temperature(args.prompts)
+    else:
+        target_path, samples, data_limit, data_temperature = run_heldout(drafter_dir)
+        target_path = Path(args.target or target_path)
+    limit = args.max_new_tokens or data_limit or DEFAULT_MAX_NEW_TOKENS
+    if limit < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
+
+    drafter, target, device, dtype = load_models(drafter_dir, target_path, args.dtype)
     tokenizer, hf = target.tokenizer, target.hf
     stops = stop_ids(tokenizer, generation_eos(str(target_path)))
-    prompts = prompts_from_conversations(args.prompts, tokenizer) if samples is None else prompts_from_samples(samples)
+    if args.prompts:
+        prompts = prompts_from_conversations(args.prompts, tokenizer)
+        # the walk needs every turn decoded: not with --max-turns
+        samples = samples_from_conversations(args.prompts, tokenizer) if args.max_turns is None else None
+    else:
+        prompts = prompts_from_samples(samples)
     prompts = prompts[:args.max_turns]
     if not prompts:
         raise UserError("no turns to decode")
-    report = speculate(hf, drafter, prompts, max_new_tokens=limit, stop_ids=stops, progress=args.progress)
-    result = {**report.summary(), "max_new_tokens": limit}
-    if samples is not None and args.max_turns is None:
-        walk = walk_samples(lambda b, f, a: drafter(b, f, anchors=a), lambda b: target.model.features(b.to(device)),
-                            samples, block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops).metrics()
-        result.update(walk_tau=walk["tau"], anchor_tau=walk["anchor_tau"])
+    report = speculate(hf, drafter, prompts, max_new_tokens=limit, stop_ids=stops, progress=args.progress,
+                       sampling=sampling, seed=seed)
+    result = {**report.summary(), "max_new_tokens": limit, "data_temperature": data_temperature}
+    if samples and args.max_turns is None:
+        result.update(eval_walk(drafter, target, samples, device, limit=limit, stops=stops, sampling=sampling))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{result['turns']} turns, {result['tokens']:,} tokens (at most {limit} per turn), "
-              f"{drafter_dir} on {target_path} ({device.type}, {str(dtype).removeprefix('torch.')})")
-        print(f"acceptance length {result['acceptance_length']:.3f} target tokens per target forward")
-        if "walk_tau" in result:
-            print(f"eval on the same turns: walk tau {result['walk_tau']:.3f}, anchor tau {result['anchor_tau']:.3f}")
-        print(f"target alone {result['target_tokens_per_s']:.1f} tokens/s, speculative "
-              f"{result['speculative_tokens_per_s']:.1f} tokens/s, speedup {result['speedup']:.2f}x")
-        print("lossless: every output equals the target's greedy output" if result["lossless"] else
-              f"NOT LOSSLESS: turns {result['mismatched_turns']} differ from the target's greedy output")
-    if not result["lossless"]:
+        describe(result, limit=limit,
+                 where=f"{drafter_dir} on {target_path} ({device.type}, {str(dtype).removeprefix('torch.')})")
+    if result["lossless"] is False:
         sys.exit(1)
     return result
 

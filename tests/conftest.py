@@ -49,6 +49,24 @@ def make_chat_tokenizer(words=None):
     return fast
 
 
+def make_bpe_chat_tokenizer(words):
+    """A small byte-level BPE tokenizer with a ChatML template, trained offline on `words`: what
+    transformers accepts for model types that force a BPE tokenizer class (Qwen3.5)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join([*words, "user", "assistant", "system"])] * 3 + ["\n"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    return fast
+
+
 @pytest.fixture(scope="session")
 def chat_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")

@@ -273,13 +273,15 @@ def test_template_and_encoding_faults_are_named_by_line_also_when_skipped(tmp_pa
     src = tmp_path / "in.jsonl"
     src.write_bytes(b'{"messages": [{"role": "user", "content": "w1"}]}\n'
                     b'{"messages": [{"role": "user", "content": "w13"}]}\n'
-                    b'{"messages": [{"role": "user", "content": "w\xff"}]}\n')
+                    b'{"messages": [{"role": "user", "content": "w\xff"}]}\n'
+                    b'{"messages": [{"role": "user", "content": "w1 \\udc00"}]}\n')
     backend = ScriptedBackend(tok, "w2 w3")
     with pytest.raises(UserError, match=rf"{src}:2: the chat template refuses this conversation: no w13"):
         regenerate(cfg_for(tmp_path, src), backend=backend, tokenizer=tok, progress=False)
     stats = regenerate(cfg_for(tmp_path, src, out="skip.jsonl", skip_bad=True), backend=backend, tokenizer=tok,
                        progress=False)
-    assert dict(stats["skipped"].counts) == {"template": 1, "invalid UTF-8": 1}
+    assert dict(stats["skipped"].counts) == {"template": 1, "invalid UTF-8": 1, "not text": 1}
+    assert stats["skipped"].examples["not text"].startswith(f"{src}:4: turn 0: '\\udc00' at character 3 is not text")
     assert [r["meta"]["source_line"] for r in read_jsonl(tmp_path / "skip.jsonl")] == [1]
 
 
@@ -290,3 +292,119 @@ def test_input_without_a_usable_conversation_is_an_error_and_leaves_no_output(tm
         regenerate(cfg_for(tmp_path, src, skip_bad=True), backend=ScriptedBackend(tokenizer, "x"),
                    tokenizer=tokenizer, progress=False)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# ---- the output belongs to one run and to its input (issue 28) --------------------------------
+class CountingBackend(ScriptedBackend):
+    """A ScriptedBackend that counts the prompts it answers; `gate` (an Event) holds it until set."""
+
+    def __init__(self, tokenizer, text: str, gate=None):
+        super().__init__(tokenizer, text)
+        self.prompts, self.gate, self.started = 0, gate, None
+
+    def generate(self, prompts, **kwargs):
+        if self.gate is not None:
+            self.started.set()
+            self.gate.wait(60)
+        self.prompts += len(prompts)
+        return super().generate(prompts, **kwargs)
+
+
+def asked(row: dict) -> tuple:
+    """What a conversation asks: its turns other than the assistant's."""
+    return tuple(m["content"] for m in row["messages"] if m["role"] != "assistant")
+
+
+def test_two_runs_into_one_output_are_refused_and_no_line_is_written_twice(tmp_path, tokenizer):
+    import threading
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    first = CountingBackend(tokenizer, "The answer is 7 .", gate=threading.Event())
+    first.started = threading.Event()
+    results = []
+    runner = threading.Thread(target=lambda: results.append(
+        regenerate(cfg_for(tmp_path, prompts), backend=first, tokenizer=tokenizer, progress=False)))
+    runner.start()
+    assert first.started.wait(60)
+    try:
+        with pytest.raises(UserError, match=rf"--output {tmp_path / 'out.jsonl'}: another regenerate run is writing "
+                                            rf"it \(process {os.getpid()}@"):
+            regenerate(cfg_for(tmp_path, prompts), backend=CountingBackend(tokenizer, "The answer is 3 ."),
+                       tokenizer=tokenizer, progress=False)
+    finally:
+        first.gate.set()
+        runner.join(60)
+    assert results[0]["written"] == 4
+    assert [r["meta"]["source_line"] for r in read_jsonl(tmp_path / "out.jsonl")] == [1, 2, 3, 4]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "the lock file goes with the run"
+
+
+def test_an_edited_input_regenerates_what_changed_and_drops_what_is_gone(tmp_path, tokenizer, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
+    backend = CountingBackend(tokenizer, "The answer is 7 .")
+    regenerate(cfg_for(tmp_path, prompts), backend=backend, tokenizer=tokenizer, progress=False)
+    before = {asked(r): r for r in read_jsonl(tmp_path / "out.jsonl")}
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    next(m for m in rows[2]["messages"] if m["role"] == "user")["content"] += " again"  # edited
+    del rows[4]  # removed
+    rows.insert(0, {"messages": [{"role": "user", "content": "What is 1 + 1 ?"}]})  # added: every line moves
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    backend = CountingBackend(tokenizer, "The answer is 3 .")
+    capsys.readouterr()
+    stats = regenerate(cfg_for(tmp_path, prompts), backend=backend, tokenizer=tokenizer, progress=False)
+    assert (stats["written"], stats["resumed"], stats.get("dropped")) == (2, 4, 2)
+    assert capsys.readouterr().out == (f"--input {prompts} changed since {tmp_path / 'out.jsonl'} was written: 2 "
+                                       "conversation(s) no longer in it are dropped, 2 new or changed ones are "
+                                       "regenerated\n")
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [asked(r) for r in out] == [asked(r) for r in rows], "input order"
+    assert [r["meta"]["source_line"] for r in out] == list(range(1, 7))
+    for r in out:  # unchanged conversations are kept as they were (only their line number moved)
+        old = before.get(asked(r))
+        assert r["messages"][-1]["content"] == ("The answer is 7 ." if old else "The answer is 3 .")
+        if old:
+            assert {**r["meta"], "source_line": 0} == {**old["meta"], "source_line": 0}
+    again = regenerate(cfg_for(tmp_path, prompts), backend=backend, tokenizer=tokenizer, progress=False)
+    assert (again["written"], again["resumed"], again["dropped"]) == (0, 6, 0)
+
+
+def test_an_output_of_another_input_or_a_folder_is_refused_in_one_line(tmp_path, tokenizer):
+    backend = ScriptedBackend(tokenizer, "The answer is 7 .")
+    first = write_prompts(tmp_path / "first.jsonl", 3)
+    regenerate(cfg_for(tmp_path, first), backend=backend, tokenizer=tokenizer, progress=False)
+    written = (tmp_path / "out.jsonl").read_bytes()
+    other = write_prompts(tmp_path / "other.jsonl", 3, start=10)
+    with pytest.raises(UserError, match=rf"--output {tmp_path / 'out.jsonl'}: 3 of its 3 conversations are not in "
+                                        rf"--input {other} \(it was regenerated from {first}\); give a new --output"):
+        regenerate(cfg_for(tmp_path, other), backend=backend, tokenizer=tokenizer, progress=False)
+    assert (tmp_path / "out.jsonl").read_bytes() == written
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(UserError, match=r"folder.jsonl: is a folder; give the path of a JSONL file"):
+        regenerate(cfg_for(tmp_path, first, out="folder.jsonl"), backend=backend, tokenizer=tokenizer, progress=False)
+
+
+def test_a_full_disk_keeps_the_complete_lines_and_the_rerun_resumes(tmp_path, tokenizer, monkeypatch):
+    import errno
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
+    write, writes = os.write, []
+
+    def filling_up(fd, data):  # the second batch: half of it reaches the disk, then it is full
+        if len(data) > 200:
+            writes.append(len(data))
+            if len(writes) == 2:
+                return write(fd, bytes(data[: len(data) // 2]))
+            if len(writes) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    backend = ScriptedBackend(tokenizer, "The answer is 7 . The answer is 7 . The answer is 7 .")
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", filling_up)
+        with pytest.raises(UserError, match=r"out.jsonl: the disk is full .*; the 4 conversation\(s\) written so far "
+                                            r"are complete: rerun the same command to resume once there is space"):
+            regenerate(cfg_for(tmp_path, prompts), backend=backend, tokenizer=tokenizer, progress=False)
+    assert [r["meta"]["source_line"] for r in read_jsonl(tmp_path / "out.jsonl")] == [1, 2, 3, 4]
+    stats = regenerate(cfg_for(tmp_path, prompts), backend=backend, tokenizer=tokenizer, progress=False)
+    assert (stats["written"], stats["resumed"]) == (4, 4)
+    assert [r["meta"]["source_line"] for r in read_jsonl(tmp_path / "out.jsonl")] == list(range(1, 9))

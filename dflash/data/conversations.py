@@ -64,6 +64,11 @@ def parse_conversation(obj, where: str, *, require_assistant: bool = True) -> li
         content = turn[text_key]
         if not isinstance(content, str):
             raise BadSample(where, "malformed turn", f"turn {i}: '{text_key}' must be a string")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON allows "\ud800"; no tokenizer can encode it
+            raise BadSample(where, "not text", f"turn {i}: {e.object[e.start:e.end]!r} at character {e.start} is "
+                            "not text (an unpaired surrogate escape); the tokenizer cannot encode it") from None
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "user" for m in messages):
         raise BadSample(where, "no user turn", "the conversation has no user turn")

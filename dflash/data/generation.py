@@ -16,25 +16,39 @@ def stop_ids(tokenizer, model_eos) -> list[int]:
 
 
 def generation_eos(target: str):
-    """The eos id(s) of the model's generation config (or its config), without loading weights."""
+    """The eos id(s) of the model's generation config (or its config), without loading weights;
+    None for a target that is no folder (`random:...`: its tokenizer's eos ends turns)."""
     from transformers import GenerationConfig
 
+    if not Path(target).is_dir():
+        return None
     try:
         return GenerationConfig.from_pretrained(target).eos_token_id
     except OSError:
         return json.loads((Path(target) / "config.json").read_text()).get("eos_token_id")
 
 
-def regeneration_limit(path: str | Path) -> int | None:
-    """The `meta.max_new_tokens` every line of a regenerated JSONL file shares (None: a file not
-    written by `regenerate`, or lines made with different limits). Decoding its prompts with that
-    limit reproduces its turns, which stop there."""
-    limits = set()
+def _shared_meta(path: str | Path, key: str):
+    """`meta[key]` when every line of a JSONL file has the same one, else None."""
+    values = set()
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 try:
-                    limits.add(json.loads(line).get("meta", {}).get("max_new_tokens"))
+                    values.add(json.loads(line).get("meta", {}).get(key))
                 except (json.JSONDecodeError, AttributeError):
                     return None
-    return limits.pop() if len(limits) == 1 and None not in limits else None
+    return values.pop() if len(values) == 1 and None not in values else None
+
+
+def regeneration_limit(path: str | Path) -> int | None:
+    """The `meta.max_new_tokens` every line of a regenerated JSONL file shares (None: a file not
+    written by `regenerate`, or lines made with different limits). Decoding its prompts with that
+    limit reproduces its turns, which stop there."""
+    return _shared_meta(path, "max_new_tokens")
+
+
+def regeneration_temperature(path: str | Path) -> float | None:
+    """The `meta.temperature` every line of a regenerated JSONL file shares (0: greedy), else None:
+    the walk at a temperature T is exact in expectation on turns sampled at T."""
+    return _shared_meta(path, "temperature")

@@ -69,7 +69,7 @@ def dealing_stats(plan, model, rows, layout: str, lengths, micro_batches_per_ste
         effective = lengths.copy()
         for b in batches:
             effective[b] = lengths[b].max()
-    cost = (batch_features(effective, rows, batches) @ model.coefficients()).reshape(count, world)
+    cost = (batch_features(effective, rows, batches, model.window) @ model.coefficients()).reshape(count, world)
     k = micro_batches_per_step
     starts = np.arange(0, count, k)
     step_cost = np.add.reduceat(cost, starts, axis=0)

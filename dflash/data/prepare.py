@@ -20,7 +20,7 @@ from dflash.data.token_store import (
     same_file_content,
     tokenizer_fingerprint,
 )
-from dflash.errors import UserError, disk_full, free_space
+from dflash.errors import UserError, disk_full, free_space, os_reason
 from dflash.partial import partial_folder
 
 OVERLONG = ("truncate", "drop", "error")
@@ -296,8 +296,11 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
         "supervised": datasets.Value("int32"),
         "source_line": datasets.Value("int64"),
     })
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = partial_folder(output_dir)
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        work = partial_folder(output_dir)
+    except OSError as err:
+        raise UserError(f"{flag} {output_dir}: cannot write in {output_dir.parent} ({os_reason(err)})") from None
     try:
         try:
             ds = datasets.Dataset.from_generator(samples, features=features, cache_dir=str(work / "cache"))

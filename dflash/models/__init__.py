@@ -18,7 +18,7 @@ from dflash.models.config import (
 from dflash.models.drafter import DFlashDrafter, DrafterCache, DrafterOutput
 from dflash.models.flops import measure_flops, target_forward_flops
 from dflash.models.loss import acceptance_stats, chunked_weighted_ce, slot_weights
-from dflash.models.target import SharedWeights, TargetModel
+from dflash.models.target import TARGET_FAMILIES, SharedWeights, TargetModel, load_language_model
 
 __all__ = [
     "Anchors",
@@ -30,6 +30,7 @@ __all__ = [
     "DrafterOutput",
     "MASK_TOKEN",
     "SharedWeights",
+    "TARGET_FAMILIES",
     "TargetModel",
     "acceptance_stats",
     "block_tensors",
@@ -38,6 +39,7 @@ __all__ = [
     "default_gamma",
     "default_target_layer_ids",
     "ensure_mask_token",
+    "load_language_model",
     "measure_flops",
     "sample_anchors",
     "slot_weights",

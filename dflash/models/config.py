@@ -5,6 +5,12 @@ The official format is a Qwen3 config (`model_type: "qwen3"`, `architectures:
 {"mask_token_id", "target_layer_ids"}`. Serving engines build the drafter's layers from the
 Qwen3 fields, so every size is written explicitly (`head_dim` included: Qwen3Config's default
 of 128 would be silently wrong for other head sizes).
+
+Layer types: `layer_types` (one of LAYER_TYPES per layer) and `sliding_window` decide each layer's
+attention as vLLM and SGLang serve it (docs/ARCHITECTURE.md, "Drafter layer types as the engines
+serve them"): full layers are bidirectional over the context, sliding layers causal within the
+block and limited to the last `sliding_window` positions; a top-level `is_causal` overrides the
+causality of every layer.
 """
 from __future__ import annotations
 
@@ -48,6 +54,29 @@ CONFIG_KEYS = frozenset(
         "num_target_layers",
         "dflash_config",
     }
+)
+
+# Written only when set: an `is_causal` key, even false, overrides every layer's default in the engines.
+OPTIONAL_CONFIG_KEYS = frozenset({"is_causal"})
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+# Config entries that change the drafter's computation in vLLM, SGLang or the official class and
+# that this drafter does not implement: (where, key, the value that means "off").
+_UNSUPPORTED = (
+    ("dflash_config", "attention_sink_bias", False),
+    ("top", "add_swa_attention_sink_bias", False),
+    ("dflash_config", "attention_value_scale", None),
+    ("top", "is_neox_style", True),
+    ("top", "rope_is_neox_style", True),
+    ("dflash_config", "use_aux_hidden_state", True),
+    ("dflash_config", "sample_from_anchor", False),
+    ("dflash_config", "input_embedding_scale", 1.0),
+    ("dflash_config", "output_multiplier", 1.0),
+    ("dflash_config", "final_logit_softcapping", None),
+    ("dflash_config", "conv_kernel_size", 0),
+    ("dflash_config", "selector_rank", 0),
 )
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -122,9 +151,18 @@ class DrafterConfig:
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     dtype: str = "bfloat16"
+    layer_types: list[str] | None = None  # one of LAYER_TYPES per layer; None: all full_attention
+    sliding_window: int | None = None  # positions a sliding layer sees, the query's own included
+    is_causal: bool | None = None  # overrides every layer's causality (engines' top-level is_causal)
 
     def __post_init__(self) -> None:
-        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        try:
+            check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        except ValueError as e:
+            raise ValueError(f"dflash_config.target_layer_ids: {e}") from None
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal must be true, false or absent, got {self.is_causal!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} lies outside the target's {self.vocab_size} embedding rows"
@@ -142,6 +180,13 @@ class DrafterConfig:
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
 
+    def layer_attention(self, i: int) -> tuple[int | None, bool]:
+        """(window, causal) of layer i, as vLLM and SGLang serve it: a sliding layer has the
+        window and is causal, a full layer neither; `is_causal` overrides the causality."""
+        sliding = self.layer_types[i] == SLIDING
+        causal = sliding if self.is_causal is None else self.is_causal
+        return (self.sliding_window if sliding else None), causal
+
     @classmethod
     def from_target(
         cls,
@@ -153,10 +198,14 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
         num_target_features: int = DEFAULT_NUM_TARGET_FEATURES,
         vocab_size: int | None = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
     ) -> DrafterConfig:
-        """Sizes from a Hugging Face target config (Qwen3, Qwen2, Llama, Mistral, ...).
+        """Sizes from a Hugging Face target config (any family of `TargetModel`: its hidden size, heads,
+        kv heads, head_dim; the MLP width of `drafter_intermediate_size`).
 
         vocab_size defaults to the config's; pass the embedding's row count if it differs.
+        layer_types / sliding_window: the drafter's own layer types (default all full_attention).
         """
         L = target_config.num_hidden_layers
         if target_layer_ids is None:
@@ -169,7 +218,7 @@ class DrafterConfig:
             dtype = getattr(torch, dtype)
         return cls(
             hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
+            intermediate_size=drafter_intermediate_size(target_config),
             num_hidden_layers=num_draft_layers,
             num_attention_heads=target_config.num_attention_heads,
             num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
@@ -181,14 +230,20 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             block_size=block_size,
             rms_norm_eps=target_config.rms_norm_eps,
-            rope_parameters=dict(_rope_parameters(target_config)),
+            rope_parameters=_drafter_rope(target_config),
             max_position_embeddings=target_config.max_position_embeddings,
             initializer_range=getattr(target_config, "initializer_range", 0.02),
             dtype=_DTYPE_NAMES.get(dtype, "bfloat16"),
+            layer_types=None if layer_types is None else list(layer_types),
+            sliding_window=sliding_window,
         )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The official `config.json` content; its keys are exactly `CONFIG_KEYS`."""
+        """The official `config.json` content; its keys are `CONFIG_KEYS` (and `is_causal` when set).
+
+        `use_sliding_window` is true when a layer slides: transformers' Qwen3Config drops
+        `sliding_window` otherwise, and vLLM, SGLang and the official class read it from there.
+        """
         rope = dict(self.rope_parameters)
         rope_theta = rope["rope_theta"]
         # Older readers (transformers 4.x, serving engines) take rope_theta + rope_scaling;
@@ -196,7 +251,8 @@ class DrafterConfig:
         rope_scaling = None if rope.get("rope_type", "default") == "default" else {
             k: v for k, v in rope.items() if k != "rope_theta"
         }
-        return {
+        sliding = SLIDING in self.layer_types
+        out = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "dtype": self.dtype,
@@ -217,10 +273,11 @@ class DrafterConfig:
             "attention_dropout": 0.0,
             "initializer_range": self.initializer_range,
             "tie_word_embeddings": False,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window if sliding else None,
+            # Read only when layer_types is absent (Qwen3Config: layers >= max_window_layers slide).
             "max_window_layers": self.num_hidden_layers,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {
@@ -228,6 +285,14 @@ class DrafterConfig:
                 "target_layer_ids": list(self.target_layer_ids),
             },
         }
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        return out
+
+    @staticmethod
+    def gives_num_target_layers(d: dict[str, Any]) -> bool:
+        """Whether a config.json says how many layers its target has (others leave it out)."""
+        return "num_target_layers" in (d.get("dflash_config") or {}) or "num_target_layers" in d
 
     @classmethod
     def from_json_dict(cls, d: dict[str, Any]) -> DrafterConfig:
@@ -236,6 +301,8 @@ class DrafterConfig:
         Accepted variants: `target_layer_ids` / `mask_token_id` / `block_size` inside
         `dflash_config` or at the top level; RoPE as `rope_parameters` or `rope_theta` +
         `rope_scaling`; `dtype` or `torch_dtype`; `head_dim` absent (hidden / heads).
+        Refused, naming the key: layer types vLLM and SGLang would serve differently
+        (`check_engine_agreement`) and features this drafter does not implement.
         """
         dflash = d.get("dflash_config") or {}
 
@@ -251,8 +318,10 @@ class DrafterConfig:
         block_size = pick("block_size")
         if block_size is None:
             raise ValueError("config.json lacks block_size")
-        if d.get("layer_types") and any(t != "full_attention" for t in d["layer_types"]):
-            raise ValueError(f"only full-attention drafter layers are supported, got layer_types {d['layer_types']}")
+        check_engine_agreement(d)
+        check_supported(d)
+        layer_types = d.get("layer_types")
+        sliding = bool(layer_types) and SLIDING in layer_types
         if d.get("attention_bias"):
             raise ValueError("the DFlash drafter has no attention biases (attention_bias must be false)")
         rope = d.get("rope_parameters")
@@ -260,7 +329,7 @@ class DrafterConfig:
             rope = dict(d.get("rope_scaling") or {"rope_type": "default"})
             rope["rope_theta"] = d.get("rope_theta", 10000.0)
         heads = d["num_attention_heads"]
-        num_target_layers = d.get("num_target_layers")
+        num_target_layers = pick("num_target_layers")
         if num_target_layers is None:
             # Written by others without it: the smallest target the taps are valid for.
             num_target_layers = max(layer_ids) + 2
@@ -283,6 +352,10 @@ class DrafterConfig:
             hidden_act=d.get("hidden_act", "silu"),
             initializer_range=d.get("initializer_range", 0.02),
             dtype=dtype,
+            layer_types=None if layer_types is None else list(layer_types),
+            # Configs in the wild carry Qwen3Config's default window with no sliding layer.
+            sliding_window=d.get("sliding_window") if sliding else None,
+            is_causal=d.get("is_causal"),
         )
 
     def to_qwen3_config(self):
@@ -295,7 +368,96 @@ class DrafterConfig:
         d.pop("dflash_config")
         d.pop("rope_scaling")
         d.pop("rope_theta")
+        d.pop("is_causal", None)
         return Qwen3Config(**d)
+
+
+def check_fits_target(config: DrafterConfig, target_config, num_embedding_rows: int | None = None, *,
+                      num_target_layers_given: bool = True) -> None:
+    """Raise ValueError naming the drafter's config.json field that does not fit the target: the
+    hidden size (the target's embedding and lm_head are lent), the vocabulary (embedding rows),
+    the tapped layers and the number of target layers the drafter was trained on."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    rows = num_embedding_rows if num_embedding_rows is not None else text.vocab_size
+    if config.hidden_size != hidden:
+        raise ValueError(f"hidden_size is {config.hidden_size}, the target's is {hidden}")
+    if config.vocab_size != rows:
+        raise ValueError(f"vocab_size is {config.vocab_size}, the target's embedding has {rows} rows")
+    if num_target_layers_given and config.num_target_layers != layers:
+        raise ValueError(f"num_target_layers is {config.num_target_layers} (the target it was trained on), this "
+                         f"target has {layers} layers")
+    try:
+        check_target_layer_ids(config.target_layer_ids, layers)
+    except ValueError as e:
+        raise ValueError(f"dflash_config.target_layer_ids: {e}") from None
+
+
+def check_layer_types(layer_types, num_layers: int, sliding_window) -> list[str]:
+    """The per-layer types, checked (default: all full_attention); sliding layers need a window."""
+    if layer_types is None:
+        layer_types = [FULL] * num_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} drafter layers "
+                         f"(one per layer): {layer_types}")
+    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        raise ValueError(f"layer_types holds {bad}; each entry must be one of {list(LAYER_TYPES)}")
+    if SLIDING in layer_types:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_attention layers need sliding_window, an integer >= 1; got {sliding_window!r}")
+    elif sliding_window is not None:
+        raise ValueError(f"sliding_window {sliding_window} is given but no layer is sliding_attention "
+                         f"(layer_types {layer_types})")
+    return layer_types
+
+
+def check_engine_agreement(d: dict[str, Any]) -> None:
+    """Refuse a config.json whose layers vLLM and SGLang would serve with different masks.
+
+    vLLM alone reads `dflash_config.causal`, `use_swa` and `swa_window_size`
+    (qwen3_dflash.py `_dflash_layer_causal`, `_resolve_layer_attention`); both read `layer_types`,
+    `sliding_window` through transformers' Qwen3Config, which drops the window unless
+    `use_sliding_window` is true (docs/ARCHITECTURE.md, "Drafter layer types").
+    """
+    dflash = d.get("dflash_config") or {}
+    layer_types = d.get("layer_types") or []
+    sliding = [t == SLIDING for t in layer_types]
+    if any(sliding) and not d.get("use_sliding_window", False):
+        raise ValueError("config.json has sliding_attention layers but use_sliding_window is not true: transformers' "
+                         "Qwen3Config then drops sliding_window, and vLLM and SGLang refuse the drafter "
+                         "(set \"use_sliding_window\": true)")
+    causal = dflash.get("causal")
+    if causal is not None and d.get("is_causal") is None and any(bool(causal) != s for s in sliding or [False]):
+        raise ValueError(f"dflash_config.causal = {causal!r} is read by vLLM only: vLLM would serve "
+                         f"{'causal' if causal else 'bidirectional'} layers where SGLang serves the per-type "
+                         "default (full: bidirectional, sliding: causal); use the top-level is_causal, read by both")
+    if dflash.get("use_swa") and not any(sliding):
+        raise ValueError("dflash_config.use_swa is read by vLLM only: vLLM would serve every layer with a sliding "
+                         "window where SGLang serves full attention; give layer_types and sliding_window instead")
+    swa = dflash.get("swa_window_size")
+    if swa is not None and any(sliding) and swa != d.get("sliding_window"):
+        raise ValueError(f"dflash_config.swa_window_size = {swa} differs from sliding_window = "
+                         f"{d.get('sliding_window')}: vLLM would serve the first, SGLang the second")
+
+
+def check_supported(d: dict[str, Any]) -> None:
+    """Refuse a config.json that asks for what this drafter does not compute (naming the key)."""
+    architectures = d.get("architectures")
+    if architectures is not None and list(architectures) != ["DFlashDraftModel"]:
+        raise ValueError(f"architectures is {architectures}; this trains DFlashDraftModel drafters only")
+    dflash = d.get("dflash_config") or {}
+    for where, key, off in _UNSUPPORTED:
+        value = (dflash if where == "dflash_config" else d).get(key, off)
+        if value != off and not (off is None and not value):
+            name = f"dflash_config.{key}" if where == "dflash_config" else key
+            raise ValueError(f"config.json sets {name} = {value!r}, which this drafter does not implement "
+                             f"(supported: {off!r})")
+    for key, ref in (("target_hidden_size", "hidden_size"), ("draft_vocab_size", "vocab_size")):
+        if d.get(key) is not None and d[key] != d.get(ref):
+            raise ValueError(f"config.json sets {key} = {d[key]} != {ref} = {d.get(ref)}, which this drafter "
+                             "does not implement")
 
 
 def _rope_parameters(target_config) -> dict[str, Any]:
@@ -306,3 +468,22 @@ def _rope_parameters(target_config) -> dict[str, Any]:
     out = dict(getattr(target_config, "rope_scaling", None) or {"rope_type": "default"})
     out["rope_theta"] = getattr(target_config, "rope_theta", 10000.0)
     return out
+
+
+# The drafter is a Qwen3 stack with 1-D positions and RoPE over its whole head dim: a hybrid target's
+# multimodal sections and partial rotary (Qwen3.5: 25% of a head) are the target's own, not the drafter's
+# (serving engines would apply them to the drafter from its config.json).
+_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def _drafter_rope(target_config) -> dict[str, Any]:
+    return {k: v for k, v in _rope_parameters(target_config).items() if k not in _TARGET_ONLY_ROPE_KEYS}
+
+
+def drafter_intermediate_size(target_config) -> int:
+    """The drafter's MLP width: the target's dense MLP width, or for a MoE target without one (Qwen3.5
+    MoE) the width a token is routed through (experts per token x expert width)."""
+    width = getattr(target_config, "intermediate_size", None)
+    if width:
+        return width
+    return target_config.num_experts_per_tok * target_config.moe_intermediate_size

@@ -4,8 +4,10 @@ Per token of the micro-batch, the K tapped target states are fused once:
 ctx = hidden_norm(fc(concat(taps))). Each block (anchor token, then B-1 mask tokens, embedded
 with the target's frozen embedding) runs through N layers; in every layer the block's queries
 attend to keys/values that are k_proj/v_proj of the context rows before the anchor (RoPE at
-their in-sample positions j) and of the block's own B rows (RoPE at anchor + k), without a
-mask inside the block. Then the final norm and the target's frozen lm_head.
+their in-sample positions j) and of the block's own B rows (RoPE at anchor + k): a full_attention
+layer without a mask inside the block, a sliding_attention layer causal inside the block and
+limited to the last `sliding_window` positions (as vLLM and SGLang serve it; `config.layer_types`).
+Then the final norm and the target's frozen lm_head.
 
 Training runs all blocks of a packed micro-batch at once through
 `dflash.ops.dflash_block_attention`. The module owns only trainable parameters (fc, norms,
@@ -24,7 +26,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
-from dflash.errors import UserError
+from dflash.errors import DiskFull, UserError, disk_full, free_space
 from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
 from dflash.models.config import DrafterConfig, default_gamma
 from dflash.models.loss import DEFAULT_CHUNK_ROWS, acceptance_stats, chunked_weighted_ce, slot_weights
@@ -104,13 +106,15 @@ class DrafterCache:
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, config: DrafterConfig, backend: str = "auto") -> None:
+    def __init__(self, config: DrafterConfig, backend: str = "auto", layer_idx: int = 0) -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
         super().__init__()
         H, D = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
         self.backend = backend
+        # The mask this layer is served with (vLLM / SGLang): window and causality of its type.
+        self.window, self.causal = config.layer_attention(layer_idx)
         self.q_proj = nn.Linear(H, self.num_heads * D, bias=False)
         self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
@@ -138,17 +142,17 @@ class DFlashAttention(nn.Module):
         cu_seqlens, cu_seqlens_cpu = seqlens
         out = dflash_block_attention(
             q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, anchors.block_seq, anchors.block_anchor, anchors.block_size,
-            backend=self.backend, cu_seqlens_cpu=cu_seqlens_cpu,
+            backend=self.backend, cu_seqlens_cpu=cu_seqlens_cpu, window=self.window, causal=self.causal,
         )
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: DrafterConfig, backend: str = "auto") -> None:
+    def __init__(self, config: DrafterConfig, backend: str = "auto", layer_idx: int = 0) -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
         super().__init__()
-        self.self_attn = DFlashAttention(config, backend)
+        self.self_attn = DFlashAttention(config, backend, layer_idx)
         self.mlp = Qwen3MLP(config.to_qwen3_config())
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -175,6 +179,9 @@ class DrafterOutput:
     hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
     num_blocks: int
     num_skipped: int  # samples skipped for too few supervised tokens
+    # (NB, B-1, len(temperatures)) float32, when the forward was given temperatures: log q_t(label) of slot k of
+    # block j at each temperature t (the eval walk at temperature), -inf where the label is not valid
+    label_logq: torch.Tensor | None = None
 
 
 def is_drafter_folder(path: Path) -> bool:
@@ -226,7 +233,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_target_features * H, H, bias=False)
         self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, attention_backend) for _ in range(config.num_hidden_layers)
+            DFlashDecoderLayer(config, attention_backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.num_anchors = num_anchors
@@ -337,6 +344,7 @@ class DFlashDrafter(nn.Module):
         epoch: int = 0,
         seed: int = 0,
         anchors: Anchors | None = None,
+        temperatures: tuple[float, ...] = (),
     ) -> DrafterOutput:
         """Training forward of one micro-batch.
 
@@ -346,6 +354,8 @@ class DFlashDrafter(nn.Module):
             features: (T, K*H) target taps of the batch's real tokens, packed order.
             epoch, seed: key of the anchor draw (ignored when `anchors` are given).
             anchors: precomputed anchors (`drafter.anchors(batch, epoch=..., seed=...)`).
+            temperatures: also return each label's log-probability under the drafter's softmax at
+                these temperatures (> 0), `label_logq`.
 
         A micro-batch without any block runs one zero-weight block so that every rank runs
         the same modules (ZeRO-3) and the loss still has a graph.
@@ -375,8 +385,9 @@ class DFlashDrafter(nn.Module):
         scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
         row_w = slot_weights(B, self.gamma, device=device)[None, :] * valid
         lm_head = self._require_shared().lm_head
-        loss_sum, preds = chunked_weighted_ce(
-            scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), row_w.reshape(-1), self.ce_chunk_rows
+        loss_sum, preds, logq = chunked_weighted_ce(
+            scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), row_w.reshape(-1), self.ce_chunk_rows,
+            temperatures,
         )
         correct = preds.view_as(blocks.labels) == blocks.labels
         # [:num_blocks] leaves out the zero-weight stand-in block of an empty micro-batch.
@@ -391,6 +402,8 @@ class DFlashDrafter(nn.Module):
             hits=hits,
             num_blocks=num_blocks,
             num_skipped=anchors.num_skipped,
+            label_logq=logq.view(-1, B - 1, len(temperatures))[:num_blocks].masked_fill(
+                ~valid[:num_blocks, :, None], float("-inf")) if temperatures else None,
         )
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
@@ -429,6 +442,12 @@ class DFlashDrafter(nn.Module):
             if directory.exists():
                 os.replace(directory, work / "old")  # removed below, once the new one is in place
             os.replace(staged, directory)
+        except Exception as err:  # noqa: BLE001 - safetensors reports a full disk as a SafetensorError
+            if not disk_full(err):
+                raise
+            raise DiskFull(f"{directory}: not exported: the disk is full ({free_space(directory.parent)}); "
+                            "nothing was written" + (" and the previous export is unchanged" if directory.exists()
+                                                     else "")) from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

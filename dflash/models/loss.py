@@ -24,11 +24,12 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows):
+    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows, temperatures):
         need_grad = ctx.needs_input_grad[0]
         n = hidden.shape[0]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
+        label_logprobs = torch.empty(n, len(temperatures), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         rows = torch.arange(min(chunk_rows, n), device=hidden.device)
         for lo in range(0, n, chunk_rows):
@@ -37,6 +38,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             logits = (hidden[lo:hi] @ weight.t()).float()  # (c, V): the only vocab-wide buffer
             preds[lo:hi] = logits.argmax(dim=-1)
             tgt = logits.gather(1, labels_c[:, None]).squeeze(1)
+            for i, t in enumerate(temperatures):  # log softmax(logits / t)[label], before the in-place softmax
+                label_logprobs[lo:hi, i] = tgt / t - torch.logsumexp(logits / t, dim=-1)
             # Softmax in place on the logits, so a chunk never holds a second (c, V) buffer.
             top = logits.amax(dim=-1, keepdim=True)
             probs = logits.sub_(top).exp_()
@@ -50,15 +53,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 probs.mul_(w[:, None])
                 grad_hidden[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
             del logits, probs  # free this chunk before the next one is allocated
-        ctx.mark_non_differentiable(preds)
+        ctx.mark_non_differentiable(preds, label_logprobs)
         if need_grad:
             ctx.save_for_backward(grad_hidden)
-        return loss_sum, preds
+        return loss_sum, preds, label_logprobs
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_preds):
+    def backward(ctx, grad_loss, _grad_preds, _grad_label_logprobs):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
 
 
 def chunked_weighted_ce(
@@ -67,7 +70,8 @@ def chunked_weighted_ce(
     labels: torch.Tensor,
     row_weights: torch.Tensor,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    temperatures: tuple[float, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum over rows of row_weights * CE(hidden @ lm_head_weight.T, labels), in row chunks.
 
     Args:
@@ -76,16 +80,21 @@ def chunked_weighted_ce(
         labels: (N,) int64 in [0, V) (rows of weight 0 may hold any valid id).
         row_weights: (N,) float, 0 for rows that do not count.
         chunk_rows: rows per chunk; the peak extra memory is about chunk_rows x V floats.
+        temperatures: for each t > 0, the label's log-probability under softmax(logits / t) is
+            returned too (the eval walk at temperature), from the same chunks of logits.
 
     Returns:
         loss_sum: scalar float32 (differentiable w.r.t. hidden).
         preds: (N,) int64 argmax of the logits (no gradient), for accuracy and tau.
+        label_logprobs: (N, len(temperatures)) float32 (no gradient), log softmax(logits / t)[label].
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if lm_head_weight.requires_grad:
         raise ValueError("the lm_head is frozen in DFlash training; pass a weight with requires_grad=False")
-    return _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, row_weights, chunk_rows)
+    if any(not t > 0 for t in temperatures):
+        raise ValueError(f"temperatures must be > 0, got {tuple(temperatures)}")
+    return _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, row_weights, chunk_rows, tuple(temperatures))
 
 
 def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -91,6 +91,17 @@ class Checkpointer:
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and (p / COMPLETE).is_file())
 
+    def newest_state(self) -> dict | None:
+        """The run state of the newest complete checkpoint whose COMPLETE can be read (None: none),
+        without loading anything: what a resume will continue, to compare settings with."""
+        for path in reversed(self.complete()):
+            try:
+                state = json.loads((path / COMPLETE).read_text())
+            except (OSError, ValueError):
+                continue
+            return {**state, "checkpoint": str(path)}
+        return None
+
     def save(self, engine, step: int, run_state: dict) -> Path:
         """Collective: every rank calls it. `run_state` must be JSON-serialisable."""
         path = self.root / _tag(step)

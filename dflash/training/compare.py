@@ -5,10 +5,15 @@ One process (or one DeepSpeed launch) loads the target once and builds, for each
 round-robin (step i of every mode, then step i + 1, ...), so drift of the machine (thermal,
 other jobs) hits them alike.
 
-Throughput (`measure_throughput`): the first `warmup` steps of each mode are left out; the
-rest give real and computed tokens/s (sums over steps, so long steps weigh as they cost),
-padding efficiency, the spread of step times across steps and across ranks, and each mode's
-ratio to sorted-padded (the seed's batching).
+Throughput (`measure_throughput`): every mode trains on the SAME random subset of the training
+split (`--subset-tokens`), planned by the mode itself, so each is timed on a fair sample of the
+epoch's lengths: a few steps of a whole sorted or bucketed epoch would hold only a few lengths.
+Epoch 0 of the subset gives `warmup` steps, left out; epoch 1 is timed whole. The steps give real
+and computed tokens/s (sums over steps, so long steps weigh as they cost), padding efficiency (on
+the subset, and planned over the whole split beside it), the spread of step times across steps
+and across ranks, each mode's ratio to sorted-padded (the seed's batching), and with
+--time-phases the share of time in target forward, drafter, loss and optimizer.
+`measure_sequentially` does the same one mode at a time, under a deadline (the GPU check).
 
 Convergence (`measure_convergence`): each mode trains on the same number of real tokens; loss
 and offline tau on the held-out split are recorded against tokens seen and training seconds,
@@ -19,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +33,7 @@ import numpy as np
 from dflash.data.planner import LAYOUTS, ORDERS
 from dflash.errors import UserError
 from dflash.training.config import TrainConfig
+from dflash.training.data import held_out_split
 from dflash.training.trainer import Trainer
 
 MODES = tuple(f"{o}-{lay}" for o in ORDERS for lay in LAYOUTS)
@@ -54,6 +61,7 @@ class ModeRun:
         self.records: list[dict] = []
         self.tokens_seen = 0
         self.train_seconds = 0.0
+        self.measured_from = 0  # records before this index are the warm-up
 
     def step(self, origin: float) -> dict:
         """One optimizer step; the record is the same on every rank."""
@@ -66,21 +74,46 @@ class ModeRun:
         self.records.append(record)
         return record
 
+    def warmup_steps(self, warmup: int) -> int:
+        """Warm-up steps in epoch 0, at most all of it: the measured pass is epoch 1, whole."""
+        return min(warmup, len(self.trainer.data.steps[0]))
+
+    def start_measuring(self) -> None:
+        """Leave the warm-up epoch for the first step of epoch 1, from which every step is measured."""
+        if self.trainer.data.planner.epoch == 0:
+            self.trainer.skip_to_epoch(1)
+        self.measured_from = len(self.records)
+
+    @property
+    def measured(self) -> list[dict]:
+        return self.records[self.measured_from:]
+
+
+def build_run(cfg: TrainConfig, mode: str, out: Path, max_steps: int, target=None, *,
+              time_micro_batches: bool = True) -> ModeRun:
+    """A mode's trainer; `target` (a LoadedTarget) is shared, or loaded when None. With
+    `time_micro_batches` every micro-batch is timed (a device sync after each) for the cost model."""
+    order, layout = mode.removesuffix(COST).split("-")
+    mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
+                                   max_steps=max_steps, export=False, progress=False, resume=False, overwrite=True,
+                                   stop_at_step=0, log_every=1, balance=mode.endswith(COST),
+                                   time_micro_batches=time_micro_batches)
+    return ModeRun(mode, Trainer(mode_cfg, target=target))
+
+
+def _shared_data(cfg: TrainConfig, trainer: Trainer) -> TrainConfig:
+    """cfg reading the data the first trainer prepared (a JSONL file is prepared once, for all modes)."""
+    return dataclasses.replace(cfg, data=str(trainer.data.store_path))
+
 
 def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, say) -> list[ModeRun]:
     """A trainer per mode, all sharing one loaded target and one token store."""
     runs, target = [], None
     for mode in modes:
-        order, layout = mode.removesuffix(COST).split("-")
-        mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
-                                       max_steps=max_steps, export=False, progress=False, resume=False, overwrite=True,
-                                       stop_at_step=0, log_every=1, balance=mode.endswith(COST),
-                                       time_micro_batches=True)
-        trainer = Trainer(mode_cfg, target=target)
+        runs.append(build_run(cfg, mode, out, max_steps, target))
         if target is None:
-            target = trainer.models.target
-            cfg = dataclasses.replace(cfg, data=str(trainer.data.store_path))  # prepared once, shared by the rest
-        runs.append(ModeRun(mode, trainer))
+            target = runs[0].trainer.models.target
+            cfg = _shared_data(cfg, runs[0].trainer)
     say(f"built {len(runs)} modes: {', '.join(modes)}")
     return runs
 
@@ -96,11 +129,25 @@ def run_interleaved(runs: list[ModeRun], done, origin: float, say=None) -> None:
         active = [r for r in active if not done(r)]
 
 
-def summarize_throughput(records: list[dict], warmup: int) -> dict:
-    """Throughput statistics of one mode's steps after the warm-up."""
-    measured = records[warmup:]
+def _length_stats(lengths) -> dict:
+    lengths = np.asarray(lengths)
+    return {"samples": int(lengths.size), "tokens": int(lengths.sum()), "mean": float(lengths.mean()),
+            **{f"p{q}": float(np.percentile(lengths, q)) for q in (10, 50, 90)}, "max": int(lengths.max())}
+
+
+def _phase_shares(measured: list[dict]) -> dict | None:
+    """Each phase's share of the measured steps' device time, and the seconds (summed over steps)."""
+    if not measured or "phase_seconds" not in measured[0]:
+        return None
+    seconds = {p: float(sum(r["phase_seconds"][p] for r in measured)) for p in measured[0]["phase_seconds"]}
+    total = sum(seconds.values())
+    return {"seconds": seconds, "shares": {p: t / total if total > 0 else 0.0 for p, t in seconds.items()}}
+
+
+def summarize_throughput(measured: list[dict], warmup: int) -> dict:
+    """Throughput statistics of one mode's measured steps (`warmup` steps before them left out)."""
     if not measured:
-        raise UserError(f"no steps left after {warmup} warm-up step(s); raise --steps or lower --warmup")
+        raise UserError("no measured steps: raise --steps")
     seconds = np.array([r["seconds"] for r in measured])
     real = sum(r["real_tokens"] for r in measured)
     computed = sum(r["computed_tokens"] for r in measured)
@@ -108,7 +155,7 @@ def summarize_throughput(records: list[dict], warmup: int) -> dict:
     rank_work = np.array([r["rank_computed_tokens"] for r in measured], dtype=np.float64)
     busy = np.array([r["rank_busy_seconds"] for r in measured])
     waited = np.array([r["rank_wait_seconds"] for r in measured])
-    return {
+    stats = {
         "tokens_per_s": real / seconds.sum(),
         "computed_tokens_per_s": computed / seconds.sum(),
         "efficiency": real / computed,
@@ -127,44 +174,161 @@ def summarize_throughput(records: list[dict], warmup: int) -> dict:
         "wait_fraction": float(waited.sum() / (rank_s.shape[1] * seconds.sum())),
         "rank_busy_seconds": busy.sum(0).tolist(), "rank_wait_seconds": waited.sum(0).tolist(),
     }
+    phases = _phase_shares(measured)
+    if phases:
+        stats["phases"] = phases
+    return stats
 
 
-def calibrate(runs: list[ModeRun], warmup: int) -> dict:
+def _split_lengths(run: ModeRun) -> np.ndarray:
+    """Lengths of the whole training split the subset was drawn from."""
+    d, cfg = run.trainer.data, run.trainer.cfg
+    return d.store.lengths[held_out_split(len(d.store), cfg.eval_fraction, cfg.seed)[0]]
+
+
+def epoch_efficiency(run: ModeRun) -> float:
+    """The padding efficiency of this mode's plan of the WHOLE training split (the measured subset is
+    smaller: sorted and bucketed orders find fewer close lengths in it, so pad more)."""
+    from dflash.data.plan_stats import plan_stats
+    from dflash.data.planner import plan_batches
+
+    d, cfg = run.trainer.data, run.trainer.cfg
+    lengths = _split_lengths(run)
+    config = dataclasses.replace(d.planner.config, boundaries=cfg.boundaries, balance=False, row_budget=None)
+    batches = [b for rank in plan_batches(lengths, config) for b in rank]
+    return plan_stats(lengths, batches, config.layout, config.token_budget)["efficiency"]
+
+
+def mode_result(run: ModeRun) -> dict:
+    """A mode's statistics over its measured pass, what it saw beside the split it was drawn from,
+    and whether the pass was whole (every sample of the subset) or cut short by a deadline."""
+    d = run.trainer.data
+    seen = d.store.lengths[d.train_idx]
+    stats = summarize_throughput(run.measured, run.measured_from)
+    stats.update(complete=run.trainer.done and stats["real_tokens"] == int(seen.sum()),
+                 lengths_seen=_length_stats(seen), lengths_split=_length_stats(_split_lengths(run)),
+                 epoch_efficiency=epoch_efficiency(run))
+    return {**stats, "steps_log": run.records}
+
+
+def _subset_config(cfg: TrainConfig, steps: int) -> TrainConfig:
+    """Every mode trains on one random subset of the split (about `steps` packed steps of tokens, or
+    --subset-tokens): epoch 0 for the warm-up, epoch 1 measured whole."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return dataclasses.replace(cfg, subset_tokens=cfg.subset_tokens or steps * cfg.step_tokens * world_size,
+                               epochs=2, max_steps=0)
+
+
+def measure_throughput(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, warmup: int, say) -> dict:
+    """`{mode: statistics}` of each mode's pass over the same random samples, after `warmup` steps.
+
+    Every mode trains on one random subset of the training split holding about `steps` packed steps
+    of tokens (`--subset-tokens`), planned by the mode: the same samples and real tokens for all, a
+    fair sample of the epoch's lengths whatever the order. Epoch 0 of the subset gives the warm-up
+    steps; epoch 1 is measured whole. The modes step interleaved."""
+    runs = build_runs(_subset_config(cfg, steps), modes, out, max_steps=0, say=say)
+    seen = runs[0].trainer.data.store.lengths[runs[0].trainer.data.train_idx]
+    say(f"throughput: every mode trains on the same {seen.size:,} samples ({int(seen.sum()):,} tokens, a random "
+        f"subset of the split): {warmup} warm-up step(s), then one whole pass, measured; interleaved")
+    origin = time.perf_counter()
+    run_interleaved(runs, lambda r: len(r.records) >= r.warmup_steps(warmup), origin, say)
+    for r in runs:
+        r.start_measuring()
+    run_interleaved(runs, lambda r: r.trainer.done, origin, say)
+    result = {r.mode: mode_result(r) for r in runs}
+    add_ratios(result)
+    report_calibration(calibrate(runs), out, say)
+    return result
+
+
+def add_ratios(result: dict) -> None:
+    """Each mode's tokens/s as a ratio to sorted-padded's, where that was measured."""
+    base = result.get(BASELINE)
+    if base is None or "tokens_per_s" not in base:
+        return
+    for stats in result.values():
+        if "tokens_per_s" in stats:
+            stats["ratio_to_sorted_padded"] = stats["tokens_per_s"] / base["tokens_per_s"]
+            stats["computed_ratio_to_sorted_padded"] = stats["computed_tokens_per_s"] / base["computed_tokens_per_s"]
+
+
+def measure_sequentially(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, warmup: int, say,
+                         deadline: float | None = None, on_result=None, keep_going: bool = False) -> dict:
+    """As `measure_throughput`, one mode after the other, each freed before the next is built (one
+    drafter and optimizer in memory at a time; the target is loaded once): for a time-capped check.
+
+    Once built, each mode gets an equal share of the time left to `deadline` (time.monotonic()) for
+    its warm-up and pass; a pass cut short is kept, marked `complete: False` (at least one step is
+    measured), and modes with no time left are recorded as skipped.
+    `on_result(result)` hears the result after every mode. With `keep_going`, a mode that fails
+    is recorded as `{"error": ...}` and the next one still runs."""
+    cfg, result, target = _subset_config(cfg, steps), {}, None
+    for i, mode in enumerate(modes):
+        if deadline is not None and time.monotonic() >= deadline:
+            result[mode] = {"skipped": "out of time"}
+            continue
+        run = None
+        try:
+            run = build_run(cfg, mode, out, 0, target, time_micro_batches=False)  # no syncs inside the step
+            target, cfg = run.trainer.models.target, _shared_data(cfg, run.trainer)
+            # an equal share of what is left once built (the first build also loads the target)
+            share = None if deadline is None else (deadline - time.monotonic()) / (len(modes) - i)
+            _measure_one(run, warmup, None if share is None else time.monotonic() + share, say)
+            result[mode] = mode_result(run)
+        except Exception as err:
+            if not keep_going:
+                raise
+            import traceback
+
+            traceback.print_exc()
+            result[mode] = {"error": f"{type(err).__name__}: {err}"[:1000]}
+        finally:
+            if run is not None:
+                run.trainer.close()
+            del run
+            _free_memory()
+        add_ratios(result)
+        if on_result:
+            on_result(result)
+    return result
+
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _measure_one(run: ModeRun, warmup: int, deadline: float | None, say) -> None:
+    origin = time.perf_counter()
+    while len(run.records) < run.warmup_steps(warmup):
+        run.step(origin)
+    run.start_measuring()
+    # at least one measured step, whatever the deadline says
+    while not run.trainer.done and (not run.measured or deadline is None or time.monotonic() < deadline):
+        record = run.step(origin)
+        say(f"  {run.mode} step {len(run.records)}: {record['seconds']:.2f}s, {record['real_tokens']:,} tokens")
+
+
+def calibrate(runs: list[ModeRun]) -> dict:
     """Fit the cost model to every measured micro-batch of every mode and rank (after the warm-up).
 
     Two fits: the FLOP model of the target and drafter sizes scaled by one factor, plus per-sample
-    and per-micro-batch overheads ("flops_scaled"), and all six coefficients free, non-negative
+    and per-micro-batch overheads ("flops_scaled"), and all seven coefficients free, non-negative
     ("least_squares"). Each reports R^2 and the median relative error on the micro-batches it was fit on.
     """
     from dflash.data.cost import fit
 
-    rows = np.array([row for r in runs for rec in r.records[warmup:] for row in rec.get("micro_batch_costs", [])])
+    rows = np.array([row for r in runs for rec in r.measured for row in rec.get("micro_batch_costs", [])])
     if len(rows) < 3:
         return {"measurements": len(rows)}
     features, seconds = rows[:, :-1], rows[:, -1]
     scaled, scaled_quality = fit(features, seconds, prior=runs[0].trainer.data.flop_model)
-    free, free_quality = fit(features, seconds)
+    free, free_quality = fit(features, seconds, window=runs[0].trainer.data.flop_model.window)
     return {"measurements": len(rows), "flops_scaled": {**scaled_quality, "model": scaled.to_dict()},
             "least_squares": {**free_quality, "model": free.to_dict()}}
-
-
-def measure_throughput(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, warmup: int, say) -> dict:
-    """`{mode: statistics}` over `steps` measured steps per mode after `warmup`, plus the raw steps."""
-    runs = build_runs(cfg, modes, out, max_steps=steps + warmup, say=say)
-    available = min(r.trainer.data.total_steps for r in runs)
-    if available < steps + warmup:
-        raise UserError(f"--steps {steps} + --warmup {warmup}: the data gives only {available} steps in "
-                        f"{cfg.epochs} epoch(s) for some mode; raise --epochs or lower --steps")
-    say(f"throughput: {warmup} warm-up + {steps} measured steps per mode, interleaved")
-    run_interleaved(runs, lambda r: len(r.records) >= steps + warmup, time.perf_counter(), say)
-    result = {r.mode: {**summarize_throughput(r.records, warmup), "steps_log": r.records} for r in runs}
-    if BASELINE in result:
-        base = result[BASELINE]
-        for stats in result.values():
-            stats["ratio_to_sorted_padded"] = stats["tokens_per_s"] / base["tokens_per_s"]
-            stats["computed_ratio_to_sorted_padded"] = stats["computed_tokens_per_s"] / base["computed_tokens_per_s"]
-    report_calibration(calibrate(runs, warmup), out, say)
-    return result
 
 
 def report_calibration(calibration: dict, out: Path, say) -> None:
@@ -240,23 +404,44 @@ def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps:
 
 
 # ---- reports -------------------------------------------------------------------------------
+PHASE_COLUMNS = (("target", ("target_forward",)), ("drafter", ("drafter_forward", "drafter_backward")),
+                 ("loss", ("loss",)), ("optim.", ("optimizer",)), ("other", ("other",)))
+
+
+def _throughput_row(mode: str, s: dict) -> str:
+    if "tokens_per_s" not in s:
+        return f"{mode:<22} {s.get('skipped', 'not measured')}"
+    row = (f"{mode:<22} {s['tokens_per_s']:>9,.0f} {s['computed_tokens_per_s']:>10,.0f} "
+           f"{s['efficiency']:>7.1%} {s.get('epoch_efficiency', float('nan')):>7.1%} "
+           f"{s.get('ratio_to_sorted_padded', float('nan')):>5.2f}x {s['steps']:>5} {s['step_seconds_median']:>7.3f} "
+           f"{s['step_seconds_cv']:>7.1%} {s['rank_seconds_spread']:>11.1%} {s['wait_fraction']:>7.1%} "
+           f"{s['micro_batches_per_step']:>7.1f}")
+    if "phases" in s:
+        shares = s["phases"]["shares"]
+        row += "".join(f" {sum(shares[p] for p in parts):>7.1%}" for _, parts in PHASE_COLUMNS)
+    return row + ("" if s.get("complete", True) else "  (pass cut short)")
+
+
 def throughput_table(result: dict) -> str:
-    head = (f"{'mode':<22} {'tokens/s':>9} {'computed/s':>10} {'effic.':>7} {'ratio':>6} {'step s':>7} "
-            f"{'step cv':>7} {'rank spread':>11} {'waiting':>7} {'mb/step':>7}")
-    lines = [head, "-" * len(head)]
-    for mode, s in result.items():
-        lines.append(f"{mode:<22} {s['tokens_per_s']:>9,.0f} {s['computed_tokens_per_s']:>10,.0f} "
-                     f"{s['efficiency']:>7.1%} {s.get('ratio_to_sorted_padded', float('nan')):>5.2f}x "
-                     f"{s['step_seconds_median']:>7.3f} {s['step_seconds_cv']:>7.1%} {s['rank_seconds_spread']:>11.1%} "
-                     f"{s['wait_fraction']:>7.1%} {s['micro_batches_per_step']:>7.1f}")
+    head = (f"{'mode':<22} {'tokens/s':>9} {'computed/s':>10} {'effic.':>7} {'epoch':>7} {'ratio':>6} {'steps':>5} "
+            f"{'step s':>7} {'step cv':>7} {'rank spread':>11} {'waiting':>7} {'mb/step':>7}")
+    if any("phases" in s for s in result.values()):
+        head += "".join(f" {name:>7}" for name, _ in PHASE_COLUMNS)
+    lines = [head, "-" * len(head), *(_throughput_row(mode, s) for mode, s in result.items())]
+    seen = next((s["lengths_seen"] for s in result.values() if "lengths_seen" in s), None)
     notes = []
-    if "shuffle-padded" in result and "ratio_to_sorted_padded" in result["shuffle-padded"]:
+    if seen:
+        split = next(s["lengths_split"] for s in result.values() if "lengths_split" in s)
+        notes.append(f"every mode: the same {seen['samples']:,} samples, {seen['tokens']:,} tokens (lengths mean "
+                     f"{seen['mean']:.0f}, p10/p50/p90 {seen['p10']:.0f}/{seen['p50']:.0f}/{seen['p90']:.0f}; the "
+                     f"split: mean {split['mean']:.0f}, {split['p10']:.0f}/{split['p50']:.0f}/{split['p90']:.0f}); "
+                     "effic.: padding efficiency on them, epoch: planned over the whole split")
+    if "ratio_to_sorted_padded" in result.get("shuffle-padded", {}):
         notes.append(f"shuffle-padded: {result['shuffle-padded']['ratio_to_sorted_padded']:.2f}x sorted-padded "
                      f"(the seed measured {SEED_SHUFFLE_PADDED_RATIO:.2f}x)")
-    if {"shuffle-packed", "sorted-packed"} <= result.keys():
+    if all("tokens_per_s" in result.get(m, {}) for m in ("shuffle-packed", "sorted-packed")):
         ratio = result['shuffle-packed']['tokens_per_s'] / result['sorted-packed']['tokens_per_s']
-        notes.append(f"shuffle-packed: {ratio:.3f}x "
-                     "sorted-packed")
+        notes.append(f"shuffle-packed: {ratio:.3f}x sorted-packed")
     return "\n".join(lines + notes)
 
 

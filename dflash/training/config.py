@@ -2,7 +2,7 @@
 
 Precedence: dataclass defaults (the paper's recipe) < the built-in demo preset (only when
 neither --target nor --data is given) < the YAML file of --config < command-line flags.
-`load_config` resolves every option once: lists become tuples of ints, derived defaults
+`load_config` resolves every option once: lists become tuples (of ints, or floats where said), derived defaults
 (step tokens, maximum length, gamma) are filled in, and every value is checked, so a bad one
 fails before anything loads. The rest of the code reads the result and interprets nothing.
 """
@@ -16,12 +16,24 @@ from pathlib import Path
 
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
+from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
-from dflash.models.config import GAMMA_BY_BLOCK_SIZE
+from dflash.models.config import FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import parse_list
 
 TARGET_PARTITIONS = ("none", "zero3")
+
+
+def layer_type(name: str) -> str:
+    """A drafter layer type from its short or full name (sliding / full, or as in config.json)."""
+    full = {"sliding": SLIDING, "full": FULL}.get(name, name)
+    if full not in LAYER_TYPES:
+        raise ValueError(name)
+    return full
+
+
+layer_type.expected = "sliding or full"
 
 
 def _opt(default, help: str, list_options: dict | None = None):
@@ -29,21 +41,38 @@ def _opt(default, help: str, list_options: dict | None = None):
     return field(default=default, metadata={"help": help, **({"list": list_options} if list_options else {})})
 
 
+SPECULATE_TURNS_MAX = 100  # held-out turns decoded at the end of a run of at least as many steps
+
+
+def speculate_turns(c: TrainConfig, total_steps: int) -> int:
+    """Held-out turns to decode at the end: --speculate-turns, or with -1 one per optimizer step of
+    the run, at most SPECULATE_TURNS_MAX (a 4-step run decodes 4 turns, not 100)."""
+    return c.speculate_turns if c.speculate_turns >= 0 else min(total_steps, SPECULATE_TURNS_MAX)
+
+
 @dataclass
 class TrainConfig:
     # what to train on
     target: str = _opt(
         str(demo.TARGET),
-        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target)",
+        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target); "
+        "random:qwen3-8b or random:PATH (PATH holding a config.json): random weights of that shape and a synthetic "
+        "tokenizer, to benchmark before downloading anything (data: random)",
     )
     data: str = _opt(
         str(demo.DATA),
         "token store folder, or a JSONL file of conversations prepared on the fly with the target's tokenizer "
-        "(default: the demo data)",
+        "(default: the demo data); random or random:SAMPLES: synthetic samples with seed-like lengths and random "
+        "token ids, made in memory (default with a random target; 10,000 samples)",
     )
     output_dir: str = _opt("runs/demo", "run folder: metrics, TensorBoard, checkpoints, exported drafter")
     max_length: int = _opt(0, "when --data is JSONL: truncate samples to this many tokens (0: the token budget)")
     eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")
+    subset_tokens: int = _opt(
+        0,
+        "train on a random subset of the training split holding about this many tokens, the same samples whatever "
+        "the order and layout (benchmarks: compare_modes.py times every mode on one subset); 0: all",
+    )
     # batching
     order: str = _opt("shuffle", f"batch order: {', '.join(ORDERS)}")
     layout: str = _opt("packed", f"micro-batch layout: {', '.join(LAYOUTS)}")
@@ -81,6 +110,11 @@ class TrainConfig:
         "time every micro-batch (a device sync after each) and log the times with their cost features, to "
         "calibrate the cost model",
     )
+    time_phases: bool = _opt(
+        False,
+        "time the phases of every logged step with device events (target forward, drafter forward and backward, "
+        "loss, optimizer; no sync of their own) and log them as phase_seconds",
+    )
     # optimisation (the paper's recipe)
     epochs: int = _opt(6, "passes over the training split")
     max_steps: int = _opt(0, "train this many optimizer steps in all (0: all epochs); the schedule spans them")
@@ -104,6 +138,25 @@ class TrainConfig:
         list_options={"distinct": True, "minimum": 0},
     )
     num_target_features: int = _opt(5, "number of taps when --target-layer-ids is not given")
+    mask_token: str = _opt(
+        "",
+        f"text of the token the drafter's block slots hold (empty: add {MASK_TOKEN} in a spare row of the target's "
+        "embedding); an existing token the data never use, e.g. a reserved special token, when there is no spare row",
+    )
+    drafter_layer_types: tuple[str, ...] | None = _opt(
+        None,
+        "attention of each drafter layer, e.g. sliding,sliding,sliding,sliding,full: a sliding layer sees the last "
+        "--sliding-window positions and is causal within the block, as vLLM and SGLang serve it (default: all full)",
+        list_options={"cast": layer_type},
+    )
+    sliding_window: int = _opt(0, "positions a sliding drafter layer sees, its own included (config.json "
+                               "sliding_window; needed with sliding layers)")
+    init_drafter: str = _opt(
+        "",
+        "start from this drafter folder (official format, ours or a released one): its weights, block size, mask "
+        "token, tapped layers and layer types, checked against the target; the optimizer starts fresh (--resume "
+        "still continues a checkpoint)",
+    )
     activation_checkpointing: bool = _opt(
         False,
         "recompute drafter layers in backward: less activation memory, about a third more drafter compute",
@@ -145,10 +198,26 @@ class TrainConfig:
         "evaluate on the held-out split every N steps (0: once per epoch and at the end): walk tau (what greedy "
         "speculative decoding reaches), anchor tau, per-slot accuracy, loss",
     )
-    speculate_turns: int = _opt(
+    eval_temperatures: tuple[float, ...] = _opt(
+        (0.0, 1.0),
+        "temperatures of the eval walk, e.g. 0,0.7,1: tau@T, the expected acceptance length of speculative sampling "
+        "at T (drafts drawn from the drafter at T, the engines' ratio test) along the held-out turns, beside "
+        "greedy tau (tau@0 = tau; 0 alone: greedy only); exact in expectation when the turns were sampled at T",
+        list_options={"cast": float, "distinct": True, "minimum": 0},
+    )
+    eval_sample_turns: int = _opt(
         100,
+        "tau@T at a temperature T > 0 the held-out turns were not sampled at (their meta.temperature; unknown counts "
+        "as not): walk the prompts of the first N held-out turns continued by the target alone at T (sampled once "
+        "per run, the same at every evaluation, kept in eval_turns.json), so that tau@T is decoding's expected "
+        "acceptance at T on those prompts, with its standard error tau@T_stderr; 0: walk the held-out turns as "
+        "they are (tau@T then reads what decoding would accept had it produced them)",
+    )
+    speculate_turns: int = _opt(
+        -1,
         "at the end, decode this many held-out assistant turns by speculative decoding with the exported drafter "
-        "and print the acceptance length (0: skip)",
+        f"and print the acceptance length (0: skip; -1: one per optimizer step of the run, at most "
+        f"{SPECULATE_TURNS_MAX}, so that a short run stays short)",
     )
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: at the end of each epoch)")
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
@@ -185,6 +254,11 @@ DEMO_PRESET = {
 }
 
 
+# A random target (--target random:...): synthetic data, no held-out decoding (its acceptance means nothing).
+# random weights: no end of turn to decode to, and samples of noise to walk
+RANDOM_TARGET_PRESET = {"data": "random", "output_dir": "runs/random", "speculate_turns": 0, "eval_sample_turns": 0}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -219,15 +293,75 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
     """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
+    from dflash.models.random_target import is_random_target
+
     args = build_parser(description).parse_args(argv)
     values = {}
     if args.config:
         values.update(_read_yaml(args.config))
     cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     values.update(cli)
+    explicit = set(values)  # the user's own options (YAML and flags), not the demo preset's
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
+    elif is_random_target(values.get("target", "")):
+        values = {**RANDOM_TARGET_PRESET, **values}
+    if values.get("init_drafter"):
+        values = _from_init_drafter(values, explicit)
     return resolve(TrainConfig(**values))
+
+
+def init_drafter_config(folder: str, target: str):
+    """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
+    (raises UserError naming the field that disagrees). Reads config files only."""
+    import json
+
+    from transformers import AutoConfig
+
+    from dflash.models.config import DrafterConfig, check_fits_target
+
+    path = Path(folder)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise UserError(f"--init-drafter {folder}: not a drafter folder in the official format (config.json and "
+                        "model.safetensors)")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        drafter = DrafterConfig.from_json_dict(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--init-drafter {path / 'config.json'}: {e}") from None
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    try:
+        target_config = random_target_config(target) if is_random_target(target) else AutoConfig.from_pretrained(
+            target)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
+    try:
+        check_fits_target(drafter, target_config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+    except ValueError as e:
+        raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
+    return drafter
+
+
+def _from_init_drafter(values: dict, explicit: set) -> dict:
+    """values with the drafter options taken from --init-drafter; an explicit option that
+    contradicts the drafter is an error naming both."""
+    if values.get("mask_token"):
+        raise UserError(f"--mask-token {values['mask_token']!r} contradicts --init-drafter {values['init_drafter']}: "
+                        "the drafter's dflash_config.mask_token_id is its mask token (leave --mask-token out)")
+    c = init_drafter_config(values["init_drafter"], values.get("target", TrainConfig.target))
+    taken = {
+        "block_size": c.block_size, "draft_layers": c.num_hidden_layers,
+        "target_layer_ids": tuple(c.target_layer_ids), "num_target_features": c.num_target_features,
+        "drafter_layer_types": tuple(c.layer_types), "sliding_window": c.sliding_window or 0,
+    }
+    for name, value in taken.items():
+        given = values.get(name)
+        if name in explicit and given is not None and given != value and not (
+                name == "drafter_layer_types" and tuple(map(layer_type, given)) == value):
+            raise UserError(f"{_flag(name)} {given!r} contradicts --init-drafter {values['init_drafter']}, whose "
+                            f"value is {value!r} (leave {_flag(name)} out)")
+    return {**values, **taken}
 
 
 def resolve(c: TrainConfig) -> TrainConfig:
@@ -295,7 +429,7 @@ _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear",
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "speculate_turns", "checkpoint_every", "seed", "row_budget")
+                 "checkpoint_every", "seed", "row_budget", "subset_tokens")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
@@ -307,6 +441,8 @@ _RANGES = {
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
     "memory_gib": (lambda v: v >= 0, "must be >= 0 (0: the GPU's own)"),
+    "speculate_turns": (lambda v: v >= -1, "must be >= 0, or -1 (one per optimizer step)"),
+    "eval_temperatures": (lambda v: all(math.isfinite(t) for t in v), "must be finite numbers >= 0"),
 }
 
 
@@ -346,7 +482,33 @@ def _validate_relations(c: TrainConfig) -> None:
         _bad("gamma", f"no default for block size {c.block_size}; give --gamma")
     if c.target_offload and c.target_partition != "zero3":
         _bad("target_offload", "offloads the partitions of --target-partition zero3; add it, or drop --target-offload")
+    _validate_synthetic(c)
+    if c.drafter_layer_types is not None and len(c.drafter_layer_types) != c.draft_layers:
+        _bad("drafter_layer_types", f"gives {len(c.drafter_layer_types)} types for {c.draft_layers} drafter layers "
+                                    "(--draft-layers): one per layer")
+    sliding = c.drafter_layer_types is not None and SLIDING in map(layer_type, c.drafter_layer_types)
+    if sliding and c.sliding_window < 1:
+        _bad("sliding_window", "sliding drafter layers need a window >= 1 (positions seen, the query's own included)")
+    if not sliding and c.sliding_window:
+        _bad("sliding_window", "no drafter layer is sliding (--drafter-layer-types)")
     if c.force_resume and not c.resume:
         _bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:
         _bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")
+
+
+def _validate_synthetic(c: TrainConfig) -> None:
+    """A random target's shape is known before anything loads, and it has no text to tokenize data with."""
+    from dflash.data.synthetic import is_synthetic, parse_samples
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    if is_synthetic(c.data):
+        parse_samples(c.data)
+    if is_random_target(c.target):
+        random_target_config(c.target)
+        if c.target_partition != "none":
+            _bad("target_partition", f"--target {c.target} is built whole in memory; a model folder's checkpoint "
+                                     "loads into partitions")
+        if not is_synthetic(c.data):
+            _bad("data", f"--target {c.target} has random weights and a synthetic tokenizer (no text): train it on "
+                         f"--data random or random:SAMPLES, got {c.data}")

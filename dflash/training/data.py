@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash.data.cost import CostModel, drafter_rows, store_candidates
-from dflash.data.generation import generation_eos, regeneration_limit, stop_ids
+from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
+from dflash.data.synthetic import SyntheticStore, is_synthetic, open_store, synthetic_store
 from dflash.data.token_store import TokenStore
 from dflash.errors import UserError
 from dflash.training.config import TrainConfig
@@ -28,22 +29,46 @@ def held_out_split(num_samples: int, eval_fraction: float, seed: int) -> tuple[n
     return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
 
 
+def token_subset(indices: np.ndarray, lengths: np.ndarray, tokens: int, seed: int) -> np.ndarray:
+    """A random subset of `indices` (into `lengths`) holding about `tokens` tokens: samples in a
+    seeded random order until their lengths reach it, sorted. It depends on neither the batch order
+    nor the layout, so every mode of a comparison trains on the same samples."""
+    perm = np.random.default_rng(np.random.SeedSequence([seed, 0x5AB5E7])).permutation(indices.size)
+    reached = np.cumsum(lengths[indices[perm]])
+    return np.sort(indices[perm[:min(int(np.searchsorted(reached, tokens)) + 1, indices.size)]])
+
+
 def store_path(data: Path, output_dir: Path) -> Path:
     """Where a run's token store is: `--data` itself when it is a store folder, else the store the run
     prepared from the JSONL file, `<output_dir>/data`."""
     return data if data.is_dir() else output_dir / "data"
 
 
+def source_file(store: TokenStore, data: Path) -> Path:
+    """The JSONL file the token store was prepared from (the data themselves when a file)."""
+    return data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+
+
 def turn_limit(store: TokenStore, data: Path) -> int | None:
     """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
     walks and decoding stop there, as the regeneration did."""
-    source = data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+    source = source_file(store, data)
     return regeneration_limit(source) if source.is_file() else None
 
 
-def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path:
+def data_temperature(store: TokenStore, data: Path) -> float | None:
+    """The temperature the data were regenerated at (their `meta`; 0: greedy), if they say: the eval
+    walk at that temperature is exact in expectation."""
+    source = source_file(store, data)
+    return regeneration_temperature(source) if source.is_file() else None
+
+
+def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticStore:
     """A token store folder as is, or a JSONL file prepared (by rank 0) into the run folder, reused
-    while its fingerprints match; a resume refuses one of other data."""
+    while its fingerprints match (a resume refuses one of other data); `random[:SAMPLES]`: synthetic
+    samples in memory (`dflash.data.synthetic`), the same on every rank."""
+    if is_synthetic(cfg.data):
+        return synthetic_store(cfg.data, tokenizer, seed=cfg.seed, max_length=cfg.max_length)
     data = Path(cfg.data)
     path = store_path(data, Path(cfg.output_dir))
     if data.is_dir():
@@ -56,6 +81,14 @@ def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path:
     return path
 
 
+def _sample_name(store, path):
+    """How a refusal names sample i: its line in the source file, when the store knows it."""
+    if isinstance(store, SyntheticStore):
+        return lambda i: f"--data {path}: sample {i}"
+    source = store.meta.get("summary", {}).get("input", "the source file")
+    return lambda i: f"--data {path}: sample {i} (line {store.dataset[i]['source_line']} of {source})"
+
+
 class TrainingData:
     """What the run trains and evaluates on, and in which order.
 
@@ -64,27 +97,29 @@ class TrainingData:
     `planner` (epoch plans and the run's position), `balance` (dealt by cost: --balance on
     several ranks), `steps[epoch]` (micro-step ranges of each
     optimizer step), `total_steps`, `maker` (collates a micro-batch and draws its anchors),
-    `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them).
+    `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them), `data_temperature`
+    (what the data were regenerated at, when their `meta` says).
     """
 
-    def __init__(self, cfg: TrainConfig, path: Path, *, tokenizer, target_config, target_layer_ids,
+    def __init__(self, cfg: TrainConfig, path: Path | SyntheticStore, *, tokenizer, target_config, target_layer_ids,
                  vocab_rows: int, mask_token_id: int, gamma: float, world_size: int):
         self.store_path = path
-        self.store = store = TokenStore(path)
+        self.store = store = open_store(path)
         store.check_tokenizer(tokenizer, f"--target {cfg.target}")
         if store.vocab_size is not None and store.vocab_size > vocab_rows:
             raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
                             f"target's embedding has {vocab_rows} rows; prepare the data with the target's tokenizer")
-        source = store.meta.get("summary", {}).get("input", "the source file")
-        check_lengths(store.lengths, cfg.token_budget,
-                      name=lambda i: f"--data {path}: sample {i} (line {store.dataset[i]['source_line']} of {source})")
+        check_lengths(store.lengths, cfg.token_budget, name=_sample_name(store, path))
         self.usable = int((store.supervised >= 2 * cfg.block_size).sum())
         if self.usable == 0:
             raise UserError(f"--block-size {cfg.block_size}: a sample needs at least {2 * cfg.block_size} supervised "
                             f"tokens to be trained on, and none of the {len(store):,} samples of {path} has "
                             f"(most: {int(store.supervised.max())}); use a smaller block size")
         self.train_idx, self.eval_idx = held_out_split(len(store), cfg.eval_fraction, cfg.seed)
+        if cfg.subset_tokens:
+            self.train_idx = token_subset(self.train_idx, store.lengths, cfg.subset_tokens, cfg.seed)
         self.turn_limit = turn_limit(store, Path(cfg.data))
+        self.data_temperature = data_temperature(store, Path(cfg.data))
         self.stop_ids = stop_ids(tokenizer, generation_eos(cfg.target))
         self.lengths = store.lengths[self.train_idx]
         # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes
@@ -97,7 +132,8 @@ class TrainingData:
         # dealing by cost is between ranks: one rank plans as without it (the same plan, the same checkpoints)
         self.balance = balance = cfg.balance and world_size > 1
         if balance or cfg.row_budget:
-            rows = drafter_rows(store_candidates(store)[self.train_idx], store.supervised[self.train_idx],
+            candidates = store.candidates() if isinstance(store, SyntheticStore) else store_candidates(store)
+            rows = drafter_rows(candidates[self.train_idx], store.supervised[self.train_idx],
                                 cfg.block_size, cfg.num_anchors)
         if balance:
             model = CostModel.load(cfg.cost_model) if cfg.cost_model else self.flop_model
@@ -111,9 +147,10 @@ class TrainingData:
         self.total_steps = sum(len(s) for s in self.steps)
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.maker = MicroBatchMaker(str(path), cfg.layout, pad_id=tokenizer.pad_token_id or 0,
+        self.maker = MicroBatchMaker(path, cfg.layout, pad_id=tokenizer.pad_token_id or 0,
                                      mask_token_id=mask_token_id, block_size=cfg.block_size,
-                                     num_anchors=cfg.num_anchors, gamma=gamma, seed=cfg.seed)
+                                     num_anchors=cfg.num_anchors, gamma=gamma, seed=cfg.seed,
+                                     window=self.flop_model.window)
 
     def batches(self, epoch: int, rank: int) -> list[np.ndarray]:
         """This rank's micro-batches of an epoch, as store indices."""

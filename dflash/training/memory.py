@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dflash.errors import UserError
+from dflash.models.flops import PRESETS as FLOP_PRESETS
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffers
@@ -33,9 +34,7 @@ CE_CHUNK_ROWS = 1024  # dflash.models.loss.DEFAULT_CHUNK_ROWS (not imported: tha
 
 # Public config.json sizes of targets the README plans for (the language model's text config).
 MODEL_PRESETS = {
-    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", tie_word_embeddings=False, **FLOP_PRESETS["qwen3-8b"]),
     "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                         num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
                         tie_word_embeddings=False, full_attention_interval=4, attn_output_gate=True,
@@ -398,9 +397,14 @@ def accelerator_memory(device, memory_gib: float) -> int | None:
 
 def run_plan(cfg, ds_config: dict, *, dtype_bytes: int, world_size: int) -> MemoryPlan:
     """The plan of a training run (`TrainConfig`), from the target's config.json alone."""
-    if not (Path(cfg.target) / "config.json").is_file():
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    if is_random_target(cfg.target):
+        config = random_target_config(cfg.target)
+    elif (Path(cfg.target) / "config.json").is_file():
+        config = load_model_config(cfg.target, flag="--target")
+    else:
         raise UserError(f"--target {cfg.target}: not a Hugging Face model folder (no config.json)")
-    config = load_model_config(cfg.target, flag="--target")
     features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_target_features
     setup = MemorySetup.from_ds_config(
         ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=cfg.target_partition,

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
-from dflash.errors import UserError
+from dflash.errors import UserError, os_reason
+from dflash.partial import replace_file
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep the records of steps <= last_step (and drop a line cut short by a crash); atomic."""
+    """Keep the records of steps <= last_step (and drop a line cut short by a crash); all or
+    nothing, and a full disk is one line that leaves the file as it was and no temporary file."""
     if not path.is_file():
         return
     kept = []
@@ -20,10 +21,12 @@ def trim_jsonl(path: Path, last_step: int) -> None:
         except ValueError:
             continue
         if record["step"] <= last_step:
-            kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+            kept.append((line + "\n").encode())
+    try:
+        replace_file(path, kept)
+    except OSError as err:
+        raise UserError(f"{path}: cannot cut it back to step {last_step} for the resume ({os_reason(err, path)}); "
+                        "it is unchanged: free some space and --resume again") from None
 
 
 def step_metrics(sums, slot) -> dict:
@@ -93,9 +96,35 @@ def read_records(run: Path) -> list[dict]:
     return records
 
 
+def _temperature(key: str) -> float | None:
+    """T of a key tau@T (None for other keys, e.g. tau@1_stderr)."""
+    if not key.startswith("tau@"):
+        return None
+    try:
+        return float(key.removeprefix("tau@"))
+    except ValueError:
+        return None
+
+
+def sampled_tau_keys(records: list[dict]) -> list[str]:
+    """The eval records' tau@T keys for T > 0 (tau@0 is tau), in order of temperature."""
+    keys = {k for r in records if r["kind"] == "eval" for k in r if (_temperature(k) or 0) > 0}
+    return sorted(keys, key=_temperature)
+
+
+def tau_at_words(record: dict) -> list[str]:
+    """An eval record's tau@T for T > 0, with the standard error when it has one: 'tau@1 1.412 +- 0.084'."""
+    words = []
+    for key in sampled_tau_keys([{**record, "kind": "eval"}]):
+        err = record.get(key + "_stderr")
+        words.append(f"{key} {record[key]:.3f}" + (f" +- {err:.3f}" if err is not None else ""))
+    return words
+
+
 def plot_curves(records: list[dict], output: Path, title: str) -> None:
     """Loss and acceptance against the step, training records and held-out evaluations, as a PNG:
-    the walk tau of the evaluations (what decoding reaches) beside the anchor tau of both."""
+    the walk tau of the evaluations (what greedy decoding reaches) and tau@T (the expected acceptance
+    of speculative sampling at T) beside the anchor tau of both."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,12 +134,19 @@ def plot_curves(records: list[dict], output: Path, title: str) -> None:
     curves = {"loss": [("train", "loss", "-", "train"), ("eval", "loss", "o-", "held out")],
               "acceptance length": [("train", "anchor_tau", "-", "train anchor_tau"),
                                     ("eval", "anchor_tau", "s--", "held-out anchor_tau"),
-                                    ("eval", "tau", "o-", "held-out tau (decoding walk)")]}
+                                    ("eval", "tau", "o-", "held-out tau (decoding walk, greedy)")]
+              + [("eval", key, "^-", f"held-out {key} (sampling at T={key.removeprefix('tau@')}, expected)")
+                 for key in sampled_tau_keys(records)]}
     for ax, (ylabel, lines) in zip(axes, curves.items(), strict=True):
         for kind, key, style, label in lines:
             rows = [r for r in records if r["kind"] == kind and key in r]
-            ax.plot([r["step"] for r in rows], [float("nan") if r[key] is None else r[key] for r in rows], style,
-                    label=label, alpha=0.6 if kind == "train" else 1.0)
+            x = [r["step"] for r in rows]
+            y = [float("nan") if r[key] is None else r[key] for r in rows]
+            err = [r.get(key + "_stderr") for r in rows]
+            if any(e is not None for e in err):  # tau@T with its standard error over turns
+                ax.errorbar(x, y, yerr=[0.0 if e is None else e for e in err], fmt=style, capsize=3, label=label)
+            else:
+                ax.plot(x, y, style, label=label, alpha=0.6 if kind == "train" else 1.0)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -23,47 +23,175 @@ class LoadedTarget(NamedTuple):
 
 
 def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_features: int = 5,
-                attention_backend: str = "auto", mask_token: bool = True, partition: str = "none",
-                offload: bool = False) -> LoadedTarget:
-    """Tokenizer and frozen target of a Hugging Face folder, tapped at `target_layer_ids` (default: the
-    official rule with `num_features` taps); with `mask_token`, the DFlash mask token is added to the
-    tokenizer (a spare embedding row). `partition` "zero3": the target's parameters are partitioned
-    across the ranks (`dflash.training.partition`; collective, every rank calls this), with
-    `offload` in CPU memory; the model is then a `PartitionedTarget`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                attention_backend: str = "auto", mask_token: bool = True, mask_text: str = "",
+                chat_data: str | None = None, partition: str = "none", offload: bool = False) -> LoadedTarget:
+    """Tokenizer and frozen target of a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
+    weights of that shape and a synthetic tokenizer, `dflash.models.random_target`), tapped at
+    `target_layer_ids` (default: the official rule with `num_features` taps); with `mask_token`, the
+    DFlash mask token (`mask_text`, default MASK_TOKEN) is added to the tokenizer in a spare
+    embedding row, or reused if the tokenizer has it. `chat_data`: conversations that will be
+    rendered with the tokenizer's chat template, which must then have one. Both are checked before
+    a folder's weights load. `partition` "zero3": the target's parameters are partitioned across the
+    ranks (`dflash.training.partition`; collective, every rank calls this), with `offload` in CPU
+    memory; the model is then a `PartitionedTarget`."""
+    from transformers import AutoTokenizer
 
     from dflash.data.prepare import check_tokenizer_files
-    from dflash.data.vocab import ensure_mask_token
-    from dflash.models import TargetModel
+    from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
+    from dflash.models import TargetModel, load_language_model
+    from dflash.models.random_target import is_random_target, random_target
 
-    target_path = Path(path)
-    if not (target_path / "config.json").is_file():
-        raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
-    check_tokenizer_files(target_path, "--target")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    if partition == "zero3":
-        from dflash.training import partition as zero3
-
-        with zero3.zero3_loading(zero3.target_zero3_config(target_path, dtype, offload=offload, device=device)):
-            hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype)
+    mask_text = mask_text or MASK_TOKEN
+    if is_random_target(path):
+        target_path = str(path)
+        tokenizer, hf = random_target(target_path, device, dtype)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(device)
+        target_path = Path(path)
+        if not (target_path / "config.json").is_file():
+            raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+        check_tokenizer_files(target_path, "--target")
+        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        if chat_data is not None and not tokenizer.chat_template:
+            raise UserError(f"--target {target_path}: its tokenizer has no chat template, which renders the "
+                            f"conversations of --data {chat_data}; give the chat (instruct) model's folder, or add "
+                            "its template there (chat_template.jinja)")
+        rows = _embedding_rows(target_path) if mask_token else None
+        try:
+            if rows is not None:
+                check_mask_token(tokenizer, rows, mask_text)
+        except ValueError as e:
+            raise UserError(f"--target {target_path}: {e}") from None
+        if partition == "zero3":
+            from dflash.training import partition as zero3
+
+            with zero3.zero3_loading(zero3.target_zero3_config(target_path, dtype, offload=offload, device=device)):
+                hf = load_language_model(target_path, dtype)  # straight into the partitions
+        else:
+            hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
     try:
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
         if partition == "zero3":
             model = zero3.PartitionedTarget(model, zero3.target_zero3_config(target_path, dtype, offload=offload,
                                                                              device=device, hf=hf))
-        mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows) if mask_token else None
+        mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows, mask_text) if mask_token else None
     except ValueError as e:
         raise UserError(f"--target {target_path}: {e}") from None
     return LoadedTarget(tokenizer, hf, model, mask_id)
 
 
+def _embedding_rows(path: Path) -> int | None:
+    """The rows of the target's input embedding, as its config says (None: it does not say)."""
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(str(path)).get_text_config().vocab_size)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def target_fingerprint(path: str | Path) -> dict:
+    """The target's folder and a hash of what tells one model from another without reading the
+    weights: config.json, and the name, size and first 64 KiB (the safetensors header) of every
+    weight file. A moved folder keeps its hash; a `random:` target is its name."""
+    import hashlib
+
+    from dflash.models.random_target import is_random_target
+
+    if is_random_target(path):
+        return {"path": str(path)}
+    folder = Path(path)
+    h = hashlib.sha256()
+    for f in [folder / "config.json", *sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]:
+        with f.open("rb") as data:
+            h.update(f"{f.name}:{f.stat().st_size}:".encode() + data.read(1 << 16))
+    return {"path": str(folder.resolve()), "sha256": h.hexdigest()}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def target_layers(path: str | Path) -> int | None:
+    """The target's number of layers, from its config (None: not a model folder; loading it says so)."""
+    from transformers import AutoConfig
+
+    from dflash.models.random_target import is_random_target, random_target_config
+
+    try:
+        if is_random_target(path):
+            return random_target_config(str(path)).num_hidden_layers
+        if not (Path(path) / "config.json").is_file():
+            return None
+        return AutoConfig.from_pretrained(str(path)).get_text_config().num_hidden_layers
+    except (OSError, ValueError, UserError):
+        return None
+
+
+def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
+    """What shapes the drafter's weights and what they learn, by option, as a checkpoint records it
+    and `--resume` compares it (with the target, `target_fingerprint`): the taps (resolved by the
+    official rule for a target of `num_target_layers` when not given), the drafter's size, block,
+    anchors, loss decay and mask token."""
+    from dflash.data.vocab import MASK_TOKEN
+    from dflash.models.config import default_target_layer_ids
+
+    types = list(cfg.drafter_layer_types or [])
+    settings = {"--block-size": cfg.block_size, "--draft-layers": cfg.draft_layers,
+                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma, "--mask-token": cfg.mask_token or MASK_TOKEN,
+                # the mask each layer trains with (the weights have the same shapes whatever it is)
+                "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
+                "--sliding-window": cfg.sliding_window}
+    taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
+    if taps is None and num_target_layers is not None:
+        try:
+            taps = default_target_layer_ids(num_target_layers, cfg.num_target_features)
+        except ValueError:  # too few layers: loading the target says so
+            pass
+    if taps is not None:
+        settings.update({"--target-layer-ids": taps, "--num-target-features": len(taps)})
+    return settings
+
+
+def drafter_differences(before: dict, now: dict) -> list[str]:
+    """`option: checkpoint value -> value now` for every setting of `drafter_settings` that differs
+    (a target by its hash, shown by its folder; one recorded by path alone by its path)."""
+    def show(value):
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    diffs = []
+    for flag, new in now.items():
+        old = before.get(flag)
+        if old is None:
+            continue
+        if flag == "--target":
+            same = old["sha256"] == new["sha256"] if old.get("sha256") else old["path"] == new["path"]
+            if not same:
+                diffs.append(f"--target: {old['path']} -> {new['path']}" if old["path"] != new["path"]
+                             else f"--target: {new['path']} is another model now (its config or weights changed)")
+        elif old != new:
+            diffs.append(f"{flag}: {show(old)} -> {show(new)}")
+    return diffs
+
+
 def load_train_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
-    return load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
-                       num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
-                       partition=cfg.target_partition, offload=cfg.target_offload)
+    """The run's target; with --init-drafter, the mask token id is the drafter's (what the engines
+    feed its mask slots: nothing is added to the tokenizer), checked against the embedding's rows."""
+    target = load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
+                         num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
+                         mask_token=not cfg.init_drafter, mask_text=cfg.mask_token,
+                         chat_data=cfg.data if Path(cfg.data).is_file() else None,
+                         partition=cfg.target_partition, offload=cfg.target_offload)
+    if not cfg.init_drafter:
+        return target
+    from dflash.models.config import check_fits_target
+    from dflash.training.config import init_drafter_config
+
+    drafter = init_drafter_config(cfg.init_drafter, cfg.target)
+    try:  # its layer count was checked with the options; now against the embedding's rows
+        check_fits_target(drafter, target.hf.config, target.model.num_embedding_rows, num_target_layers_given=False)
+    except ValueError as e:
+        raise UserError(f"--init-drafter {cfg.init_drafter} does not fit --target {cfg.target}: {e}") from None
+    return target._replace(mask_id=drafter.mask_token_id)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -78,6 +206,25 @@ def lr_lambda(schedule: str, warmup: int, total: int):
         return 1.0
 
     return f
+
+
+def init_drafter(folder: str, target: LoadedTarget, options: dict):
+    """The DFlashDrafter of --init-drafter `folder` with its weights, in fp32 (DeepSpeed casts to the
+    run's dtype) and lent the target's embedding; the optimizer starts fresh. Its options (block
+    size, taps, layer types, mask token) were taken by `config.load_config` / `load_train_target`."""
+    import dataclasses
+
+    from dflash.models import DFlashDrafter
+
+    drafter = DFlashDrafter.from_pretrained(folder, **options).float()
+    if drafter.config.target_layer_ids != list(target.model.target_layer_ids):
+        raise UserError(f"--init-drafter {folder}: taps {drafter.config.target_layer_ids}, but the target is tapped "
+                        f"at {list(target.model.target_layer_ids)}")
+    # Exported with the target's layer count also when the drafter's config.json left it out.
+    layers = target.hf.config.get_text_config().num_hidden_layers
+    drafter.config = dataclasses.replace(drafter.config, num_target_layers=layers)
+    drafter.attach(target.model.shared_weights())
+    return drafter
 
 
 class Models:
@@ -96,13 +243,18 @@ class Models:
 
         self.target = target
         torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
-        dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id, block_size=cfg.block_size,
-                                         num_draft_layers=cfg.draft_layers,
-                                         target_layer_ids=target.model.target_layer_ids,
-                                         vocab_size=target.model.num_embedding_rows)
-        self.drafter = DFlashDrafter(dcfg, target.model.shared_weights(), num_anchors=cfg.num_anchors,
-                                     gamma=cfg.gamma, attention_backend=cfg.attention_backend,
-                                     activation_checkpointing=cfg.activation_checkpointing)
+        options = dict(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention_backend=cfg.attention_backend,
+                       activation_checkpointing=cfg.activation_checkpointing)
+        if cfg.init_drafter:
+            self.drafter = init_drafter(cfg.init_drafter, target, options)
+        else:
+            dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id,
+                                             block_size=cfg.block_size, num_draft_layers=cfg.draft_layers,
+                                             target_layer_ids=target.model.target_layer_ids,
+                                             vocab_size=target.model.num_embedding_rows,
+                                             layer_types=cfg.drafter_layer_types,
+                                             sliding_window=cfg.sliding_window or None)
+            self.drafter = DFlashDrafter(dcfg, target.model.shared_weights(), **options)
         self.zero_stage = zero_stage(ds_config)
         params = self.drafter.parameters()
         if offloads_optimizer(ds_config):

@@ -8,10 +8,14 @@ connection. `peer_failures_are_one_line` covers the rest: a rank whose peer died
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import time
+from pathlib import Path
 
 import torch.distributed as dist
 
-from dflash.errors import UserError, exit_with_error
+from dflash.errors import UserError, exit_with_error, say_error
 
 
 def on_rank0(fn, what: str):
@@ -42,16 +46,21 @@ def _peer_failure(err: BaseException) -> bool:
 
 def peer_failures_are_one_line(main):
     """Decorate a CLI `main`: on a rank other than 0, a collective broken by a dead peer becomes
-    one `error:` line and exit status 2 (the peer printed the cause)."""
+    one `error:` line and exit status 2 (the peer printed the cause); a rank stopped by a signal
+    says so (`stopped`), also when the signal arrives while it reports a peer's failure."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
-        except Exception as err:
-            if not (dist.is_initialized() and dist.get_rank() != 0 and _peer_failure(err)):
-                raise
-            exit_with_error(f"error: rank {dist.get_rank()}: stopped because another rank failed (its error is above)")
+            try:
+                return main(*args, **kwargs)
+            except Exception as err:
+                if not (dist.is_initialized() and dist.get_rank() != 0 and _peer_failure(err)):
+                    raise
+                exit_with_error(f"error: rank {dist.get_rank()}: stopped because another rank failed "
+                                "(its error is above)")
+        except KeyboardInterrupt as stop:
+            stopped(stop)
 
     return wrapper
 
@@ -76,3 +85,113 @@ def single_process_env(environ, num_gpus: int) -> None:
                         f"deepspeed --num_gpus {num_gpus} launch/train.py ... (or CUDA_VISIBLE_DEVICES=0 for one)")
     environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(free_port())})
+
+
+# ---- signals: a stopped launcher stops every rank ---------------------------------------------
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached this rank (directly, or because its launcher is gone). A
+    KeyboardInterrupt, so that data-loader workers stop quietly and no `except Exception` keeps it."""
+
+    def __init__(self, signum: int, why: str = ""):
+        super().__init__(signum)
+        self.signal, self.why = signal.Signals(signum).name, why
+
+
+_stopping = {"signal": None, "at": 0.0, "why": "", "output_dir": None}
+
+
+def _on_signal(signum, frame):
+    if _stopping["signal"] is not None:
+        # The launcher follows Ctrl-C with SIGTERM: one stop, one message. The same signal again
+        # seconds later is a user whose rank hangs while stopping: exit now.
+        if signum == _stopping["signal"] and time.monotonic() - _stopping["at"] > 3:
+            os._exit(128 + signum)
+        return
+    _stopping["signal"], _stopping["at"] = signum, time.monotonic()
+    raise Stopped(signum, _stopping["why"] if signum == signal.SIGTERM else "")
+
+
+def _process(pid: int) -> tuple[str, list[str]] | None:
+    """(start time, command line) of a live process (None: gone, or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    return None if fields[0] in ("Z", "X") else (fields[19], cmdline)
+
+
+def _launchers() -> list[tuple[int, str]]:
+    """(pid, start time) of the processes whose end must end this rank, when DeepSpeed started it:
+    its parent (the per-node launch.py) and the `deepspeed` command above that, which forwards no
+    signal to it. Nothing otherwise: a rank of `nohup python launch/train.py` outlives its shell."""
+    pid = os.getppid()
+    parent = _process(pid)
+    if parent is None or "deepspeed.launcher.launch" not in parent[1]:
+        return []
+    watched = [(pid, parent[0])]
+    grand_pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    grand = _process(grand_pid)
+    if grand is not None and any(Path(a).name == "deepspeed" or a == "deepspeed.launcher.runner" for a in grand[1]):
+        watched.append((grand_pid, grand[0]))
+    return watched
+
+
+def launcher_gone(watched) -> bool:
+    return any((_process(pid) or (None,))[0] != start for pid, start in watched)
+
+
+def stopped(stop: KeyboardInterrupt):
+    """Exit with one line for a rank stopped by a signal; rank 0 says how to continue the run."""
+    from dflash.training.checkpoint import Checkpointer
+
+    output_dir = _stopping["output_dir"]
+    name = stop.signal if isinstance(stop, Stopped) else "SIGINT"
+    why = f" ({stop.why})" if isinstance(stop, Stopped) and stop.why else ""
+    rank = int(os.environ.get("RANK", "0"))
+    line = f"error: rank {rank}: stopped by {name}{why}"
+    if rank == 0 and output_dir is not None:
+        saved = Checkpointer(output_dir, keep=1).complete()
+        line = f"error: stopped by {name}{why}; " + (
+            f"the newest complete checkpoint is {saved[-1]}: continue from it with the same command and --resume"
+            if saved else "no checkpoint was written yet: the same command with --resume starts the run again")
+    exit_with_error(line, status=128 + signal.Signals[name].value)
+
+
+def stop_with_the_launcher(output_dir: str, poll_seconds: float = 1.0, grace_seconds: float = 60.0) -> None:
+    """SIGINT and SIGTERM raise `Stopped` in this rank (one message, however many arrive, naming the
+    newest checkpoint in `output_dir` to resume from), and the
+    rank stops itself when its launcher ends: at once when its parent dies (PR_SET_PDEATHSIG),
+    within `poll_seconds` when the `deepspeed` command above it is stopped or killed (it forwards
+    no SIGTERM). A rank that does not stop within `grace_seconds` of that exits anyway."""
+    import threading
+
+    _stopping["output_dir"] = output_dir
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    if not Path("/proc/self/stat").exists():
+        return  # not Linux: the signals above still work
+    watched = _launchers()
+    if not watched:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if launcher_gone(watched):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def watch():
+        while not launcher_gone(watched):
+            time.sleep(poll_seconds)
+        _stopping["why"] = "its launcher was stopped"  # for the SIGTERM it sends itself
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_seconds)
+        say_error(f"error: rank {os.environ.get('RANK', '?')}: its launcher was stopped and it did not stop within "
+                  f"{grace_seconds:.0f}s; exiting")
+        os._exit(143)
+
+    threading.Thread(target=watch, name="dflash-launcher-watch", daemon=True).start()

@@ -13,11 +13,11 @@ import os
 import shutil
 from pathlib import Path
 
-from dflash.errors import UserError
+from dflash.errors import UserError, os_reason
 
 LOCK = ".dflash.lock"
 # what a run writes in its folder, and so what --overwrite may delete
-RUN_ENTRIES = ("config.json", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "drafter")
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "drafter", "eval_turns.json")
 RUN_PATTERNS = ("samples.rank*.jsonl",)
 
 
@@ -29,6 +29,30 @@ def run_entries(output_dir: Path) -> list[Path]:
     return found
 
 
+def make_run_folder(path: Path) -> None:
+    """Create the run folder (and its parents): a path that is a file, or where no folder can be
+    made (read-only, no permission, a full disk), is one line naming it."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output-dir {path}: exists and is not a folder; choose another --output-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--output-dir {path}: cannot create the folder ({os_reason(err)}); choose another "
+                        "--output-dir") from None
+
+
+def foreign_drafter(output_dir: Path) -> None:
+    """Refuse a `drafter/` folder that is not a drafter export: the run exports there at the end,
+    and would stop at that point rather than replace what it did not write."""
+    from dflash.models.drafter import is_drafter_folder
+
+    drafter = output_dir / "drafter"
+    if drafter.exists() and not is_drafter_folder(drafter):
+        raise UserError(f"--output-dir {output_dir}: {drafter} is not a drafter exported by dflash, and the run "
+                        "exports its drafter there at the end; move or rename that folder, or choose another "
+                        "--output-dir")
+
+
 class RunFolder:
     """The lock on a run folder (rank 0 only), released when the process ends."""
 
@@ -37,8 +61,12 @@ class RunFolder:
         self._fd = None
 
     def lock(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        make_run_folder(self.path)
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UserError(f"--output-dir {self.path}: cannot write in the folder ({os_reason(err)}); choose "
+                            "another --output-dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -57,8 +85,14 @@ class RunFolder:
 
     def claim(self, *, resume: bool, overwrite: bool) -> None:
         """Lock the folder and refuse a fresh run over a previous one unless told; with
-        `overwrite`, delete the previous run's entries first (and only those)."""
+        `overwrite`, delete the previous run's entries first (and only those). A `drafter/` folder
+        that is not an export is refused first: no option makes it the run's to replace."""
         self.lock()
+        try:
+            foreign_drafter(self.path)
+        except UserError:
+            self.release()
+            raise
         previous = run_entries(self.path)
         if not previous or resume:
             return
@@ -67,11 +101,7 @@ class RunFolder:
             self.release()
             raise UserError(f"--output-dir {self.path}: holds a previous run ({names}); continue it with --resume, "
                             "start over with --overwrite (deletes these and nothing else), or choose another folder")
-        from dflash.models.drafter import is_drafter_folder
-
         for p in previous:
-            if p.name == "drafter" and not is_drafter_folder(p):
-                continue  # not an export of ours: the export will refuse to replace it
             if p.is_dir():
                 shutil.rmtree(p)
             else:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dflash.errors import UserError
+from dflash.errors import UserError, os_reason
+from dflash.training.run_folder import make_run_folder
 
 PROBE = ".dflash-shared-check"
 
@@ -83,14 +84,18 @@ def check_shared_paths(output_dir: Path, inputs: dict[str, Path]) -> None:
     token, written = None, None
     if rank == 0:
         try:
-            output_dir.mkdir(parents=True, exist_ok=True)
+            make_run_folder(output_dir)
             token = uuid.uuid4().hex
             (output_dir / PROBE).write_text(token)
+        except UserError as err:
+            token, written = None, str(err)
         except OSError as err:
-            token, written = None, f"{type(err).__name__}: {err}"
+            token, written = None, f"--output-dir {output_dir}: cannot write in the folder ({os_reason(err)})"
     sent = [token, written]
     dist.broadcast_object_list(sent, src=0)  # after rank 0 wrote the probe
     token, written = sent
+    if written is not None:  # the folder itself, on every node: not a multi-node problem
+        raise UserError(written)
     view = {flag: _looks(path) for flag, path in inputs.items()}
     view["run"] = token is not None and _sees(output_dir / PROBE, token)
     views: list = [None] * world_size
@@ -99,9 +104,7 @@ def check_shared_paths(output_dir: Path, inputs: dict[str, Path]) -> None:
         (output_dir / PROBE).unlink(missing_ok=True)
 
     problems = []
-    if written is not None:
-        problems.append(f"--output-dir {output_dir}: rank 0 cannot write there ({written})")
-    elif not all(v["run"] for _, v in views):
+    if not all(v["run"] for _, v in views):
         problems.append(
             f"--output-dir {output_dir}: the file rank 0 ({views[0][0]}) wrote there ({PROBE}) is not seen by "
             f"{_where(views, lambda v: not v['run'])}. The run folder must be one folder, at the same path, on a "

@@ -51,7 +51,7 @@ class MicroBatch:
     weight_sum: float  # sum of loss weights of its scored slots (for the step's normaliser)
     real_tokens: int
     computed_tokens: int
-    cost_features: np.ndarray  # (6,) `dflash.data.cost.batch_features`: what the cost model prices
+    cost_features: np.ndarray  # (7,) `dflash.data.cost.batch_features`: what the cost model prices
 
     def pin_memory(self) -> MicroBatch:
         return dataclasses.replace(self, batch=self.batch.pin_memory())
@@ -60,20 +60,21 @@ class MicroBatch:
 class MicroBatchMaker:
     """Collates one micro-batch and draws its anchors (runs inside loader workers)."""
 
-    def __init__(self, store_path: str, layout: str, *, pad_id: int, mask_token_id: int, block_size: int,
-                 num_anchors: int, gamma: float, seed: int):
+    def __init__(self, store_path, layout: str, *, pad_id: int, mask_token_id: int, block_size: int,
+                 num_anchors: int, gamma: float, seed: int, window: int = 0):
         self.store_path, self.layout, self.pad_id = store_path, layout, pad_id
         self.mask_token_id, self.block_size, self.num_anchors = mask_token_id, block_size, num_anchors
         self.weights = slot_weights(block_size, gamma)
         self.seed = seed
+        self.window = window  # the target's sliding window, for the cost features (0: none)
         self._store = None  # opened lazily: each worker maps the files itself
 
     @property
     def store(self):
         if self._store is None:
-            from dflash.data.token_store import TokenStore
+            from dflash.data.synthetic import open_store
 
-            self._store = TokenStore(self.store_path)
+            self._store = open_store(self.store_path)  # a folder (mapped per worker) or a SyntheticStore
         return self._store
 
     def __getstate__(self):
@@ -90,7 +91,7 @@ class MicroBatchMaker:
         if self.layout == "padded":  # the target runs every sample at the longest length
             lengths = np.full_like(lengths, lengths.max())
         rows = np.bincount(anchors.block_seq.numpy(), minlength=lengths.size) * self.block_size
-        features = batch_features(lengths, rows, [np.arange(lengths.size)])[0]
+        features = batch_features(lengths, rows, [np.arange(lengths.size)], self.window)[0]
         return MicroBatch(batch, anchors, weight_sum, batch.num_tokens, batch.computed_tokens, features)
 
 

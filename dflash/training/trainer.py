@@ -18,23 +18,36 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash.errors import UserError
+from dflash.data.synthetic import is_synthetic
+from dflash.errors import DiskFull, UserError
+from dflash.models.random_target import is_random_target
+from dflash.partial import write_json
 from dflash.training.checkpoint import Checkpointer
-from dflash.training.config import TrainConfig
+from dflash.training.config import TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, prepare_token_store
 from dflash.training.ds_config import training_ds_config
 from dflash.training.evaluator import Evaluator
 from dflash.training.memory import accelerator_memory, run_plan, size_run
-from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, trim_jsonl
-from dflash.training.models import LoadedTarget, Models, load_train_target
+from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
+from dflash.training.models import (
+    LoadedTarget,
+    Models,
+    drafter_differences,
+    drafter_settings,
+    load_train_target,
+    target_fingerprint,
+    target_layers,
+)
 from dflash.training.partition import target_bytes, target_summary
+from dflash.training.phases import PhaseTimer
 from dflash.training.ranks import on_rank0
 from dflash.training.run_folder import RunFolder
 from dflash.training.shared_fs import check_shared_paths
 from dflash.training.steps import micro_batches
 
 
-def accumulate_gradients(engine, target, micro: list, device, block_size: int, timings: list | None = None):
+def accumulate_gradients(engine, target, micro: list, device, block_size: int, timings: list | None = None,
+                         phases=None):
     """Forward and backward of one step's micro-batches on this rank.
 
     Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
@@ -42,6 +55,7 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int, t
     Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), and the
     number of skipped samples; nothing here waits for the device, unless `timings` is a list:
     then each micro-batch's seconds (forward and backward, the device synchronised) are appended.
+    `phases` (a PhaseTimer, started) is marked after each phase.
     """
     if timings is not None:
         from deepspeed.accelerator import get_accelerator
@@ -56,8 +70,15 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int, t
     for mb in micro:
         start = time.perf_counter()
         batch = mb.batch.to(device, non_blocking=True)
-        out = engine(batch, target.features(batch), anchors=mb.anchors)
+        if phases:
+            phases.mark("other")
+        features = target.features(batch)
+        if phases:
+            phases.mark("target_forward")
+        out = engine(batch, features, anchors=mb.anchors)  # the drafter's hooks mark its forward and the loss
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
+        if phases:
+            phases.mark("drafter_backward")
         if timings is not None:
             get_accelerator().synchronize()
             timings.append(time.perf_counter() - start)
@@ -69,25 +90,32 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int, t
 
 
 def init_distributed() -> None:
-    """`deepspeed.init_distributed()` on this rank's device, minus the shared memory it leaks on CPU ranks.
+    """`deepspeed.init_distributed()` on this rank's device, without DeepSpeed's CPU shared-memory op.
 
     The device comes first: DeepSpeed selects it only inside `deepspeed.initialize`, after the
     target is loaded and the first collectives ran, so every rank of a node would use GPU 0.
-    DeepSpeed's CPU all-reduce maps one 66 MB buffer per rank in /dev/shm and never unlinks it,
-    so every CPU run (and every killed one) leaves that much RAM behind until reboot. Once all
-    ranks have mapped each other's buffers (the barrier), the names can go: mappings outlive them.
+    On CPU ranks DeepSpeed JIT-builds a shared-memory all-reduce that only its inference
+    all-reduce calls (training reduces through gloo). Building it costs a minute on a fresh
+    machine, maps a 66 MB /dev/shm buffer per rank that is never unlinked, and runs under
+    torch's build lock: a rank killed while holding it leaves the lock behind and every later
+    run on the machine waits on it forever. DeepSpeed keeps the compatible-ops table as one dict
+    so that edits like this one persist.
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    accelerator = get_accelerator()
+    accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if accelerator.device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed()
-    if dist.get_backend() != "gloo":
-        return
-    dist.barrier()
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
-           f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
-    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def input_paths(cfg: TrainConfig) -> dict[str, Path]:
+    """The files every rank reads, by flag (a random target and synthetic data are made in memory)."""
+    paths = {"--target": cfg.target, "--data": cfg.data, "--deepspeed_config": cfg.deepspeed_config}
+    made = {"--target": is_random_target(cfg.target), "--data": is_synthetic(cfg.data)}
+    return {flag: Path(path) for flag, path in paths.items() if not made.get(flag)}
 
 
 class Trainer:
@@ -108,15 +136,14 @@ class Trainer:
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.output_dir = Path(cfg.output_dir)
-        check_shared_paths(self.output_dir, {"--target": Path(cfg.target), "--data": Path(cfg.data),
-                                             "--deepspeed_config": Path(cfg.deepspeed_config)})
+        check_shared_paths(self.output_dir, input_paths(cfg))
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
 
         # everything that can be refused is refused before the target loads
         ds_config, self.dtype = training_ds_config(cfg.deepspeed_config, cfg.dtype, device=self.device,
                                                    world_size=self.world_size, grad_clip=cfg.grad_clip)
-        if not Path(cfg.data).exists():
+        if not is_synthetic(cfg.data) and not Path(cfg.data).exists():
             raise UserError(f"--data {cfg.data}: no such file or folder")
         # the memory plan refuses a run that cannot fit, and sizes the row budget, from config.json alone
         self.memory_plan = run_plan(cfg, ds_config, dtype_bytes=self.dtype.itemsize, world_size=self.world_size)
@@ -124,7 +151,11 @@ class Trainer:
                                            token_budget=cfg.token_budget, row_budget=cfg.row_budget)
         self.cfg = cfg = dataclasses.replace(cfg, row_budget=row_budget)
         self.run_folder = RunFolder(self.output_dir)
-        on_rank0(lambda: self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite), "claiming the run folder")
+        self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
+        self.drafter_settings = drafter_settings(cfg, target_layers(cfg.target))
+        if is_random_target(cfg.target) or (Path(cfg.target) / "config.json").is_file():
+            self.drafter_settings["--target"] = target_fingerprint(cfg.target)
+        on_rank0(self._claim, "claiming the run folder")
 
         target = target or load_train_target(cfg, self.device, self.dtype)
         self.data = TrainingData(cfg, prepare_token_store(cfg, target.tokenizer, self._say),
@@ -133,8 +164,8 @@ class Trainer:
                                  vocab_rows=target.model.num_embedding_rows, mask_token_id=target.mask_id,
                                  gamma=cfg.gamma, world_size=self.world_size)
         self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
-        self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype)
-        self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
+        self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype, say=self._say)
+        self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
 
         self.step = 0
         self.nonfinite_in_row = self.nonfinite_total = 0
@@ -149,19 +180,43 @@ class Trainer:
         self.target_bytes = target_bytes(target.model)
         self._say(target_summary(self.target_bytes, cfg, self.world_size))
         self._say(memory_line)
-        resumed = cfg.resume and self._resume()
+        if cfg.resume:
+            self._resume()
         if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
-            (self.output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-        # a resumed run's logs end at its checkpoint: what a crash wrote after it is redone
+            write_json(self.output_dir / "config.json", dataclasses.asdict(cfg))
+        # A resumed run's logs end at its checkpoint (step 0 without one): what the stopped attempt
+        # wrote after it is redone, so no record is there twice.
         self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0,
-                                     resume_step=self.step if resumed else None)
-        if resumed and cfg.sample_log:
+                                     resume_step=self.step if cfg.resume else None)
+        if cfg.resume and cfg.sample_log:
             trim_jsonl(self._sample_log_path(), self.step)
         self._stream = self._micro_steps()
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
             print(text, flush=True)
+
+    def _claim(self) -> None:
+        """Lock the run folder (rank 0) and, for --resume, refuse options that would train another
+        drafter than the checkpoint's, before anything loads."""
+        cfg = self.cfg
+        self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite)
+        state = self.checkpointer.newest_state() if cfg.resume else None
+        if state is None:
+            return
+        recorded = state.get("drafter")
+        if recorded is None:  # a checkpoint of an older dflash: its options, and the target by its path
+            known = {f.name for f in dataclasses.fields(TrainConfig)}
+            old = dataclasses.replace(cfg, **{k: v for k, v in state.get("config", {}).items() if k in known})
+            recorded = {**drafter_settings(old, target_layers(cfg.target)),
+                        "--target": {"path": str(Path(old.target).resolve())}}
+        diffs = drafter_differences(recorded, self.drafter_settings)
+        if diffs:
+            self.run_folder.release()
+            raise UserError(f"--resume: {state['checkpoint']} trained a drafter with other settings (checkpoint -> "
+                            "now):\n  " + "\n  ".join(diffs) + "\nthey shape its weights or what it learns: resume "
+                            "with the checkpoint's values, or train these in a new run (another --output-dir, or "
+                            "--overwrite)")
 
     def _resume(self) -> bool:
         """Load the newest complete checkpoint; False when there is none. A checkpoint of other
@@ -184,7 +239,8 @@ class Trainer:
 
         state = self.checkpointer.load_latest(self.models.engine, check, module_only=world_changed)
         if state is None:
-            self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning")
+            self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning "
+                      "(the records of the attempt before are removed)")
             return False
         for d in check(state):
             self._say(f"--force-resume: {d}")
@@ -233,6 +289,22 @@ class Trainer:
                     return
                 yield epoch, first, [next(loader) for _ in range(end - first)]
 
+    def close(self) -> None:
+        """Free what the run holds when it stops without `train()` (a benchmark done with a mode): the
+        loader, the metrics files, the phase hooks, the DeepSpeed engine's buffers, the folder's lock."""
+        self._stream.close()
+        self.metrics.close()
+        if self.phases:
+            self.phases.close()
+        self.models.engine.destroy()
+        self.run_folder.release()
+
+    def skip_to_epoch(self, epoch: int) -> None:
+        """Continue at the first step of `epoch` (benchmarks: a warm-up cut short, then whole epochs)."""
+        self._stream.close()
+        self.data.planner.epoch, self.data.planner.position = epoch, 0
+        self._stream = self._micro_steps()
+
     def train(self) -> dict:
         from tqdm.auto import tqdm
 
@@ -268,15 +340,19 @@ class Trainer:
         result = {"step": self.step, "eval": last_eval}
         drafter_dir = self.output_dir / "drafter"
         if cfg.export:
-            self.models.export(drafter_dir)
+            try:
+                self.models.export(drafter_dir)
+            except DiskFull as err:
+                raise UserError(f"{err}; the last checkpoint holds the weights: free some space and run the same "
+                                "command with --resume to export them") from None
             self._say(f"exported the drafter to {drafter_dir}")
         if self.rank == 0 and self.metrics.path.is_file():
             plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
             self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
+        turns = speculate_turns(cfg, self.data.total_steps)
         # a partitioned target cannot decode on one rank alone (its layers are gathered collectively)
-        if cfg.export and cfg.speculate_turns and self.data.eval_idx.size and self.rank == 0 \
-                and cfg.target_partition == "none":
-            result["speculate"] = self._speculate_heldout(drafter_dir)
+        if cfg.export and turns and self.data.eval_idx.size and self.rank == 0 and cfg.target_partition == "none":
+            result["speculate"] = self._speculate_heldout(drafter_dir, turns)
         self.run_folder.release()
         return result
 
@@ -285,10 +361,12 @@ class Trainer:
         loss weight of the WHOLE step (all micro-batches, all ranks), so the gradient is that of
         one big batch. Returns the step's metrics (the same on every rank) on logged steps."""
         cfg, engine, t0 = self.cfg, self.models.engine, time.perf_counter()
+        if self.phases:
+            self.phases.start()
         epoch, first, micro = next(self._stream)  # waiting for data is part of the step
         timings = [] if cfg.time_micro_batches else None
         sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, micro, self.device,
-                                                   cfg.block_size, timings)
+                                                   cfg.block_size, timings, self.phases)
         busy = waited = float("nan")
         if self.step % cfg.log_every == 0 or self.step + 1 >= self.data.total_steps:
             # A step that will be logged: the ranks meet before the step's collectives, and time spent
@@ -299,7 +377,11 @@ class Trainer:
             busy = time.perf_counter() - t0
             dist.barrier()
             waited = time.perf_counter() - t0 - busy
+        if self.phases:
+            self.phases.mark("other")
         engine.step()
+        if self.phases:
+            self.phases.mark("optimizer")
         # The ZeRO optimizers skip the update when the global gradient norm is not finite.
         applied = engine.was_step_applied()
         self.nonfinite_in_row = 0 if applied else self.nonfinite_in_row + 1
@@ -356,6 +438,8 @@ class Trainer:
             gathered = [None] * self.world_size
             dist.all_gather_object(gathered, mine)
             record["micro_batch_costs"] = [row for rank_rows in gathered for row in rank_rows]
+        if self.phases:  # this rank's device seconds per phase (the device has finished: synchronised above)
+            record["phase_seconds"] = self.phases.seconds()
         if self.device.type == "cuda":  # for the config tuner: what this rank's step needed at most
             record["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.metrics.write("train", self.step, record)
@@ -386,13 +470,17 @@ class Trainer:
         if record is None:
             return None
         self.metrics.write("eval", self.step, record)
+        note = self.evaluator.temperature_note()
+        if note:
+            self._say(note)
+        sampled = "".join(f", {part}" for part in tau_at_words(record))
         self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} (decoding walk: "
-                  f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns), "
+                  f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns){sampled}, "
                   f"anchor_tau {record['anchor_tau']:.3f}")
         return record
 
-    def _speculate_heldout(self, drafter_dir: Path) -> dict:
-        report = self.evaluator.speculate_heldout(drafter_dir, self.step, self.output_dir / "speculate.json")
+    def _speculate_heldout(self, drafter_dir: Path, turns: int) -> dict:
+        report = self.evaluator.speculate_heldout(drafter_dir, self.step, self.output_dir / "speculate.json", turns)
         self._say(f"speculative decoding of {report['turns']} held-out turns: acceptance length "
                   f"{report['acceptance_length']:.3f} ({report['tokens']:,} tokens, {report['target_forwards']:,} "
                   f"target forwards after the prefills, {report['speculative_tokens_per_s']:.0f} tokens/s); "
@@ -403,5 +491,6 @@ class Trainer:
         state = {"planner": self.data.planner.state_dict(), "step_tokens": self.cfg.step_tokens,
                  "world_size": self.world_size,
                  "nonfinite_steps": self.nonfinite_total, "config": dataclasses.asdict(self.cfg),
+                 "drafter": self.drafter_settings,
                  "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
         return self.checkpointer.save(self.models.engine, self.step, state)

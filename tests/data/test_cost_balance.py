@@ -253,3 +253,26 @@ def test_a_cost_level_of_many_short_samples_does_not_clump_one_step():
         batches = [plan[r][i] for i in range(len(plan[0])) for r in range(16)]
         steps.append([np.concatenate(batches[s:s + 64]) for s in range(0, len(batches), 64)])
     assert length_r2(lengths, steps[1]) <= length_r2(lengths, steps[0])
+
+
+@pytest.mark.parametrize("case", ["supervised NaN", "lengths inf", "cost model NaN"])
+def test_non_finite_cost_inputs_are_refused_naming_the_file_and_sample(tmp_path, capsys, case):
+    from dflash.training.config import load_config
+
+    lengths = np.full(64, 300, dtype=np.int64)
+    np.save(tmp_path / "l.npy", lengths)
+    args = ["--lengths", str(tmp_path / "l.npy"), "--token-budget", "4096"]
+    if case == "cost model NaN":  # Python's json writes and reads NaN
+        (tmp_path / "cost.json").write_text(json.dumps({"per_token": 1.0, "per_row": float("nan")}))
+        with pytest.raises(UserError, match=rf"--cost-model: {tmp_path / 'cost.json'}: per_row is nan; every "
+                                            "coefficient of a cost model must be finite"):
+            load_config(["--cost-model", str(tmp_path / "cost.json")])
+        return
+    values = lengths.astype(np.float64)
+    values[5] = np.nan if case == "supervised NaN" else np.inf
+    flag = "--supervised" if case == "supervised NaN" else "--lengths"
+    np.save(tmp_path / "bad.npy", values)
+    with pytest.raises(SystemExit) as exit_info:
+        _plan_cli().main([*args, flag, str(tmp_path / "bad.npy")])
+    assert exit_info.value.code == 2
+    assert f"error: {flag} {tmp_path / 'bad.npy'}: sample 5 has {values[5]} tokens" in capsys.readouterr().err

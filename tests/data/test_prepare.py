@@ -197,6 +197,9 @@ FAULTY_LINES = [
      "assistant first", "the first turn after the system prompt must be the user's"),
     (json.dumps({"messages": [{"role": "user", "content": "forbidden"}, {"role": "assistant", "content": "w1"}]})
      .encode(), "template", "the chat template refuses this conversation: no forbidden words"),
+    # valid JSON and UTF-8, but "\ud800" decodes to a lone surrogate, which no tokenizer can encode
+    (b'{"messages": [{"role": "user", "content": "w1 \\ud800"}, {"role": "assistant", "content": "w1"}]}',
+     "not text", r"turn 0: '\\ud800' at character 3 is not text \(an unpaired surrogate escape\)"),
 ]
 
 
@@ -317,6 +320,6 @@ def test_full_disk_while_writing_the_store_is_a_clear_error(tmp_path, tokenizer,
 
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", full)
     src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
-    with pytest.raises(UserError, match=r"store: the disk is full while writing the token store \(.* GiB free\)"):
+    with pytest.raises(UserError, match=r"store: the disk is full while writing the token store \(.* free\)"):
         prepare_jsonl(src, tokenizer, tmp_path / "store", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

@@ -25,9 +25,9 @@ def tiny_target(seed=0):
     return TargetModel(AutoModelForCausalLM.from_config(config).float(), TAPS)
 
 
-def tiny_drafter(target, seed=0, **kwargs):
+def tiny_drafter(target, seed=0, layer_types=None, sliding_window=None, **kwargs):
     config = DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, num_draft_layers=2,
-                                       target_layer_ids=TAPS)
+                                       target_layer_ids=TAPS, layer_types=layer_types, sliding_window=sliding_window)
     drafter = DFlashDrafter(config, target.shared_weights(), gamma=2.0, **kwargs)
     # Larger than the 0.02 init, and non-trivial norms, so every term shows in the outputs.
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +55,8 @@ def inference_block(drafter, feats, tokens, anchor):
     """The official inference formula for one block, written out densely.
 
     Context = this sample's fused features at positions 0..anchor-1, block = [anchor token,
-    mask x (B-1)] at positions anchor..anchor+B-1, keys/values = [context; block], no mask.
+    mask x (B-1)] at positions anchor..anchor+B-1, keys/values = [context; block]; no mask in a
+    full layer, in a sliding layer (window W) key position kp <= query position p and p - kp < W.
     """
     cfg = drafter.config
     embed = drafter._shared.embed
@@ -64,14 +65,20 @@ def inference_block(drafter, feats, tokens, anchor):
     x = embed[torch.tensor([int(tokens[anchor])] + [MASK_ID] * (B - 1))]
     cos, sin = Qwen3RotaryEmbedding(cfg.to_qwen3_config())(x[None], torch.arange(anchor + B)[None])
     cos, sin = cos[0], sin[0]
-    for layer in drafter.layers:
+    for i, layer in enumerate(drafter.layers):
         at = layer.self_attn
         h = layer.input_layernorm(x)
         q = rope(at.q_norm(at.q_proj(h).view(B, Hq, D)), cos[anchor:], sin[anchor:])
         k = rope(at.k_norm(torch.cat([at.k_proj(ctx), at.k_proj(h)]).view(-1, Hkv, D)), cos, sin)
         v = torch.cat([at.v_proj(ctx), at.v_proj(h)]).view(-1, Hkv, D)
         k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-        p = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * D**-0.5, dim=-1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
+        window, causal = cfg.layer_attention(i)
+        qpos, kpos = torch.arange(anchor, anchor + B)[:, None], torch.arange(anchor + B)[None, :]
+        keep = (kpos <= qpos) if causal else torch.ones(B, anchor + B, dtype=torch.bool)
+        if window is not None:
+            keep &= qpos - kpos < window
+        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
         x = x + at.o_proj(torch.einsum("hqk,khd->qhd", p, v).reshape(B, Hq * D))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.norm(x)
@@ -84,9 +91,13 @@ def run_blocks(drafter, batch, feats, anchors):
     return hidden.view(-1, B, hidden.shape[-1])
 
 
-def test_packed_forward_matches_inference_formula_block_by_block():
+@pytest.mark.parametrize("layer_types,window", [
+    pytest.param(None, None, id="full"),
+    pytest.param(["sliding_attention", "full_attention"], 5, id="sliding-full"),
+])
+def test_packed_forward_matches_inference_formula_block_by_block(layer_types, window):
     target = tiny_target()
-    drafter = tiny_drafter(target)
+    drafter = tiny_drafter(target, layer_types=layer_types, sliding_window=window)
     lengths = [11, 30, 19]
     batch = make_batch(lengths)
     feats = target.features(batch)

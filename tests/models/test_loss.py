@@ -21,7 +21,7 @@ def inputs(n, vocab, hidden, seed=0, dtype=torch.float32):
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
 def test_chunked_ce_matches_full_logits(chunk):
     h, weight, labels, w = inputs(37, 300, 16)
-    loss, preds = chunked_weighted_ce(h, weight, labels, w, chunk)
+    loss, preds, _ = chunked_weighted_ce(h, weight, labels, w, chunk)
     (grad,) = torch.autograd.grad(3.0 * loss, h)
     logits = h @ weight.t()
     ref = (F.cross_entropy(logits, labels, reduction="none") * w).sum()
@@ -31,9 +31,24 @@ def test_chunked_ce_matches_full_logits(chunk):
     assert torch.equal(preds, logits.argmax(-1))
 
 
+def test_chunked_ce_label_logprobs_at_temperatures():
+    h, weight, labels, w = inputs(37, 300, 16)
+    temperatures = (0.3, 1.0, 2.5)
+    loss, preds, logq = chunked_weighted_ce(h, weight, labels, w, 7, temperatures)
+    logits = (h @ weight.t()).detach()
+    ref = torch.stack([torch.log_softmax(logits / t, -1).gather(1, labels[:, None]).squeeze(1) for t in temperatures],
+                      dim=1)
+    torch.testing.assert_close(logq, ref, rtol=1e-5, atol=1e-5)
+    assert not logq.requires_grad
+    # the loss and its gradient are those without temperatures
+    torch.testing.assert_close(loss, chunked_weighted_ce(h, weight, labels, w, 7)[0])
+    with pytest.raises(ValueError, match="> 0"):
+        chunked_weighted_ce(h, weight, labels, w, 7, (0.0,))
+
+
 def test_chunked_ce_bf16_close_to_fp32_reference():
     h, weight, labels, w = inputs(50, 500, 32, dtype=torch.bfloat16)
-    loss, _ = chunked_weighted_ce(h, weight, labels, w, 16)
+    loss, _, _ = chunked_weighted_ce(h, weight, labels, w, 16)
     ref = (F.cross_entropy((h.float() @ weight.float().t()), labels, reduction="none") * w).sum()
     torch.testing.assert_close(loss, ref.detach(), rtol=2e-2, atol=1e-2)
 
@@ -51,7 +66,7 @@ def test_chunked_ce_peak_memory_does_not_grow_with_rows():
         h, weight, labels, w = inputs(n, vocab, hidden)
 
         def step():
-            loss, _ = chunked_weighted_ce(h, weight, labels, w, chunk)
+            loss, _, _ = chunked_weighted_ce(h, weight, labels, w, chunk)
             loss.backward()
 
         return measure_peak_tensor_bytes(step)[0]

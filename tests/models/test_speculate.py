@@ -1,7 +1,9 @@
-"""Speculative decoding on the demo target: lossless, and its acceptance length equals the walk tau.
+"""Speculative decoding on the demo target: lossless, and its acceptance length equals the walk tau;
+sampled at temperature 1, its acceptance length is the one the walk at temperature predicts.
 
 The turns are regenerated here by the target's own greedy decoding, so the walk over them is the
 decoding figure exactly (fp32, CPU): same context features, block content, positions and stop rule.
+At temperature 1 the turns are the target's samples, as decoding's outputs are.
 """
 from __future__ import annotations
 
@@ -13,7 +15,18 @@ import torch
 
 from dflash.data.collate import collate_packed
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token
-from dflash.models.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
+from dflash.models import sampling as sampling_module
+from dflash.models.acceptance import (
+    every_anchor,
+    expected_blocks,
+    limited,
+    slot_ratios,
+    target_inputs,
+    turn_spans,
+    walk,
+    walk_tau,
+)
+from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
     greedy_decode,
     prompts_from_conversations,
@@ -54,31 +67,30 @@ def demo():
         for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
             text = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
             prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    samples, outs = [], []
     newline = tok("\n", add_special_tokens=False)["input_ids"]
-    for p in prompts:
-        out = greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops).tokens
+
+    def sample(prompt, out):
         # as the chat template renders a finished turn: `<|im_end|>\n`, the newline supervised too
         tail = newline if out[-1] in stops else []
-        samples.append((np.asarray(p + out + tail), np.asarray([0] * len(p) + [1] * len(out + tail), dtype=bool)))
-        outs.append(out)
+        return np.asarray(prompt + out + tail), np.asarray([0] * len(prompt) + [1] * len(out + tail), dtype=bool)
+
+    outs = [greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops).tokens for p in prompts]
     assert any(out[-1] in stops for out in outs) and any(len(out) == LIMIT for out in outs)
-    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, samples=samples,
-                outs=outs)
+    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, outs=outs,
+                samples=[sample(p, out) for p, out in zip(prompts, outs, strict=True)], sample=sample)
 
 
-def make_drafter(demo, seed=0, layers=2):
+def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
     torch.manual_seed(seed)
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
                                        num_draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
-                                       vocab_size=demo["target"].num_embedding_rows)
+                                       vocab_size=demo["target"].num_embedding_rows, layer_types=layer_types,
+                                       sliding_window=sliding_window)
     return DFlashDrafter(config, demo["target"].shared_weights(), num_anchors=32, attention_backend="torch")
 
 
-@pytest.fixture(scope="module")
-def trained(demo):
-    """A drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
-    drafter = make_drafter(demo, seed=1, layers=1)
+def fit(demo, drafter):
+    """The drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
     feats = demo["target"].features(batch)
     (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
@@ -89,6 +101,22 @@ def trained(demo):
         (out.loss_sum / out.weight_sum).backward()
         opt.step()
     return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(demo):
+    return fit(demo, make_drafter(demo, seed=1, layers=1))
+
+
+def test_sliding_drafter_lossless_and_equal_to_walk(demo):
+    """A sliding layer (window 12, shorter than the prompts, and than the block plus context) then a
+    full one: decoding applies each layer's mask as training does, so the walk is still exact."""
+    drafter = fit(demo, make_drafter(demo, seed=2, layer_types=["sliding_attention", "full_attention"],
+                                     sliding_window=12))
+    lossless, decoded, walked, stats = decode_and_walk(demo, drafter, LIMIT)
+    assert lossless
+    assert decoded == walked
+    assert stats.metrics()["tau"] > 1.15
 
 
 def decode_and_walk(demo, drafter, limit):
@@ -137,6 +165,101 @@ def test_speculate_report(demo, trained):
     assert set(s) >= {"acceptance_length", "target_tokens_per_s", "speculative_tokens_per_s", "speedup", "lossless"}
 
 
+def walk_at(demo, drafter, samples, temperature):
+    """Per turn (tokens after the first, expected blocks at the temperature) of the walk over `samples`."""
+    out = []
+    for sample in samples:
+        batch = collate_packed([sample], [0])
+        features, logprobs = target_inputs(demo["target"], batch, (temperature,))
+        stats = walk_tau(lambda b, f, a, **kw: drafter(b, f, anchors=a, **kw), batch, features,
+                         block_size=drafter.block_size, max_turn_tokens=LIMIT, stop_ids=demo["stops"],
+                         temperatures=(temperature,), target_logprobs=logprobs)
+        out.append((stats.tokens, stats.expected_blocks[0]))
+    return np.asarray(out)
+
+
+def ratio_and_error(tokens, blocks):
+    """sum tokens / sum blocks over turns, and its standard error (delta method over turns)."""
+    tau = tokens.sum() / blocks.sum()
+    n = len(tokens)
+    return tau, np.sqrt(((tokens - tau * blocks) ** 2).sum() / (n * (n - 1))) / blocks.mean()
+
+
+def test_walk_at_temperature_predicts_speculative_sampling(demo, trained):
+    """tau@1 of the walk over turns the target sampled at temperature 1 against `speculative_decode` at
+    temperature 1 of the same prompts (other seeds), within 3 standard errors of the difference; and,
+    without path noise, the expected blocks along the speculative outputs themselves against the
+    blocks they took (the acceptance coins are the only noise left: z within 3)."""
+    hf, stops, repeats = demo["hf"], demo["stops"], 4
+    sampling = Sampling(1.0)
+    prompts = [p for p in demo["prompts"] for _ in range(repeats)]  # 32 turns
+    regenerated = Sampler(sampling, seed=11)
+    turns = [demo["sample"](p, greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops, sampler=regenerated).tokens)
+             for p in prompts]
+    walked = walk_at(demo, trained, turns, 1.0)
+    predicted, predicted_err = ratio_and_error(walked[:, 0], walked[:, 1])
+
+    decoder = Sampler(sampling, seed=12)
+    decoded = [speculative_decode(hf, trained, p, max_new_tokens=LIMIT, stop_ids=stops, sampler=decoder)
+               for p in prompts]
+    forwards = np.asarray([d.forwards for d in decoded], dtype=np.float64)
+    tokens = np.asarray([len(d.tokens) - 1 for d in decoded], dtype=np.float64)
+    measured, measured_err = ratio_and_error(tokens, forwards)
+    assert abs(predicted - measured) < 3 * np.hypot(predicted_err, measured_err), (predicted, measured)
+    assert measured > 1.05  # drafts are accepted at temperature 1 too
+
+    along = walk_at(demo, trained, [demo["sample"](p, d.tokens) for p, d in zip(prompts, decoded, strict=True)], 1.0)
+    assert np.array_equal(along[:, 0], tokens)
+    residual = forwards - along[:, 1]
+    assert abs(residual.sum()) < 3 * np.sqrt((residual ** 2).sum()), (forwards.sum(), along[:, 1].sum())
+
+
+def test_walk_ratios_are_those_of_decoding(demo, trained, monkeypatch):
+    """At every block speculative sampling ran (T 1), min(1, q/p) of the tokens it emitted equals the
+    walk's ratio at that anchor and slot: the same drafter distribution (cached forward vs scored block)
+    and the same target probability (verify forward vs packed forward), position by position."""
+    hf, stops, B = demo["hf"], demo["stops"], trained.block_size
+    blocks = []
+
+    def recording(drafts, q, p, generator=None):
+        accepted, token = verify_block(drafts, q, p, generator)
+        emitted = drafts[:accepted].tolist() + [token]
+        blocks.append((accepted, [min(1.0, float(q[k, y] / p[k, y])) for k, y in enumerate(emitted[:B - 1])]))
+        return accepted, token
+
+    monkeypatch.setattr(sampling_module, "verify_block", recording)
+    sampler, compared = Sampler(Sampling(1.0), seed=5), []
+    for prompt in demo["prompts"][:4]:
+        blocks.clear()
+        decoded = speculative_decode(hf, trained, prompt, max_new_tokens=LIMIT, stop_ids=stops, sampler=sampler)
+        batch = limited(collate_packed([demo["sample"](prompt, decoded.tokens)], [0]), LIMIT, stops)
+        features, logprobs = target_inputs(demo["target"], batch, (1.0,))
+        (anchors,) = every_anchor(batch, B)
+        positions = anchors.block_anchor.numpy()
+        ratios = slot_ratios(trained(batch, features, anchors=anchors, temperatures=(1.0,)).label_logq, positions,
+                             logprobs)[0]
+        anchor = len(prompt)
+        for accepted, decoding_ratios in blocks:
+            walk_ratios = ratios[int(np.flatnonzero(positions == anchor)[0]), :len(decoding_ratios)]
+            np.testing.assert_allclose(walk_ratios, decoding_ratios, rtol=1e-4, atol=1e-6)
+            anchor += accepted + 1
+            compared.append(accepted)
+    assert sum(a > 0 for a in compared) >= 3, compared  # slots after accepted ones were compared too
+
+
+def test_expected_blocks_of_hits_is_the_walk_and_of_ratios_the_mean_of_sampled_walks():
+    rng = np.random.default_rng(0)
+    spans = [(2, 15), (15, 16), (20, 39)]
+    hits = rng.random((40, 4)) < 0.5
+    accepted = np.cumprod(hits, axis=1).sum(axis=1)
+    assert expected_blocks(hits.astype(float), spans) == sum(walk(accepted, s, e)[1] for s, e in spans)
+    # ratios: the mean number of blocks of walks whose slots are accepted with those probabilities
+    ratios = rng.random((40, 4))
+    draws = rng.random((4000, 40, 4)) < ratios
+    sampled = [sum(walk(np.cumprod(d, axis=1).sum(axis=1), s, e)[1] for s, e in spans) for d in draws]
+    assert abs(expected_blocks(ratios, spans) - np.mean(sampled)) < 4 * np.std(sampled) / np.sqrt(len(sampled))
+
+
 def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
     from dflash.data.prepare import tokenize_conversation
     from dflash.demo import DATA
@@ -149,6 +272,38 @@ def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
     samples = [tokenize_conversation(demo["tok"], json.loads(x)["messages"], "x") for x in lines]
     assert prompts[:-1] == prompts_from_samples(samples) == demo["prompts"]
     assert demo["tok"].decode(prompts[-1]).endswith("<|im_start|>assistant\n")
+
+
+def test_speculate_cli_saves_the_runs_heldout_conversations(demo, tmp_path, capsys):
+    """--save-heldout writes the lines of the run's data that its held-out split holds (a sample a blank
+    line before it moves to another line number, so the source lines, not the store order, are used)."""
+    import importlib.util
+
+    from dflash.data.prepare import ensure_store, tokenize_conversation
+    from dflash.data.token_store import TokenStore
+    from dflash.demo import DATA
+    from dflash.training.data import held_out_split
+
+    from ..conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("speculate_cli", ROOT / "launch" / "speculate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with open(DATA) as f:
+        lines = [next(f) for _ in range(12)]
+    data, run = tmp_path / "data.jsonl", tmp_path / "run"
+    data.write_text("\n" + "".join(lines))
+    ensure_store(data, demo["tok"], run / "data", max_length=1024, progress=False, say=lambda *_: None)
+    (run / "config.json").write_text(json.dumps({"data": str(data), "eval_fraction": 0.25, "seed": 3}))
+    make_drafter(demo).save_pretrained(run / "drafter")
+    result = cli.main(["--drafter", str(run / "drafter"), "--save-heldout", str(tmp_path / "heldout.jsonl")])
+    _, eval_idx = held_out_split(12, 0.25, 3)
+    assert result == {"heldout_conversations": 3} and "wrote the 3 held-out conversations" in capsys.readouterr().out
+    assert (tmp_path / "heldout.jsonl").read_text() == "".join(lines[i] for i in eval_idx)
+    saved = [json.loads(x)["messages"] for x in lines]
+    store = TokenStore(run / "data")
+    for i in eval_idx:
+        assert np.array_equal(tokenize_conversation(demo["tok"], saved[i], "x")[0], store[int(i)][0])
 
 
 def test_walk_against_step_by_step_decoding():
@@ -190,6 +345,17 @@ def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == result
     assert result["lossless"] and result["turns"] == 2 and result["max_new_tokens"] == 6
     assert result["tokens"] == 12 and result["speedup"] > 0  # the first demo answers are longer than 6 tokens
+    assert result["temperature"] == 0 and result["seed"] is None and result["acceptance_length_stderr"] is None
+    sampled = cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(DATA), "--target", str(TARGET),
+                        "--max-turns", "2", "--max-new-tokens", "6", "--temperature", "1", "--top-p", "0.9",
+                        "--seed", "3", "--json", "--no-progress"])
+    assert json.loads(capsys.readouterr().out) == sampled
+    assert (sampled["temperature"], sampled["top_p"], sampled["seed"], sampled["drafts"]) == (1.0, 0.9, 3, "sampled")
+    assert sampled["lossless"] is None and sampled["turns"] == 2 and sampled["acceptance_length_stderr"] is not None
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(DATA), "--seed", "3"])
+    assert e.value.code == 2
+    assert "--seed applies only to sampling: give --temperature > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.main(["--drafter", str(tmp_path / "drafter")])  # no --prompts and no run around it
     assert e.value.code == 2

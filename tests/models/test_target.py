@@ -98,6 +98,18 @@ def test_padded_features_match_per_sample_forward(family):
     torch.testing.assert_close(feats, reference_features(reference, samples, [3, 1]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_output_states_give_the_per_sample_logits(layout):
+    model, reference = tiny_models("qwen3", seed=3)
+    target = TargetModel(model, [1, 3])
+    samples, packed, padded = make_batches([7, 30, 12], seed=4)
+    feats, output = target.features(packed if layout == "packed" else padded, with_output=True)
+    torch.testing.assert_close(feats, reference_features(reference, samples, [1, 3]), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        logits = torch.cat([reference(s[None]).logits[0] for s in samples])
+    torch.testing.assert_close(output @ target.shared_weights().lm_head.t(), logits, rtol=1e-4, atol=1e-4)
+
+
 def test_forward_stops_after_last_tapped_layer():
     model, _ = tiny_models("qwen3")
     target = TargetModel(model, [2, 0])
@@ -153,10 +165,16 @@ def test_mask_token_takes_a_spare_embedding_row():
     assert ensure_mask_token(tokenizer, VOCAB) == 250 and len(tokenizer) == 251  # added once
 
 
-def test_mask_token_without_spare_row_is_a_clear_error():
-    tokenizer = _word_tokenizer(VOCAB)
-    with pytest.raises(ValueError, match="resize the target's embeddings"):
+def test_mask_token_without_spare_row_is_a_clear_error_with_a_fix_the_cli_reaches():
+    tokenizer = _word_tokenizer(VOCAB - 1)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|reserved_0|>"]})  # the last row
+    with pytest.raises(ValueError, match=rf"the mask token '<\|MASK\|>' would get id {VOCAB}, but the target's "
+                                         rf"embedding has {VOCAB} rows .* train.py --mask-token TEXT \(this "
+                                         r"tokenizer's special tokens that its chat template does not use: "
+                                         rf"'<\|reserved_0\|>'\); or .*resize_token_embeddings\({VOCAB + 1}\)"):
         ensure_mask_token(tokenizer, num_embedding_rows=VOCAB)
+    assert len(tokenizer) == VOCAB, "left as it was"
+    assert ensure_mask_token(tokenizer, VOCAB, token="<|reserved_0|>") == VOCAB - 1  # --mask-token: reused
 
 
 def test_packed_flops_are_those_of_the_real_tokens():

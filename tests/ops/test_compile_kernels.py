@@ -35,6 +35,21 @@ def test_gate_reports_each_kernel_and_config():
     assert done.returncode == (0 if all(r["fits"] for r in records) else 1), done.stderr[-2000:]
 
 
+def test_gate_covers_the_sliding_block_kernels():
+    """The drafter's sliding-layer variants of every block kernel (window and causal order inside
+    the block), first config, bfloat16 head dim 128 on sm_90a; every config: docs/BENCHMARKS.md."""
+    cmd = [sys.executable, "launch/compile_kernels.py", "--op", "block", "--sliding-only", "--first-only", "--arch",
+           "90", "--head-dim", "128", "--dtype", "bfloat16", "--jobs", "1", "--json", "-"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    records = json.loads(done.stdout)
+    kernels = ["_bwd_ctx_kernel", "_bwd_ctx_kernel", "_bwd_dq_ctx_kernel", "_bwd_own_kernel", "_fwd_kernel"]
+    assert sorted(r["kernel"] for r in records) == kernels
+    for r in records:
+        assert r["constexprs"]["HAS_WINDOW"] is True and r["constexprs"]["CAUSAL"] is True
+        assert 0 < r["shared_bytes"] <= 232448 and 0 < r["registers"] <= 255
+    assert done.returncode == (0 if all(r["fits"] for r in records) else 1), done.stderr[-2000:]
+
+
 PRUNE = """
 import torch
 from dflash.errors import UserError

@@ -26,23 +26,37 @@ def _batch(lengths, blocks_per_seq, block_size, hq, hkv, d, dtype, seed=0, ancho
     return tensors[:5], tensors[5], cu.to(DEVICE), seq.to(DEVICE), anchor.to(DEVICE)
 
 
-def _run(inputs, do, cu, seq, anchor, block_size, backend, dtype=None, deterministic=None):
+def _run(inputs, do, cu, seq, anchor, block_size, backend, dtype=None, deterministic=None, window=None,
+         causal=False):
     leaves = [x.to(dtype or x.dtype).requires_grad_() for x in inputs]
-    out = dflash_block_attention(*leaves, cu, seq, anchor, block_size, backend=backend, deterministic=deterministic)
+    out = dflash_block_attention(*leaves, cu, seq, anchor, block_size, backend=backend, deterministic=deterministic,
+                                 window=window, causal=causal)
     return out, torch.autograd.grad(out, leaves, do.to(out.dtype))
 
 
-def _dense(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq, anchor, block_size):
-    """Attention over all context rows and all block rows of the pack with an explicit mask."""
+def _dense(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq, anchor, block_size, window=None, causal=False):
+    """Attention over all context rows and all block rows of the pack with an explicit mask,
+    built from the rule of docs/ARCHITECTURE.md ("Drafter layer types as the engines serve them"):
+    a query at position p (slot k of a block anchored at a: p = a+k) sees its sample's context
+    rows before a and its own block's slots, then, by key position kp (context row j: j; slot i:
+    a+i), only kp <= p if causal, and only p - kp < window (and kp - p < window unless causal)."""
     rows, hq, d = q.shape
     t = k_ctx.shape[0]
     ctx_seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), (cu[1:] - cu[:-1]).long())
     ctx_pos = torch.arange(t, device=q.device) - cu.long()[ctx_seq]
     q_block = torch.arange(rows, device=q.device) // block_size
     q_seq, q_anchor = seq.long()[q_block], anchor.long()[q_block]
+    q_pos = q_anchor + torch.arange(rows, device=q.device) % block_size
     ctx_mask = (ctx_seq[None, :] == q_seq[:, None]) & (ctx_pos[None, :] < q_anchor[:, None])
     blk_mask = q_block[:, None] == q_block[None, :]
     mask = torch.cat([ctx_mask, blk_mask], 1)
+    key_pos = torch.cat([ctx_pos, q_pos])[None, :]  # a block row's key position is its query position
+    if causal:
+        mask &= key_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= q_pos[:, None] - key_pos < window
+        if not causal:
+            mask &= key_pos - q_pos[:, None] < window
     g = hq // k_ctx.shape[1]
     k = torch.cat([k_ctx, k_blk]).repeat_interleave(g, 1)
     v = torch.cat([v_ctx, v_blk]).repeat_interleave(g, 1)
@@ -50,20 +64,50 @@ def _dense(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq, anchor, block_size):
     return torch.einsum("hij,jhd->ihd", p, v)
 
 
+# (window, causal): full attention, a sliding layer's rule (window larger and smaller than the
+# block), and the variants an `is_causal` override gives.
+VARIANTS = [
+    pytest.param(None, False, id="full"),
+    pytest.param(5, True, id="sliding5-causal"),
+    pytest.param(3, True, id="sliding3-causal-window-lt-block"),
+    pytest.param(None, True, id="full-causal"),
+    pytest.param(3, False, id="sliding3-bidirectional"),
+]
+
+
+@pytest.mark.parametrize("window,causal", VARIANTS)
 @pytest.mark.parametrize("lengths,per_seq,block_size", [
     pytest.param([9, 1, 14], 3, 4, id="mixed"),
     pytest.param([0, 6], 2, 3, id="empty-sample"),
 ])
-def test_reference_matches_dense_mask(lengths, per_seq, block_size):
+def test_reference_matches_dense_mask(lengths, per_seq, block_size, window, causal):
     inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, 4, 2, 16, torch.float64)
     if lengths[0] == 0:
         seq[:] = 1  # no blocks in the empty sample
-    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
+    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", window=window, causal=causal)
     leaves = [x.clone().requires_grad_() for x in inputs]
-    ref = _dense(*leaves, cu, seq, anchor, block_size)
+    ref = _dense(*leaves, cu, seq, anchor, block_size, window, causal)
     torch.testing.assert_close(out, ref)
     for got, want in zip(grads, torch.autograd.grad(ref, leaves, do), strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window,causal,expected", [
+    (None, False, ["xxx...xx..", "xxx...xx..", "........xx", "........xx"]),
+    (3, True, [".xx...x...", "..x...xx..", "........x.", "........xx"]),
+])
+def test_reference_visibility_is_the_documented_example(window, causal, expected):
+    """The interface docstring's picture (sample of 6 tokens, B = 2, anchors 3 and 0), read off
+    the reference: row r sees key c iff the output row's gradient w.r.t. that value is non-zero."""
+    inputs, _, cu, seq, anchor = _batch([6], 0, 2, 1, 1, 4, torch.float64, anchors=[(0, 3), (0, 0)])
+    seen = []
+    for r in range(4):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = dflash_block_attention(*leaves, cu, seq, anchor, 2, backend="torch", window=window, causal=causal)
+        g_ctx, g_blk = torch.autograd.grad(out[r].sum(), [leaves[2], leaves[4]])  # d out / d v = p
+        keys = torch.cat([g_ctx, g_blk]).abs().sum((1, 2)) > 0
+        seen.append("".join("x" if v else "." for v in keys.tolist()))
+    assert seen == expected
 
 
 EDGES = [(0, 0), (0, 1), (1, 0), (1, 40), (1, 37), (1, 16), (2, 1), (1, 3), (1, 5), (1, 35)]
@@ -84,6 +128,33 @@ def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtyp
     out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic)
     ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64)
     low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
+    check_close("out", out, ref, low)
+    for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
+                                   strict=True):
+        check_close(name, got, want, lo)
+
+
+# The sliding-layer rule (and the overrides) in the kernels: windows shorter than a context tile
+# (16 rows in the interpreter), spanning several, shorter than the block; anchors at 0, at the end.
+SLIDING_CASES = [
+    pytest.param([40, 1, 23], 5, 4, 4, 2, 64, torch.float32, None, 6, True, id="fp32-d64-gqa2-w6"),
+    pytest.param([50, 37], 4, 4, 4, 2, 32, torch.bfloat16, None, 21, True, id="bf16-d32-w21"),
+    pytest.param([50, 6], 3, 6, 2, 2, 32, torch.float32, None, 3, True, id="fp32-block6-w3"),
+    pytest.param([1, 40, 2], 0, 4, 2, 1, 32, torch.float32, EDGES, 5, True, id="edges-w5"),
+    pytest.param([45, 9], 3, 4, 2, 1, 32, torch.float32, None, 7, False, id="bidirectional-w7"),
+    pytest.param([45, 9], 3, 4, 2, 1, 32, torch.float32, None, None, True, id="full-causal"),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("lengths,per_seq,block_size,hq,hkv,d,dtype,anchors,window,causal", SLIDING_CASES)
+def test_triton_sliding_variants_match_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, window,
+                                                 causal, deterministic, check_close):
+    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
+    variant = dict(window=window, causal=causal)
+    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic, **variant)
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64, **variant)
+    low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", **variant)
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
                                    strict=True):
@@ -154,6 +225,9 @@ def test_errors_name_the_problem():
         dflash_block_attention(*inputs, cu, seq.long(), anchor, 4)
     with pytest.raises(ValueError, match="past its length"):
         dflash_block_attention(*inputs, cu, seq, anchor + 7, 4, backend="torch")
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="window must be None or an integer >= 1"):
+            dflash_block_attention(*inputs, cu, seq, anchor, 4, window=bad)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the check is a device-side assert, which ends the process")
@@ -169,19 +243,27 @@ def test_triton_refuses_blocks_outside_their_sample(bad):
         dflash_block_attention(*inputs, cu, seq, anchor, 4, backend="triton")
 
 
-@pytest.mark.parametrize("backend", ["flex", "torch_varlen"])
-def test_flex_backend_matches_the_float64_reference(backend, check_close):
+@pytest.mark.parametrize("backend,window,causal", [
+    pytest.param("flex", None, False, id="flex"),
+    pytest.param("torch_varlen", None, False, id="torch_varlen"),
+    pytest.param("flex", 6, True, id="flex-sliding6-causal"),
+    pytest.param("flex", 3, True, id="flex-sliding3-causal"),
+    pytest.param("flex", 5, False, id="flex-sliding5-bidirectional"),
+])
+def test_flex_backend_matches_the_float64_reference(backend, window, causal, check_close):
     """FlexAttention with the block mask (also what torch_varlen / flash_attn select for this op):
     forward on the CPU (no CPU backward in torch), forward and backward on CUDA."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     inputs, do, cu, seq, anchor = _batch([40, 1, 23], 5, 4, 4, 2, 64, dtype, anchors=None)
-    ref, ref_grads = _run(inputs, do, cu, seq, anchor, 4, "torch", torch.float64)
-    low, low_grads = _run(inputs, do, cu, seq, anchor, 4, "torch")
+    variant = dict(window=window, causal=causal)
+    ref, ref_grads = _run(inputs, do, cu, seq, anchor, 4, "torch", torch.float64, **variant)
+    low, low_grads = _run(inputs, do, cu, seq, anchor, 4, "torch", **variant)
     if DEVICE != "cuda":
         detached = [x.detach() for x in inputs]  # _run made the inputs themselves leaves
-        check_close("out", dflash_block_attention(*detached, cu, seq, anchor, 4, backend=backend), ref, low)
+        out = dflash_block_attention(*detached, cu, seq, anchor, 4, backend=backend, **variant)
+        check_close("out", out, ref, low)
         return
-    out, grads = _run(inputs, do, cu, seq, anchor, 4, backend)
+    out, grads = _run(inputs, do, cu, seq, anchor, 4, backend, **variant)
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
                                    strict=True):
@@ -203,4 +285,4 @@ def test_auto_falls_back_to_flex_where_no_triton_config_fits(monkeypatch, check_
     with pytest.warns(UserWarning, match='no config fits sm_120a.*backend="auto" uses FlexAttention'):
         out = dflash_block_attention(*inputs, cu, seq, anchor, 4)
     check_close("out", out, dflash_block_attention(*inputs, cu, seq, anchor, 4, backend="torch"))
-    assert asked == [(32, 4, 2, torch.float32, 4, False, 120)]
+    assert asked == [(32, 4, 2, torch.float32, 4, False, False, False, 120)]

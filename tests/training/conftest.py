@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from dflash.training.ranks import free_port
 
-from ..conftest import ROOT, make_chat_tokenizer
+from ..conftest import ROOT, make_bpe_chat_tokenizer, make_chat_tokenizer
 
 WORDS = [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is"]
 
@@ -25,6 +26,24 @@ def make_tiny_target(path, seed=0):
                          tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def make_family_target(path, family, seed=0):
+    """A tiny random target of a `dflash.demo.families` family with a byte-level BPE chat tokenizer
+    (transformers loads Qwen3.5 folders with a BPE tokenizer class whatever the folder says)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash.demo.families import CONFIGS
+
+    tok = make_bpe_chat_tokenizer(WORDS)
+    config = CONFIGS[family]()
+    config.vocab_size = (len(tok) // 64 + 1) * 64  # spare rows for the mask token
+    config.pad_token_id, config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
@@ -57,13 +76,23 @@ def tiny_store(tiny_run_inputs, tmp_path_factory):
     return out
 
 
-def run_deepspeed(args, num_ranks=2, timeout=600, script=None):
-    """Run `deepspeed --num_gpus N` on CPU ranks; returns the completed process."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None):
+    """Run `deepspeed --num_gpus N` on CPU ranks; returns the completed process. On a timeout the
+    launcher and its ranks (their own process group) are killed, so no rank outlives the test."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env or {})}
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(num_ranks),
            "--master_port", str(free_port()), str(script or ROOT / "launch" / "train.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def tiny_train_args(target, data, out, *extra):

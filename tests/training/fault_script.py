@@ -6,12 +6,14 @@ FAULT is `kind@step:rank` (rank: a number or `all`), one of
   kill-mid-step        SIGKILL after the first backward of that step, before the optimizer step
   kill-mid-save        SIGKILL in the checkpoint save of that step, after the rank's first file
   kill-before-marker   SIGKILL once every rank wrote its files, before COMPLETE is written
+  wait                 at the start of that step, write `waiting` into the run folder and sleep (to be signalled)
 or `nan@FIRST-LAST`: the loss of every micro-batch of those steps is NaN (all ranks).
 """
 import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -77,6 +79,13 @@ elif kind == "kill-mid-save":
     wrap(TorchCheckpointEngine, "save", after=lambda *a, **k: hits(now["saving"]) and die())
 elif kind == "kill-before-marker":
     wrap(checkpoint, "_write_atomically", before=lambda *a, **k: hits(now["saving"]) and die())
+elif kind == "wait":
+    def wait(self, *args, **kwargs):
+        if hits(self.step + 1):
+            Path(argv[argv.index("--output-dir") + 1], "waiting").write_text(str(self.step + 1))
+            time.sleep(300)
+
+    wrap(trainer.Trainer, "train_step", before=wait)
 elif kind == "nan":
     first, last = map(int, where.split("-"))
     forward = DFlashDrafter.forward

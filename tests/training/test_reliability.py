@@ -6,8 +6,10 @@ loss curves, evaluations and the samples each step used (`--sample-log`) must be
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -55,16 +57,24 @@ def shared_memory_buffers():
 
 @pytest.fixture(scope="module")
 def reference(tiny_run_inputs, tmp_path_factory):
+    """The reference run, in a torch extensions folder where a killed build left its lock behind
+    (the state that once made every later run on a CI machine wait forever)."""
     target, data = tiny_run_inputs
     out = tmp_path_factory.mktemp("reference") / "run"
+    extensions = tmp_path_factory.mktemp("torch_extensions")
+    (extensions / "deepspeed_shm_comm").mkdir()
+    (extensions / "deepspeed_shm_comm" / "lock").touch()
     before = shared_memory_buffers()
-    ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON)))
+    ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON), timeout=300,
+                     env={"TORCH_EXTENSIONS_DIR": str(extensions)}))
     (out / "leaked_shm.json").write_text(json.dumps(sorted(map(str, shared_memory_buffers() - before))))
+    (out / "built.json").write_text(json.dumps(sorted(str(p.relative_to(extensions)) for p in extensions.rglob("*"))))
     return out
 
 
-def test_cpu_ranks_leave_no_shared_memory_behind(reference):
+def test_cpu_ranks_build_nothing_and_leave_no_shared_memory_behind(reference):
     assert json.loads((reference / "leaked_shm.json").read_text()) == []
+    assert json.loads((reference / "built.json").read_text()) == ["deepspeed_shm_comm", "deepspeed_shm_comm/lock"]
 
 
 def test_reference_run_sees_every_training_sample_once_per_epoch(reference):
@@ -185,6 +195,27 @@ def test_resume_with_other_world_size_or_step_size_is_refused_unless_forced(refe
     assert steps[:8] == list(range(1, 9)) and len(steps) > 8
 
 
+def test_a_resume_with_options_that_shape_another_drafter_is_refused_before_anything_loads(reference,
+                                                                                          tiny_run_inputs, tmp_path):
+    from .conftest import make_tiny_target
+
+    target, data = tiny_run_inputs
+    other = make_tiny_target(tmp_path / "other", seed=1)  # the same architecture, other weights
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = (out / "config.json").read_bytes()
+    proc = run_deepspeed(tiny_train_args(other, data, out, *COMMON, "--resume", "--force-resume", "--gamma", 3,
+                                         "--target-layer-ids", "1,2", "--draft-layers", 2), num_ranks=1)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"error: --resume: {out / 'checkpoints' / 'step-00000008'} trained a drafter with other settings "
+            "(checkpoint -> now):\n") in proc.stderr
+    for line in ("--draft-layers: 1 -> 2", "--gamma: 7.0 -> 3.0", "--target-layer-ids: 1,1 -> 1,2",
+                 f"--target: {target} -> {other}"):
+        assert f"\n  {line}\n" in proc.stderr, line
+    assert "Loading weights" not in proc.stdout + proc.stderr, "refused before the target loads"
+    assert (out / "config.json").read_bytes() == before
+
+
 # ---- bad input -------------------------------------------------------------------------------
 BAD_DS_CONFIGS = [
     ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
@@ -292,3 +323,77 @@ def test_an_error_in_rank_0_preparation_is_one_line_on_every_rank(tiny_run_input
     assert len(errors) == 2, proc.stderr[-3000:]
     assert any(f"error: {bad}:2: invalid JSON" in line for line in errors)
     assert any("error: rank 1: stopped because rank 0 failed while preparing the data" in line for line in errors)
+
+
+# ---- signals: a stopped launcher stops every rank, and the run resumes (issue 28) ---------------
+def launch(args, out, name):
+    """`deepspeed --num_gpus 2 fault_script.py ...` in its own session (as a terminal's job), logs in files."""
+    from dflash.training.ranks import free_port
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    logs = open(out.parent / f"{name}.log", "w+")
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(FAULTS), *map(str, args)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT, start_new_session=True), logs
+
+
+def stop(proc, logs, out, how):
+    """Wait until rank 0 waits at its step, signal the launcher as `how` says, and return the log once
+    every process of the job has ended."""
+    waiting = out / "waiting"
+    deadline = time.time() + 300
+    while not waiting.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert waiting.exists(), open(logs.name).read()[-3000:]
+    waiting.unlink()
+    if how == "ctrl-c":  # a terminal sends SIGINT to every process of the job
+        os.killpg(proc.pid, signal.SIGINT)
+    else:  # `kill PID` of the deepspeed command alone
+        proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # a process of the job is still there: an orphaned rank?
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("a rank outlived its launcher:\n" + open(logs.name).read()[-3000:])
+    logs.seek(0)
+    return logs.read()
+
+
+def rank_tracebacks(log: str) -> list[str]:
+    """Tracebacks in a job's log other than the `deepspeed` command's own KeyboardInterrupt on Ctrl-C
+    (DeepSpeed's runner handles no SIGINT)."""
+    lines = log.splitlines()
+    return [lines[i + 1] for i, line in enumerate(lines[:-1])
+            if line.startswith("Traceback") and not lines[i + 1].strip().endswith("/deepspeed\", line 6, in <module>")]
+
+
+def test_a_stopped_launcher_stops_every_rank_in_one_line_and_the_run_resumes_once(reference, tiny_run_inputs,
+                                                                                   tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    # Ctrl-C in step 2, before the first checkpoint: rank 1 waits in a collective for rank 0
+    log = stop(*launch(["wait@2:0", *tiny_train_args(target, data, out, *COMMON)], out, "first"), out, "ctrl-c")
+    errors = [line for line in log.splitlines() if "error:" in line]
+    assert sorted(errors) == ["error: rank 1: stopped by SIGINT", "error: stopped by SIGINT; no checkpoint was written "
+                              "yet: the same command with --resume starts the run again"], log[-3000:]
+    assert rank_tracebacks(log) == []
+    # SIGTERM to the deepspeed command alone (it forwards nothing): the ranks see it gone and stop
+    log = stop(*launch(["wait@5:0", *tiny_train_args(target, data, out, *COMMON, "--resume")], out, "second"), out,
+               "kill")
+    errors = [line for line in log.splitlines() if "error:" in line]
+    assert f"error: stopped by SIGTERM (its launcher was stopped); the newest complete checkpoint is " \
+           f"{out / 'checkpoints' / 'step-00000004'}: continue from it with the same command and --resume" in errors
+    assert rank_tracebacks(log) == [] and len(errors) == 2, log[-3000:]
+    from dflash.training.run_folder import RunFolder
+
+    folder = RunFolder(out)
+    folder.lock()  # the stopped run released it
+    folder.release()
+    ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume")))
+    assert history(out) == history(reference), "every record once, every sample once per epoch"

@@ -3,6 +3,7 @@ or cut checkpoint file is named, a full disk is one clear error, the export is a
 import errno
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -27,7 +28,8 @@ def one_rank():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a CLI main tested here exits through exit_with_error, which takes it down
+        dist.destroy_process_group()
 
 
 class FileEngine:
@@ -115,13 +117,14 @@ def test_export_is_all_or_nothing_and_replaces_only_a_drafter(tmp_path, monkeypa
     first.save_pretrained(out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    def fail(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def fail(*args, **kwargs):  # what safetensors raises on a full disk
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     second = make_drafter(num_layers=2, taps=(1, 3))
     with monkeypatch.context() as m:
         m.setattr(safetensors.torch, "save_file", fail)
-        with pytest.raises(OSError):
+        with pytest.raises(UserError, match=rf"{out}: not exported: the disk is full \(.* free\); nothing was "
+                                            "written and the previous export is unchanged"):
             second.save_pretrained(out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the old export is intact"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"], "no temporary folder left"
@@ -178,6 +181,15 @@ def test_a_run_folder_is_locked_and_a_used_one_refused_unless_resumed_or_overwri
     for name in ("checkpoints/step-00000006", "data", "drafter"):
         (run / name).mkdir(parents=True)
     (run / "drafter" / "mine.txt").write_text("not an export")
+    # the user's own drafter/: no option makes it the run's (the export at the end would refuse it)
+    for resume, overwrite in ((False, False), (True, False), (False, True)):
+        with pytest.raises(UserError, match=rf"--output-dir {run}: {run / 'drafter'} is not a drafter exported by "
+                                            "dflash, and the run exports its drafter there at the end; move or "
+                                            "rename that folder"):
+            RunFolder(run).claim(resume=resume, overwrite=overwrite)
+    assert (run / "drafter" / "mine.txt").is_file()
+    (run / "drafter").rename(run / "mine")
+    make_drafter(num_layers=1, taps=(1,)).save_pretrained(run / "drafter")  # an export: part of the run
     with pytest.raises(UserError, match=r"holds a previous run \(config.json, metrics.jsonl, checkpoints, drafter, "
                                         r"samples.rank0.jsonl\); continue it with --resume"):
         RunFolder(run).claim(resume=False, overwrite=False)
@@ -186,7 +198,28 @@ def test_a_run_folder_is_locked_and_a_used_one_refused_unless_resumed_or_overwri
     resumed.release()
     assert (run / "checkpoints" / "step-00000006").is_dir(), "a resume keeps everything"
     RunFolder(run).claim(resume=False, overwrite=True)
-    assert sorted(p.name for p in run.iterdir()) == [".dflash.lock", "data", "drafter", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [".dflash.lock", "data", "mine", "notes.txt"]
+
+
+def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    from dflash.training.run_folder import RunFolder
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match=rf"--output-dir {tmp_path / 'file'}: exists and is not a folder"):
+        RunFolder(tmp_path / "file").claim(resume=False, overwrite=False)
+    mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    with pytest.raises(UserError, match=rf"--output-dir {tmp_path / 'ro' / 'run'}: cannot create the folder "
+                                        r"\(read-only file system\); choose another --output-dir"):
+        RunFolder(tmp_path / "ro" / "run").claim(resume=False, overwrite=False)
 
 
 def test_run_store_is_rebuilt_when_its_input_changes_and_refused_on_resume(tmp_path):
@@ -262,3 +295,83 @@ def test_resume_and_overwrite_contradict():
 
     with pytest.raises(UserError, match="--overwrite: contradicts --resume"):
         load_config(["--resume", "--overwrite"])
+
+
+def test_a_full_disk_when_a_resume_cuts_the_metrics_back_is_one_line_and_leaves_them_as_they_were(tmp_path,
+                                                                                                   monkeypatch):
+    from dflash.training.metrics import trim_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in (1, 2, 3)) + '{"kind": "tr')
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full)
+        with pytest.raises(UserError, match=rf"{path}: cannot cut it back to step 2 for the resume \(the disk is full "
+                                            r"\(.* free\)\); it is unchanged: free some space and --resume again"):
+            trim_jsonl(path, 2)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    trim_jsonl(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_a_fault_of_the_environment_is_one_line_at_every_entry_point(capsys):
+    from dflash.errors import exit_on_user_error
+
+    @exit_on_user_error
+    def main(err):
+        raise err
+
+    for err, line in [(OSError(errno.ENOSPC, "No space left on device", "/tmp/x.bin"),
+                       r"error: /tmp/x.bin: the disk is full \(.* free\); free some space and run again"),
+                      (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3776 vs 3664"),
+                       r"error: the disk is full while writing a file \(RuntimeError: .*unexpected pos 3776 vs 3664\); "
+                       "free some space and run again"),
+                      (PermissionError(errno.EROFS, "Read-only file system", "/ro/run"),
+                       r"error: /ro/run: read-only file system"),
+                      (IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"),
+                       r"error: /tmp: is a folder, not a file")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(err)
+        assert exit_info.value.code == 2
+        assert re.fullmatch(line + "\n", capsys.readouterr().err)
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+        main(RuntimeError("a bug"))
+
+
+@pytest.mark.parametrize("case", ["no chat template", "no spare embedding row"])
+def test_a_target_that_cannot_serve_the_run_is_refused_before_its_weights_load(tiny_run_inputs, tmp_path, case,
+                                                                              monkeypatch):
+    import shutil
+
+    import transformers
+
+    from dflash.training.config import load_config
+    from dflash.training.models import load_train_target
+
+    target, data = tiny_run_inputs
+    bad = tmp_path / "target"
+    shutil.copytree(target, bad)
+    if case == "no chat template":  # a base model's folder
+        (bad / "chat_template.jinja").unlink()
+        message = (f"--target {bad}: its tokenizer has no chat template, which renders the conversations of --data "
+                   f"{data}; give the chat (instruct) model's folder")
+    else:  # an embedding with a row per token and none spare for the mask token
+        tokens = len(transformers.AutoTokenizer.from_pretrained(str(bad)))
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "vocab_size": tokens}))
+        message = (f"--target {bad}: the mask token '<|MASK|>' would get id {tokens}, but the target's embedding has "
+                   f"{tokens} rows and the tokenizer {tokens} tokens: no row is spare. Either reuse a token your data "
+                   "never use as the mask: train.py --mask-token TEXT")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    cfg = load_config(["--target", str(bad), "--data", str(data)])
+    with pytest.raises(UserError) as err:
+        load_train_target(cfg, torch.device("cpu"), torch.float32)
+    assert str(err.value).startswith(message)

@@ -18,7 +18,7 @@ from dflash.training.models import lr_lambda
 from dflash.training.steps import step_ranges
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args
+from .conftest import make_family_target, read_metrics, run_deepspeed, tiny_train_args
 
 
 def test_step_ranges_cover_every_micro_step_with_the_token_target():
@@ -64,15 +64,47 @@ def test_two_ranks_with_uneven_micro_batches_give_the_gradient_of_one_batch(tiny
     assert err < 1e-5
 
 
+def check_official_export(drafter_dir):
+    """The exported drafter in the official format: its config is a Qwen3 config (the official
+    DFlashDraftModel's base class), its tensors the official set, each layer's loading strictly
+    into a Qwen3 decoder layer built from that config."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from dflash.models import CONFIG_KEYS, DFlashDrafter
+
+    from ..models.test_checkpoint import expected_names
+
+    exported = json.loads((drafter_dir / "config.json").read_text())
+    assert set(exported) == CONFIG_KEYS and exported["architectures"] == ["DFlashDraftModel"]
+    tensors = load_file(drafter_dir / "model.safetensors")
+    assert set(tensors) == expected_names(exported["num_hidden_layers"])
+    config = Qwen3Config.from_pretrained(drafter_dir)
+    for i in range(config.num_hidden_layers):
+        prefix = f"layers.{i}."
+        Qwen3DecoderLayer(config, i).load_state_dict({k[len(prefix):]: v for k, v in tensors.items()
+                                                      if k.startswith(prefix)}, strict=True)
+    assert DFlashDrafter.from_pretrained(drafter_dir).config.target_layer_ids == \
+        exported["dflash_config"]["target_layer_ids"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config,layout,order,partition", [
-    ("zero2", "packed", "shuffle", "none"), ("zero2", "padded", "sorted", "none"),
-    ("zero3", "packed", "bucketed", "none"), ("zero3", "padded", "shuffle", "zero3"),
+@pytest.mark.parametrize("config,layout,order,family,partition", [
+    # the dense control, and the target families of issue 25 in the other launches: MoE padded, hybrid
+    # Gated DeltaNet + MoE packed (decoding too: its recurrent state rolled back), hybrid padded with
+    # the target partitioned across the ranks (issue 26)
+    ("zero2", "packed", "shuffle", "qwen3", "none"), ("zero2", "padded", "sorted", "qwen3_moe", "none"),
+    ("zero3", "packed", "bucketed", "qwen3_5_moe_text", "none"),
+    ("zero3", "padded", "shuffle", "qwen3_5_text", "zero3"),
 ])
-def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order, partition):
+def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, order, family, partition):
     target, data = tiny_run_inputs
+    if family != "qwen3":
+        target = make_family_target(tmp_path / "target", family)
     out = tmp_path / "run"
-    decode = ["--speculate-turns", 2] if order == "shuffle" and config == "zero2" else []
+    # the default rule (-1): one held-out turn per optimizer step, so these 3-step runs decode 3 (of 6)
+    decode = ["--speculate-turns", -1] if family in ("qwen3", "qwen3_5_moe_text") else []
     proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
                                          "--deepspeed_config", f"ds_configs/{config}.json", *decode,
                                          "--target-partition", partition))
@@ -89,14 +121,25 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     final = read_metrics(out, "eval")[-1]  # evaluated at the end
     # the walk covers every held-out turn (6 samples of one turn each), split over both ranks
     assert final["turns"] == 6 and final["tau"] >= 1 and final["anchor_tau"] >= 1
+    # --eval-temperatures 0,1 (default): tau@0 is the greedy walk, tau@1 an expected acceptance length
+    # along the 6 held-out prompts continued by the target at 1 (3 on each rank, kept for the run); a
+    # partitioned target does not generate: tau@1 follows the data's turns
+    assert final["tau@0"] == final["tau"] and 1 <= final["tau@1"] <= 16
+    if partition == "none":
+        assert final["tau@1_stderr"] > 0
+        sampled = json.loads((out / "eval_turns.json").read_text())
+        assert sampled["fingerprint"]["turns"] == 6 and len(sampled["turns"]["1"]) == 6
+        assert "eval: sampling 6 held-out turns at temperature 1" in proc.stdout
+    else:
+        assert not (out / "eval_turns.json").exists() and "tau@1 follow them" in proc.stdout
     assert (out / "speculate.json").is_file() == bool(decode)
     if decode:
         figure = json.loads((out / "speculate.json").read_text())
-        assert figure["turns"] == 2 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
-        assert "speculative decoding of 2 held-out turns: acceptance length" in proc.stdout
+        assert figure["turns"] == 3 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
+        assert "speculative decoding of 3 held-out turns: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
-    assert (out / "drafter" / "model.safetensors").is_file()
+    check_official_export(out / "drafter")
 
 
 @pytest.mark.slow
@@ -127,14 +170,26 @@ BAD_OPTIONS = [
     (["--target-layer-ids", "1,x"], "--target-layer-ids: 'x' is not an integer (expected a comma-separated list, "
                                     "got '1,x')"),
     (["--boundaries", "900,300"], "--boundaries: values must be strictly increasing, got '900,300'"),
+    (["--eval-temperatures", "0,-1"], "--eval-temperatures: values must be >= 0, got '0,-1'"),
+    (["--eval-temperatures", "1,inf"], "--eval-temperatures: must be finite numbers >= 0, got (1.0, inf)"),
     (["--row-budget", "100"], "--row-budget: must be 0 or at least block size x anchors (1024) so that every sample "
                               "fits, got 100"),
     (["--target-partition", "zero2"], "--target-partition: must be one of none, zero3, got 'zero2'"),
     (["--target-offload"], "--target-offload: offloads the partitions of --target-partition zero3; add it, or drop "
                            "--target-offload"),
     (["--memory-gib", "-1"], "--memory-gib: must be >= 0 (0: the GPU's own), got -1.0"),
+    (["--drafter-layer-types", "sliding,dense"], "--drafter-layer-types: 'dense' is not sliding or full (expected a "
+                                                 "comma-separated list, got 'sliding,dense')"),
+    (["--drafter-layer-types", "sliding,full,full"], "--drafter-layer-types: gives 3 types for 2 drafter layers "
+                                                     "(--draft-layers): one per layer"),
+    (["--drafter-layer-types", "sliding,full"], "--sliding-window: sliding drafter layers need a window >= 1 "
+                                                "(positions seen, the query's own included)"),
+    (["--sliding-window", "8"], "--sliding-window: no drafter layer is sliding (--drafter-layer-types)"),
+    (["--init-drafter", "nope"], "--init-drafter nope: not a drafter folder in the official format (config.json "
+                                 "and model.safetensors)"),
     (["--balance", "--cost-model", "nope.json"], "--cost-model: nope.json: not a cost model JSON of per_token, "
-     "per_pair, per_row, per_row_key, per_sample, per_batch, unit ([Errno 2] No such file or directory: 'nope.json')"),
+     "per_pair, per_row, per_row_key, per_sample, per_batch, per_window_pair, unit, window ([Errno 2] No such file or "
+     "directory: 'nope.json')"),
 ]
 
 
@@ -143,6 +198,17 @@ def test_bad_options_name_the_flag(argv, message):
     with pytest.raises(UserError) as err:
         load_config(argv)
     assert str(err.value) == message
+
+
+def test_the_end_of_run_decode_scales_with_the_run():
+    from dflash.training.config import speculate_turns
+
+    default = load_config([])
+    assert [speculate_turns(default, steps) for steps in (4, 100, 5000)] == [4, 100, 100]
+    assert speculate_turns(load_config(["--speculate-turns", "7"]), 4) == 7, "an explicit number is kept"
+    assert speculate_turns(load_config(["--speculate-turns", "0"]), 5000) == 0, "0 skips it"
+    with pytest.raises(UserError, match=r"--speculate-turns: must be >= 0, or -1 \(one per optimizer step\)"):
+        load_config(["--speculate-turns", "-2"])
 
 
 def test_config_file_errors_name_the_file_and_key(tmp_path):
@@ -192,12 +258,13 @@ def test_config_file_values_are_read_as_the_option_types(tmp_path):
 
 
 def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
-    from dflash.training.metrics import plot_curves, read_records
+    from dflash.training.metrics import plot_curves, read_records, sampled_tau_keys, tau_at_words
 
     writer = MetricsWriter(tmp_path, enabled=True)
     for step in (1, 2, 3):
         writer.write("train", step, {"loss": 3.0 / step, "anchor_tau": 1.0 + step / 10})
-    writer.write("eval", 2, {"loss": 2.5, "tau": 1.1})
+    writer.write("eval", 2, {"loss": 2.5, "tau": 1.1, "tau@0": 1.1, "tau@0.7": 1.08, "tau@0.7_stderr": None,
+                             "tau@1": 1.05, "tau@1_stderr": 0.02})
     writer.write("train", 4, {"loss": float("nan"), "anchor_tau": 1.0})  # a skipped step: strict JSON null
     writer.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
@@ -207,6 +274,8 @@ def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
     assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
     plot_curves(records + [{"kind": "train", "step": 3, "loss": None, "anchor_tau": None}], tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert sampled_tau_keys(records) == ["tau@0.7", "tau@1"]  # a curve each (with error bars), beside tau
+    assert tau_at_words(records[-1]) == ["tau@0.7 1.080", "tau@1 1.050 +- 0.020"]
 
 
 def test_non_finite_metric_values_are_written_as_null(tmp_path):

@@ -46,6 +46,14 @@ def resolve_backend(backend: str, device: torch.device, op: str = "varlen") -> s
 
 
 _FELL_BACK: set = set()
+_SAID: set = set()
+
+
+def warn_once(key, message: str) -> None:
+    """warnings.warn(message) the first time `key` is seen in this process."""
+    if key not in _SAID:
+        _SAID.add(key)
+        warnings.warn(message, stacklevel=3)
 
 
 def auto_falls_back(unservable, *case) -> bool:

@@ -6,8 +6,10 @@ import torch
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:
-    """q (*, Hq, D), k/v (*, Hkv, D): same dtype/device/head_dim, Hq a multiple of Hkv."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"),
+              value_head_dim: bool = False) -> None:
+    """q (*, Hq, D), k/v (*, Hkv, D): same dtype/device/head_dim, Hq a multiple of Hkv. With
+    `value_head_dim`, v may have a head dim of its own (k and v still agree in rows and heads)."""
     for name, t in zip(names, (q, k, v), strict=True):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (tokens, heads, head_dim), got shape {tuple(t.shape)}")
@@ -16,9 +18,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k"
                             f"got {t.dtype}")
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} is {t.dtype} on {t.device} but {names[0]} is {q.dtype} on {q.device}")
-        if t.shape[-1] != q.shape[-1]:
+        if t.shape[-1] != q.shape[-1] and not (value_head_dim and t is v):
             raise ValueError(f"{name} has head_dim {t.shape[-1]}, {names[0]} has {q.shape[-1]}")
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1] or (k.shape != v.shape and not value_head_dim):
         raise ValueError(f"{names[1]} {tuple(k.shape)} and {names[2]} {tuple(v.shape)} differ")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")

@@ -21,8 +21,10 @@ def packed_block_mask(tensors: tuple, params: tuple, mask_mod: Callable[[], Call
                           lambda: create_block_mask(mask_mod(), None, None, q_len, kv_len, device=device))
 
 
-def flex_attention_packed(q, k, v, block_mask, scale):
-    """q (Tq, Hq, D), k/v (Tk, Hkv, D) -> (Tq, Hq, D) under `block_mask` (packed_block_mask).
+def flex_attention_packed(q, k, v, block_mask, scale, return_lse: bool = False):
+    """q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> (Tq, Hq, Dv) under `block_mask`
+    (packed_block_mask). With `return_lse`, also the (Hq, Tq) log-sum-exp (natural log) of the
+    visible scores.
 
     On CUDA flex_attention is compiled (its fused kernel); on the CPU it runs eagerly, forward
     only (torch has no CPU backward for it)."""
@@ -34,5 +36,7 @@ def flex_attention_packed(q, k, v, block_mask, scale):
         # instead of recompiling for every batch.
         fn = _COMPILED.setdefault("fn", torch.compile(flex_attention))
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask,
-             scale=scale, enable_gqa=True)
+             scale=scale, enable_gqa=True, return_lse=return_lse)
+    if return_lse:
+        return out[0][0].transpose(0, 1), out[1][0]
     return out[0].transpose(0, 1)

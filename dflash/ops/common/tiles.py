@@ -124,12 +124,15 @@ def block_groups(block_seq: torch.Tensor, block_anchor: torch.Tensor, num_seqs: 
 
 
 def context_group_ranges(ctx_tiles: torch.Tensor, block: int, group_seq: torch.Tensor,
-                         group_amin: torch.Tensor, group_amax: torch.Tensor, num_seqs: int) -> torch.Tensor:
+                         group_amin: torch.Tensor, group_amax: torch.Tensor, num_seqs: int,
+                         window: int | None = None) -> torch.Tensor:
     """For each context tile (sample s, keys [c0, c0+block)), the groups that see it.
 
     Returns (n, 3) int32 (lo, full, end): groups [lo, full) see part of the tile (masking
     needed), groups [full, end) see all of it, the others nothing. Relies on the groups being
-    in (sample, anchor) order, which makes both keys below sorted.
+    in (sample, anchor) order, which makes both keys below sorted. With a sliding `window` (a
+    row at position p sees keys > p - window) groups anchored at c0 + block + window - 1 or later
+    see nothing of the tile, and every group that sees it is masked (full = end).
     """
     seq = group_seq.long()
     seq = torch.where(seq >= 0, seq, num_seqs)  # sentinels sort last
@@ -139,8 +142,12 @@ def context_group_ranges(ctx_tiles: torch.Tensor, block: int, group_seq: torch.T
     c0 = ctx_tiles[:, 1].long() * block
     base = s << _SHIFT
     lo = torch.searchsorted(key_max, base + c0, right=True)
-    full = torch.searchsorted(key_min, base + c0 + block)
     end = torch.searchsorted(key_min, (s + 1) << _SHIFT)
+    if window is None:
+        full = torch.searchsorted(key_min, base + c0 + block)
+    else:
+        end = torch.minimum(end, torch.searchsorted(key_min, base + c0 + block + window - 1))
+        full = end
     empty = s < 0  # sentinel tiles see nothing
     ranges = torch.stack([lo, full, end], 1).masked_fill(empty[:, None], 0)
     return ranges.to(torch.int32).contiguous()

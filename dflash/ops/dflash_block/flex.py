@@ -7,10 +7,11 @@ from ..common.flex import flex_attention_packed, packed_block_mask
 
 
 def dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_seq, block_anchor, block_size,
-                                scale):
-    """Keys are all context rows followed by all block rows; the mask keeps, for a row of block j,
-    the context rows of its sample before its anchor and the B rows of block j. The mask is built
-    once per batch (packed_block_mask)."""
+                                scale, window=None, causal=False):
+    """Keys are all context rows followed by all block rows; the mask keeps, for slot k of block j
+    (sample s, anchor a; position a+k), the context rows of s before a and the slots of block j,
+    each limited as `window` / `causal` say (see `dflash_block_attention`). The mask is built once
+    per batch and layer rule (packed_block_mask)."""
     total, rows = k_ctx.shape[0], q.shape[0]
 
     def block_mask():
@@ -20,12 +21,21 @@ def dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block
         seq, anchor = block_seq.long(), block_anchor.long()
 
         def mask_mod(b, h, i, j):
-            blk = i // block_size
+            blk, k = i // block_size, i % block_size
             jc = torch.clamp(j, max=max(total - 1, 0))
             ctx_ok = (doc[jc] == seq[blk]) & (pos[jc] < anchor[blk])
-            return torch.where(j < total, ctx_ok, (j - total) // block_size == blk)
+            slot = (j - total) % block_size
+            own_ok = (j - total) // block_size == blk
+            if window is not None:
+                ctx_ok = ctx_ok & (pos[jc] > anchor[blk] + k - window)
+                own_ok = own_ok & (k - slot < window)
+                if not causal:
+                    own_ok = own_ok & (slot - k < window)
+            if causal:
+                own_ok = own_ok & (slot <= k)
+            return torch.where(j < total, ctx_ok, own_ok)
         return mask_mod
 
-    mask = packed_block_mask((cu_seqlens, block_seq, block_anchor), ("block", block_size, total, rows), block_mask,
-                             rows, total + rows)
+    mask = packed_block_mask((cu_seqlens, block_seq, block_anchor), ("block", block_size, total, rows, window, causal),
+                             block_mask, rows, total + rows)
     return flex_attention_packed(q, torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), mask, scale)

@@ -23,9 +23,12 @@ def dflash_block_attention(
     backend: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
     deterministic: bool | None = None,
+    window: int | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """The DFlash drafter's attention: each block sees its sample's context before its anchor
-    and all of its own slots (differentiable in q, k_ctx, v_ctx, k_blk, v_blk).
+    and its own slots (differentiable in q, k_ctx, v_ctx, k_blk, v_blk); `window` / `causal`
+    limit both as vLLM and SGLang do for a drafter's `sliding_attention` layers.
 
     Args:
         q: (NB*B, Hq, D) float32/bfloat16/float16; rows [j*B, (j+1)*B) are block j.
@@ -49,19 +52,25 @@ def dflash_block_attention(
             atomics (5 GEMMs per tile pair; its last bits vary from run to run). True: a second
             kernel recomputes it in a fixed order (7 GEMMs, bitwise repeatable). None (default):
             `torch.are_deterministic_algorithms_enabled()`.
+        window: None (full attention) or W >= 1, the Hugging Face `sliding_window`: slot k of a
+            block anchored at a (position a+k) sees only keys at positions p with
+            a+k-W < p, the query itself counted. Context row j is at position j, slot i at a+i.
+        causal: slot k sees slots i <= k of its block only (else all of them, or with a window
+            those with |i - k| < W).
 
     Returns:
         (NB*B, Hq, D) in q's dtype.
 
     Every row of block j (sample s, anchor a) sees context rows [cu[s], cu[s] + a) and the B
     rows of block j, in both directions. Sample of length 6, B = 2, anchors 3 and 0
-    (keys: 6 context positions, then the 2+2 block rows)::
+    (keys: 6 context positions, then the 2+2 block rows); right: window=3, causal=True (the
+    rule of a sliding layer, docs/ARCHITECTURE.md "Drafter layer types")::
 
-                    ctx 0..5      blk0  blk1
-        blk0 slot0  x x x . . .   x x   . .
-        blk0 slot1  x x x . . .   x x   . .
-        blk1 slot0  . . . . . .   . .   x x
-        blk1 slot1  . . . . . .   . .   x x
+                    ctx 0..5      blk0  blk1          ctx 0..5      blk0  blk1
+        blk0 slot0  x x x . . .   x x   . .           . x x . . .   x .   . .
+        blk0 slot1  x x x . . .   x x   . .           . . x . . .   x x   . .
+        blk1 slot0  . . . . . .   . .   x x           . . . . . .   . .   x .
+        blk1 slot1  . . . . . .   . .   x x           . . . . . .   . .   x x
 
     Example:
         >>> out = dflash_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, batch.cu_seqlens,
@@ -79,27 +88,32 @@ def dflash_block_attention(
     check_cu_seqlens("cu_seqlens_ctx", cu_seqlens_ctx, k_ctx.shape[0], cu_seqlens_cpu)
     check_index("block_seq", block_seq, q.device)
     check_index("block_anchor", block_anchor, q.device, num_blocks)
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"window must be None or an integer >= 1, got {window!r}")
+    causal = bool(causal)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not scale > 0:  # the kernels take the row maximum of unscaled scores
         raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     impl = resolve_backend(backend, q.device, op="block")
     if impl == "torch":  # the reference checks the anchors itself
         return dflash_block_attention_naive(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
-                                            block_anchor, block_size, softmax_scale=scale)
+                                            block_anchor, block_size, softmax_scale=scale, window=window,
+                                            causal=causal)
     check_blocks(cu_seqlens_ctx, block_seq, block_anchor)
     if impl == "flex":
         from .flex import dflash_block_attention_flex
 
         return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
-                                           block_size, scale)
+                                           block_size, scale, window, causal)
     from .triton_kernels import dflash_block_attention_triton, unservable
 
     deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
     if backend == "auto" and auto_falls_back(unservable, q.shape[-1], q.shape[1], k_ctx.shape[1], q.dtype,
-                                             block_size, deterministic):
+                                             block_size, deterministic, window is not None, causal):
         from .flex import dflash_block_attention_flex
 
         return dflash_block_attention_flex(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq, block_anchor,
-                                           block_size, scale)
+                                           block_size, scale, window, causal)
     return dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
-                                         block_anchor, block_size, scale, cu_seqlens_cpu, deterministic)
+                                         block_anchor, block_size, scale, cu_seqlens_cpu, deterministic, window,
+                                         causal)

@@ -12,6 +12,11 @@ anchors (common.tiles.block_groups), gathered by block id. Its keys are
     and skip masking; the rest are masked per row at the row's anchor;
   * the group's own block rows (a BLOCK_M x BLOCK_M tile, block-diagonal mask).
 Nothing length-dependent is a kernel argument (no recompiles across batches).
+
+Sliding variants (a drafter's sliding_attention layers, docs/ARCHITECTURE.md "Drafter layer
+types"): HAS_WINDOW limits slot k of a block anchored at a to context positions >= a+k-window+1
+(and its own slots to k-window < i), CAUSAL to its slots i <= k. A group then reads the context
+from amin-window+1 only, and every row is masked outside [amax+B-window, amin).
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ CTX_ROW_BYTES = 128  # halve CTX_BLOCK_N per doubling above this: its dK/dV accu
 _CTX_STEP = [16] if is_interpreting() else [32, 64, 128]  # context step of forward and dQ (autotuned)
 # n_bucket: size_bucket(rows), tuned per size class; every variant flag is in the key, so that one
 # variant's tuning never picks the config of another (which may spill or not fit).
-_KEY = ["HQ", "HKV", "D", "B", "OFFS64", "n_bucket"]
+_KEY = ["HQ", "HKV", "D", "B", "OFFS64", "HAS_WINDOW", "CAUSAL", "n_bucket"]
 BLOCK_FALLBACK = 'backend="flex" (FlexAttention) or the reference "torch"'
 
 
@@ -66,12 +71,114 @@ def _group_rows(grp_blocks, block_anchor, i_g, part, B: tl.constexpr, BPG: tl.co
     return rows, ok, anchor, slot
 
 
+@triton.jit
+def _window_start(anchor, amin, amax, window, B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    """(first, lo, full_lo, full_hi): each row's first visible context position, and the context
+    tiles of a group: [lo, full_lo) and [full_hi, amax) masked per row, [full_lo, full_hi) seen
+    by every row (rows see [first, anchor); first = anchor + slot - window + 1 with a window)."""
+    full_hi = (amin // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        first = anchor + tl.arange(0, BLOCK_M) % B - window + 1
+        lo = (tl.maximum(amin - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(amax + B - window, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+    else:
+        first = anchor
+        lo = 0
+        full_lo = 0
+    return first, lo, full_lo, full_hi
+
+
+@triton.jit
+def _sees_context(cols, anchor, first, HAS_WINDOW: tl.constexpr):
+    """(rows, cols) visibility of context columns: before the anchor, and inside the window."""
+    vis = cols[None, :] < anchor[:, None]
+    if HAS_WINDOW:
+        vis = vis & (cols[None, :] >= first[:, None])
+    return vis
+
+
+@triton.jit
+def _sees_own(same, slot_q, slot_k, window, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """`same` (query rows x key rows of the same block) limited by the rule of the layer: slot_q /
+    slot_k are the rows' slots inside their blocks."""
+    if CAUSAL:
+        same = same & (slot_k[None, :] <= slot_q[:, None])
+    if HAS_WINDOW:
+        same = same & (slot_q[:, None] - slot_k[None, :] < window)
+        if not CAUSAL:
+            same = same & (slot_k[None, :] - slot_q[:, None] < window)
+    return same
+
+
+@triton.jit
+def _fwd_ctx(q, kc_base, vc_base, n_lo, n_hi, amax, anchor, first, m_i, l_i, acc, qk_scale,
+             HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, MASKED: tl.constexpr,
+             HAS_WINDOW: tl.constexpr):
+    """Online softmax over the context tiles [n_lo, n_hi): every column seen by every row, or
+    (MASKED) as _sees_context says, with columns past amax not loaded."""
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    if OFFS64:
+        offs_n = offs_n.to(tl.int64)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + offs_n
+        if MASKED:
+            col_ok = cols < amax
+            kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
+            s = tl.where(_sees_context(cols, anchor, first, HAS_WINDOW), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        else:
+            kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None])
+            v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :])
+            s = tl.dot(q, kT)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_safe = m_new
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _dq_ctx(q, do, lse, delta, dq, kc_base, vc_base, n_lo, n_hi, amax, anchor, first, qk_scale,
+            HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, MASKED: tl.constexpr,
+            HAS_WINDOW: tl.constexpr):
+    """dQ (unscaled) from the context tiles [n_lo, n_hi), masked as in _fwd_ctx."""
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    if OFFS64:
+        offs_n = offs_n.to(tl.int64)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + offs_n
+        if MASKED:
+            col_ok = cols < amax
+            kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            vT = tl.load(vc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+            p = tl.where(_sees_context(cols, anchor, first, HAS_WINDOW), p, 0.0)
+        else:
+            kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None])
+            vT = tl.load(vc_base + cols[None, :] * (HKV * D) + offs_d[:, None])
+            p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+        ds = p * (tl.dot(do, vT) - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    return dq
+
+
 @autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
-@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+@triton.jit(do_not_specialize=["n_bucket", "n_rows", "n_window"])
 def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
-                grp_order, qk_scale, n_bucket, n_rows,
+                grp_order, qk_scale, n_window, n_bucket, n_rows,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                CAUSAL: tl.constexpr):
     pid = tl.program_id(0)
     i_g = tl.load(grp_order + pid // HQ)
     i_h = pid % HQ
@@ -84,9 +191,6 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     amax = tl.load(grp_amax + i_g)
     rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, 0, B, BPG, BLOCK_M, BPG, OFFS64)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
-    if OFFS64:
-        offs_n = offs_n.to(tl.int64)
     q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
     q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
     kc_base = KC + bos * (HKV * D) + i_kh * D
@@ -95,37 +199,21 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    full_end = (amin // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
-        v = tl.load(vc_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
-        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for n0 in range(full_end, amax, BLOCK_N):
-        cols = n0 + offs_n
-        col_ok = cols < amax
-        kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
-        s = tl.where(cols[None, :] < anchor[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose anchor is still ahead
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    # The group's own blocks: each row sees exactly the B rows of its block.
+    first, lo, full_lo, full_hi = _window_start(anchor, amin, amax, n_window, B, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    m_i, l_i, acc = _fwd_ctx(q, kc_base, vc_base, full_lo, full_hi, amax, anchor, first, m_i, l_i, acc, qk_scale,
+                             HKV, D, BLOCK_N, OFFS64, False, HAS_WINDOW)
+    m_i, l_i, acc = _fwd_ctx(q, kc_base, vc_base, lo, full_lo, amax, anchor, first, m_i, l_i, acc, qk_scale,
+                             HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW)
+    m_i, l_i, acc = _fwd_ctx(q, kc_base, vc_base, full_hi, amax, amax, anchor, first, m_i, l_i, acc, qk_scale,
+                             HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW)
+    # The group's own blocks: each row sees the rows of its block that the layer's rule allows.
     kb_off = rows[None, :] * (HKV * D) + i_kh * D + offs_d[:, None]
     kbT = tl.load(KB + kb_off, mask=ok[None, :], other=0.0)  # (D, BLOCK_M)
     vb = tl.load(VB + rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     s = tl.dot(q, kbT)  # scaled inside exp2 below: one FMA per score
-    s = tl.where((slot[:, None] == slot[None, :]) & ok[None, :], s, float("-inf"))
+    in_block = tl.arange(0, BLOCK_M) % B
+    own = _sees_own((slot[:, None] == slot[None, :]) & ok[None, :], in_block, in_block, n_window, HAS_WINDOW, CAUSAL)
+    s = tl.where(own, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows of a partial group
     alpha = tl.math.exp2(m_i - m_safe)
@@ -142,11 +230,12 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
 # dQ is accumulated into DQ_ACC: the autotuner must zero it after timing the configs on the live buffers.
 @autotune({"num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY + ["FUSED_DQ"], BLOCK_FALLBACK,
           reset_to_zero=["DQ_ACC"])
-@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+@triton.jit(do_not_specialize=["n_bucket", "n_rows", "n_window"])
 def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, block_anchor, grp_blocks, tiles, ranges,
-                    qk_scale, sm_scale, n_bucket, n_rows,
+                    qk_scale, sm_scale, n_window, n_bucket, n_rows,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, FUSED_DQ: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, FUSED_DQ: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
     # One program: BLOCK_N context keys of one kv head. Groups [lo, full) see part of them,
     # [full, end) all of them (ranges from common.tiles.context_group_ranges); keys nobody
     # sees get zero gradients. GQA heads are summed here (no atomics). With FUSED_DQ the
@@ -175,7 +264,9 @@ def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, blo
     v = tl.load(VC + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    # Padding rows of a group load as zeros (q, dO, lse, delta) and add exactly nothing.
+    # Padding rows of a group load as zeros (q, dO, lse, delta) and add exactly nothing. With a
+    # window every group is in [lo, full): context_group_ranges leaves none fully visible.
+    in_block = tl.arange(0, BLOCK_M) % B
     for g in range(G):
         i_h = i_kh * G + g
         for i_g in range(g_lo, g_end):
@@ -186,8 +277,11 @@ def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, blo
             lse = tl.load(LSE + i_h * n_rows + rows, mask=ok, other=0.0)
             delta = tl.load(DELTA + i_h * n_rows + rows, mask=ok, other=0.0)
             pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-            if i_g < g_full:  # partly visible: each row sees the keys before its anchor
-                pT = tl.where(cols[:, None] < anchor[None, :], pT, 0.0)
+            if i_g < g_full:  # partly visible: each row sees the keys before its anchor (and in its window)
+                vis = cols[:, None] < anchor[None, :]
+                if HAS_WINDOW:
+                    vis = vis & (cols[:, None] >= (anchor + in_block - n_window + 1)[None, :])
+                pT = tl.where(vis, pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
@@ -198,11 +292,12 @@ def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, blo
 
 
 @autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
-@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+@triton.jit(do_not_specialize=["n_bucket", "n_rows", "n_window"])
 def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin,
-                       grp_amax, grp_order, qk_scale, n_bucket, n_rows,
+                       grp_amax, grp_order, qk_scale, n_window, n_bucket, n_rows,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                       CAUSAL: tl.constexpr):
     # Deterministic dQ from the context: one program per group and query head recomputes the
     # scores and dP of every context tile it sees (3 GEMMs) and writes DQ_ACC (fp32, unscaled).
     pid = tl.program_id(0)
@@ -217,9 +312,6 @@ def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anch
     amax = tl.load(grp_amax + i_g)
     rows, ok, anchor, slot = _group_rows(grp_blocks, block_anchor, i_g, 0, B, BPG, BLOCK_M, BPG, OFFS64)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
-    if OFFS64:
-        offs_n = offs_n.to(tl.int64)
     kc_base = KC + bos * (HKV * D) + i_kh * D
     vc_base = VC + bos * (HKV * D) + i_kh * D
     q_off = rows[:, None] * (HQ * D) + i_h * D + offs_d[None, :]
@@ -228,31 +320,23 @@ def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anch
     lse = tl.load(LSE + i_h * n_rows + rows, mask=ok, other=0.0)
     delta = tl.load(DELTA + i_h * n_rows + rows, mask=ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    full_end = (amin // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        kT = tl.load(kc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
-        vT = tl.load(vc_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])
-        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
-        ds = p * (tl.dot(do, vT) - delta[:, None])
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
-    for n0 in range(full_end, amax, BLOCK_N):
-        cols = n0 + offs_n
-        col_ok = cols < amax
-        kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        vT = tl.load(vc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
-        p = tl.where(cols[None, :] < anchor[:, None], p, 0.0)
-        ds = p * (tl.dot(do, vT) - delta[:, None])
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    first, lo, full_lo, full_hi = _window_start(anchor, amin, amax, n_window, B, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    dq = _dq_ctx(q, do, lse, delta, dq, kc_base, vc_base, full_lo, full_hi, amax, anchor, first, qk_scale,
+                 HKV, D, BLOCK_N, OFFS64, False, HAS_WINDOW)
+    dq = _dq_ctx(q, do, lse, delta, dq, kc_base, vc_base, lo, full_lo, amax, anchor, first, qk_scale,
+                 HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW)
+    dq = _dq_ctx(q, do, lse, delta, dq, kc_base, vc_base, full_hi, amax, amax, anchor, first, qk_scale,
+                 HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW)
     tl.store(DQ_ACC + q_off, dq, mask=ok[:, None])
 
 
 @autotune({"num_warps": [4, 8], "num_stages": [1, 2]}, _KEY, BLOCK_FALLBACK)
-@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
+@triton.jit(do_not_specialize=["n_bucket", "n_rows", "n_window"])
 def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_anchor, grp_blocks, grp_seq, grp_order,
-                    qk_scale, sm_scale, n_bucket, n_rows,
+                    qk_scale, sm_scale, n_window, n_bucket, n_rows,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
-                    OWN_M: tl.constexpr, PER_PART: tl.constexpr, OFFS64: tl.constexpr):
+                    OWN_M: tl.constexpr, PER_PART: tl.constexpr, OFFS64: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    CAUSAL: tl.constexpr):
     # One program: PER_PART blocks (OWN_M rows) of a group and one kv head, looping over its
     # query heads. The blocks' own keys are seen by their own block only, so their dK/dV
     # (summed over the query heads) are finished here, and dQ = (context part from DQ_ACC + own
@@ -272,7 +356,8 @@ def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_ancho
     kb_off = rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :]
     kb = tl.load(KB + kb_off, mask=ok[:, None], other=0.0)  # (OWN_M, D)
     vb = tl.load(VB + kb_off, mask=ok[:, None], other=0.0)
-    own = (slot[:, None] == slot[None, :]) & ok[None, :]
+    in_block = tl.arange(0, OWN_M) % B
+    own = _sees_own((slot[:, None] == slot[None, :]) & ok[None, :], in_block, in_block, n_window, HAS_WINDOW, CAUSAL)
     dkb = tl.zeros([OWN_M, D], tl.float32)
     dvb = tl.zeros([OWN_M, D], tl.float32)
     for g in range(G):
@@ -299,24 +384,34 @@ def _own_tile(block_m: int, block_size: int) -> tuple[int, int]:
     return own_m, own_m // block_size
 
 
-def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16) -> list:
-    """(autotuned kernel, constexprs) of every kernel as the launchers below call it."""
+# (HAS_WINDOW, CAUSAL) of the layer types: full attention, and a drafter's sliding layers.
+VARIANTS = ((False, False), (True, True))
+
+
+def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16,
+                  variants=VARIANTS) -> list:
+    """(autotuned kernel, constexprs) of every kernel as the launchers below call it, for each
+    (HAS_WINDOW, CAUSAL) of `variants`."""
     block_m = max(tile_rows(GROUP_ROWS, head_dim, dtype), triton.next_power_of_2(block_size))
-    common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m,
-                  OFFS64=False)
-    ctx = {**common, "BLOCK_N": tile_rows(CTX_BLOCK_N, head_dim, dtype, CTX_ROW_BYTES)}
-    own_m, per_part = _own_tile(block_m, block_size)
-    own = {**{k: v for k, v in common.items() if k != "BLOCK_M"}, "OWN_M": own_m, "PER_PART": per_part}
-    return [(_fwd_kernel, common), (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": True}),
-            (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}), (_bwd_dq_ctx_kernel, common), (_bwd_own_kernel, own)]
+    cases = []
+    for has_window, causal in variants:
+        common = dict(HQ=heads, HKV=kv_heads, D=head_dim, B=block_size, BPG=block_m // block_size, BLOCK_M=block_m,
+                      OFFS64=False, HAS_WINDOW=has_window, CAUSAL=causal)
+        ctx = {**common, "BLOCK_N": tile_rows(CTX_BLOCK_N, head_dim, dtype, CTX_ROW_BYTES)}
+        own_m, per_part = _own_tile(block_m, block_size)
+        own = {**{k: v for k, v in common.items() if k != "BLOCK_M"}, "OWN_M": own_m, "PER_PART": per_part}
+        cases += [(_fwd_kernel, common), (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": True}),
+                  (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}), (_bwd_dq_ctx_kernel, common),
+                  (_bwd_own_kernel, own)]
+    return cases
 
 
 @functools.cache
 def unservable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int, deterministic: bool,
-               cap: int) -> str | None:
+               has_window: bool, causal: bool, cap: int) -> str | None:
     """Why the kernels that such a call launches cannot run on capability `cap` (no config fits in
     shared memory), or None. Compiles what the autotuner would compile at the launch anyway."""
-    for tuner, constexprs in compile_cases(head_dim, heads, kv_heads, dtype, block_size):
+    for tuner, constexprs in compile_cases(head_dim, heads, kv_heads, dtype, block_size, ((has_window, causal),)):
         if constexprs.get("FUSED_DQ", not deterministic) == deterministic or (
                 tuner is _bwd_dq_ctx_kernel and not deterministic):
             continue
@@ -338,7 +433,8 @@ class _Schedule:
     """Which programs the kernels run for one batch's blocks, and in what order: the groups of
     blocks and the context tiles with the groups that see each (built with torch ops)."""
 
-    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block, cu_seqlens_cpu):
+    def __init__(self, cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block, cu_seqlens_cpu,
+                 window):
         num_seqs = cu_seqlens.numel() - 1
         self.block_m = max(group_rows, triton.next_power_of_2(block_size))
         self.per_group = self.block_m // block_size
@@ -347,35 +443,36 @@ class _Schedule:
         # Context tiles cover every context row, so keys that no block sees get zero gradients.
         self.ctx_block = ctx_block
         tiles = sequence_tiles(cu_seqlens, ctx_block, total, False, cu_seqlens_cpu)
-        ranges = context_group_ranges(tiles, ctx_block, self.seq, self.amin, self.amax, num_seqs)
+        ranges = context_group_ranges(tiles, ctx_block, self.seq, self.amin, self.amax, num_seqs, window)
         order = torch.argsort(ranges[:, 2] - ranges[:, 0], descending=True, stable=True)  # most groups first
         self.ctx_tiles, self.ctx_ranges = tiles[order].contiguous(), ranges[order].contiguous()
 
 
 def _schedule(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows, ctx_block,
-              cu_seqlens_cpu) -> _Schedule:
+              cu_seqlens_cpu, window) -> _Schedule:
     return TILE_CACHE.get((cu_seqlens, block_seq, block_anchor),
-                          ("dflash_block", block_size, total, group_rows, ctx_block),
+                          ("dflash_block", block_size, total, group_rows, ctx_block, window),
                           lambda: _Schedule(cu_seqlens, block_seq, block_anchor, block_size, total, group_rows,
-                                            ctx_block, cu_seqlens_cpu))
+                                            ctx_block, cu_seqlens_cpu, window))
 
 
 def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sched, block_size, scale, offs64,
-                     deterministic):
+                     deterministic, window=None, causal=False):
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
     o = torch.empty_like(q)
     lse = torch.empty((HQ, q.shape[0]), dtype=torch.float32, device=q.device)
     launch(_fwd_kernel, (sched.order.numel() * HQ,),
            (q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, sched.blocks, sched.seq, sched.amin,
-            sched.amax, sched.order, scale * LOG2E, size_bucket(q.shape[0]), q.shape[0]),
-           dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, BLOCK_M=sched.block_m, OFFS64=offs64),
+            sched.amax, sched.order, scale * LOG2E, window or 0, size_bucket(q.shape[0]), q.shape[0]),
+           dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, BLOCK_M=sched.block_m, OFFS64=offs64,
+                HAS_WINDOW=window is not None, CAUSAL=causal),
            pinned=deterministic)
     return o, lse
 
 
 def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, sched, block_size,
-                     scale, offs64, deterministic):
+                     scale, offs64, deterministic, window=None, causal=False):
     _, HQ, D = q.shape
     HKV = k_ctx.shape[1]
     delta = attention_delta(do, o, pinned=deterministic)  # rowsum(dO * O), (HQ, rows) fp32
@@ -384,22 +481,24 @@ def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, bloc
     # dQ from the context, fp32 and unscaled: accumulated with atomics by the dK/dV kernel, or
     # written by a kernel of its own in a fixed order (deterministic).
     dq_acc = (torch.empty if deterministic else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, OFFS64=offs64)
+    consts = dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, OFFS64=offs64,
+                  HAS_WINDOW=window is not None, CAUSAL=causal)
+    n_window = window or 0
     bucket = size_bucket(q.shape[0])
     launch(_bwd_ctx_kernel, (sched.ctx_tiles.shape[0] * HKV,),
            (q, k_ctx, v_ctx, do, lse, delta, dk_ctx, dv_ctx, dq_acc, cu_seqlens, block_anchor, sched.blocks,
-            sched.ctx_tiles, sched.ctx_ranges, scale * LOG2E, scale, bucket, q.shape[0]),
+            sched.ctx_tiles, sched.ctx_ranges, scale * LOG2E, scale, n_window, bucket, q.shape[0]),
            dict(consts, BLOCK_M=sched.block_m, BLOCK_N=sched.ctx_block, FUSED_DQ=not deterministic),
            pinned=deterministic)
     if deterministic:
         launch(_bwd_dq_ctx_kernel, (sched.order.numel() * HQ,),
                (q, k_ctx, v_ctx, do, lse, delta, dq_acc, cu_seqlens, block_anchor, sched.blocks, sched.seq,
-                sched.amin, sched.amax, sched.order, scale * LOG2E, bucket, q.shape[0]),
+                sched.amin, sched.amax, sched.order, scale * LOG2E, n_window, bucket, q.shape[0]),
                dict(consts, BLOCK_M=sched.block_m), pinned=True)
     own_m, per_part = _own_tile(sched.block_m, block_size)
     launch(_bwd_own_kernel, (sched.order.numel() * HKV * triton.cdiv(sched.per_group, per_part),),
            (q, k_blk, v_blk, do, lse, delta, dq_acc, dq, dk_blk, dv_blk, block_anchor, sched.blocks, sched.seq,
-            sched.order, scale * LOG2E, scale, bucket, q.shape[0]),
+            sched.order, scale * LOG2E, scale, n_window, bucket, q.shape[0]),
            dict(consts, OWN_M=own_m, PER_PART=per_part), pinned=deterministic)
     return dq, dk_ctx, dv_ctx, dk_blk, dv_blk
 
@@ -407,11 +506,11 @@ def dflash_block_bwd(do, q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, bloc
 class DFlashBlockAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sched, block_size, scale, offs64,
-                deterministic):
+                deterministic, window, causal):
         o, lse = dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sched, block_size, scale,
-                                  offs64, deterministic)
+                                  offs64, deterministic, window, causal)
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor)
-        ctx.args = (sched, block_size, scale, offs64, deterministic)
+        ctx.args = (sched, block_size, scale, offs64, deterministic, window, causal)
         return o
 
     @staticmethod
@@ -419,17 +518,17 @@ class DFlashBlockAttentionFunction(torch.autograd.Function):
         q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor = ctx.saved_tensors
         grads = dflash_block_bwd(do.contiguous(), q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens,
                                  block_anchor, *ctx.args)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 def dflash_block_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_seq, block_anchor, block_size,
-                                  scale, cu_seqlens_cpu=None, deterministic=False):
+                                  scale, cu_seqlens_cpu=None, deterministic=False, window=None, causal=False):
     check_triton_inputs(q)
     cu_seqlens, block_seq, block_anchor = cu_seqlens.contiguous(), block_seq.contiguous(), block_anchor.contiguous()
     d, dtype = q.shape[-1], q.dtype
     sched = _schedule(cu_seqlens, block_seq, block_anchor, block_size, k_ctx.shape[0], tile_rows(GROUP_ROWS, d, dtype),
-                      tile_rows(CTX_BLOCK_N, d, dtype, CTX_ROW_BYTES), cu_seqlens_cpu)
+                      tile_rows(CTX_BLOCK_N, d, dtype, CTX_ROW_BYTES), cu_seqlens_cpu, window)
     return DFlashBlockAttentionFunction.apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(),
                                               k_blk.contiguous(), v_blk.contiguous(), cu_seqlens, block_anchor,
                                               sched, block_size, scale, _offs64(q, k_ctx, cu_seqlens_cpu),
-                                              deterministic)
+                                              deterministic, window, causal)

@@ -1,9 +1,12 @@
 """Public entry point of packed varlen attention (validation, defaults, backend dispatch)."""
 from __future__ import annotations
 
-import torch
+import math
 
-from ..common.backend import auto_falls_back, resolve_backend
+import torch
+import torch.nn.functional as F
+
+from ..common.backend import auto_falls_back, resolve_backend, warn_once
 from ..common.checks import check_cu_seqlens, check_index, check_max_seqlen, check_qkv
 from .naive import varlen_attention_naive
 
@@ -17,6 +20,8 @@ def varlen_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
     deterministic: bool | None = None,
@@ -25,14 +30,19 @@ def varlen_attention(
 
     Args:
         q: (T, Hq, D) float32/bfloat16/float16, all samples' rows concatenated.
-        k, v: (T, Hkv, D), same dtype and device; Hq a multiple of Hkv. Query head h reads
-            key/value head h // (Hq // Hkv) (GQA, K/V are never repeated).
+        k: (T, Hkv, D), v: (T, Hkv, Dv), same dtype and device; Hq a multiple of Hkv. Query head h
+            reads key/value head h // (Hq // Hkv) (GQA, K/V are never repeated). Dv may differ from
+            D (multi-head latent attention: 192 vs 128 in DeepSeek-V3).
         cu_seqlens: int32 (S+1,), sample i is rows [cu[i], cu[i+1]); cu[0] = 0, cu[S] = T,
             non-decreasing (checked on cu_seqlens_cpu when given, on CUDA without a host sync).
         max_seqlen: length of the longest sample (a Python int). Checked against cu_seqlens_cpu when
             given; the Triton kernels never rely on it (a wrong value cannot drop rows).
         causal: row i of a sample sees keys 0..i of that sample (else all of them).
         softmax_scale: defaults to D ** -0.5.
+        window: sliding window (causal only): row i sees keys i - window < j <= i of its sample,
+            `window` keys with its own, as transformers' `sliding_window`. None: no window.
+        sinks: (Hq,) attention-sink logits (gpt-oss): each head's softmax has one more key with
+            that logit and a zero value, so a row's weights sum to less than one.
         backend: one of dflash.ops.ATTENTION_BACKENDS: "triton", "torch" (the per-sample
             reference), "auto" (Triton on CUDA, the reference elsewhere), "torch_varlen"
             (torch.nn.attention.varlen, CUDA), "flash_attn" (flash_attn_varlen_func, CUDA, when
@@ -45,8 +55,12 @@ def varlen_attention(
             in a fixed order (7 GEMMs, bitwise repeatable), as flash-attn's `deterministic=True`.
             None (default): `torch.are_deterministic_algorithms_enabled()`.
 
+    With a window, sinks, or head dims the Triton kernels do not take (Dv != D, D not a power of
+    two: q/k/v are zero-padded to one, which is exact), the Triton backend runs forward only
+    (enough for the frozen target); the window is in its forward kernel.
+
     Returns:
-        (T, Hq, D) in q's dtype.
+        (T, Hq, Dv) in q's dtype.
 
     Causal mask of two packed samples of lengths 3 and 2 (x = visible)::
 
@@ -59,7 +73,7 @@ def varlen_attention(
     Example:
         >>> out = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
     """
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, value_head_dim=True)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows but k/v have {k.shape[0]}")
     check_index("cu_seqlens", cu_seqlens, q.device)
@@ -69,19 +83,67 @@ def varlen_attention(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not scale > 0:  # the kernels take the row maximum of unscaled scores
         raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    window = _check_window(window, causal)
+    _check_sinks(sinks, q)
     impl = resolve_backend(backend, q.device)
     if impl == "torch":
-        return varlen_attention_naive(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale)
+        return varlen_attention_naive(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale, window=window,
+                                      sinks=sinks)
     if impl != "triton":
         from .libraries import varlen_attention_library
 
-        return varlen_attention_library(impl, q, k, v, cu_seqlens, int(max_seqlen), causal, scale)
+        return varlen_attention_library(impl, q, k, v, cu_seqlens, int(max_seqlen), causal, scale, window, sinks)
     from .triton_kernels import unservable, varlen_attention_triton
 
     deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
-    if backend == "auto" and auto_falls_back(unservable, q.shape[-1], q.shape[1], k.shape[1], q.dtype, causal,
-                                             deterministic):
+    dim = _triton_head_dim(q.shape[-1], v.shape[-1])
+    if backend == "auto" and auto_falls_back(unservable, dim, q.shape[1], k.shape[1], q.dtype, causal, deterministic):
         from .libraries import varlen_attention_library
 
-        return varlen_attention_library("flex", q, k, v, cu_seqlens, int(max_seqlen), causal, scale)
-    return varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic)
+        return varlen_attention_library("flex", q, k, v, cu_seqlens, int(max_seqlen), causal, scale, window, sinks)
+    if dim == q.shape[-1] == v.shape[-1] and sinks is None and window is None:
+        return varlen_attention_triton(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic)
+    return _triton_forward_only(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, dim, window, sinks)
+
+
+def _check_window(window, causal: bool) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or int(window) != window or window < 1:
+        raise ValueError(f"window must be a positive int (keys a row sees, its own included), got {window!r}")
+    if not causal:
+        raise ValueError("a sliding window is defined for causal attention only")
+    return int(window)
+
+
+def _check_sinks(sinks, q) -> None:
+    if sinks is None:
+        return
+    if sinks.shape != (q.shape[1],) or not sinks.is_floating_point() or sinks.device != q.device:
+        raise ValueError(f"sinks must be a float tensor of shape ({q.shape[1]},) (one logit per query head) on "
+                         f"{q.device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+
+
+def _triton_head_dim(d: int, dv: int) -> int:
+    """The head dim the Triton kernels run: the power of two (>= 16) at or above both head dims."""
+    return max(16, 1 << (max(d, dv) - 1).bit_length())
+
+
+def _triton_forward_only(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, dim, window, sinks):
+    """Triton forward with a sliding window, zero-padded head dims (q.k and the padded value columns
+    add exact zeros) and sinks folded in from the kernel's log-sum-exp; no autograd."""
+    from .libraries import apply_sinks
+    from .triton_kernels import check_triton_inputs, varlen_fwd
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None):
+        raise NotImplementedError('the Triton varlen kernels run sliding windows, attention sinks and padded head '
+                                  'dims forward only; use backend="torch" or "flex" for gradients')
+    dv = v.shape[-1]
+    if dim != q.shape[-1] or dim != dv:
+        warn_once(("padded", q.shape[-1], dv), f"q/k head dim {q.shape[-1]} and v head dim {dv}: the Triton varlen "
+                                               f"kernels run them zero-padded to {dim} (exact, more work)")
+    q, k, v = (F.pad(t, (0, dim - t.shape[-1])).contiguous() for t in (q, k, v))
+    check_triton_inputs(q)
+    out, lse = varlen_fwd(q, k, v, cu_seqlens.contiguous(), causal, scale, cu_seqlens_cpu, window=window)
+    out = out[..., :dv]
+    return out if sinks is None else apply_sinks(out, lse * math.log(2), sinks)  # lse is in base 2

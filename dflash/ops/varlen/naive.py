@@ -1,7 +1,9 @@
 """Plain-PyTorch reference for packed varlen attention: one sample at a time.
 
 Each sample is an ordinary (heads, length, head_dim) attention, so memory is per sample
-(never tokens x tokens over the whole pack) and autograd comes from torch.
+(never tokens x tokens over the whole pack) and autograd comes from torch. A sliding window
+or attention sinks are written out as the textbook softmax over an explicit mask and an extra
+sink column (per-sample heads x length x length scores), independent of the kernels' tricks.
 """
 from __future__ import annotations
 
@@ -16,23 +18,44 @@ def varlen_attention_naive(
     cu_seqlens: torch.Tensor,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (T, Hq, D), k/v (T, Hkv, D), cu_seqlens int (S+1,) -> (T, Hq, D)."""
+    """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv), cu_seqlens int (S+1,) -> (T, Hq, Dv)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     bounds = cu_seqlens.tolist()  # host sync: the reference loops on the host anyway
     outs = []
     for bos, eos in zip(bounds[:-1], bounds[1:], strict=True):
         if eos == bos:
             continue
-        o = F.scaled_dot_product_attention(
-            q[bos:eos].transpose(0, 1),  # (Hq, L, D)
-            k[bos:eos].transpose(0, 1),
-            v[bos:eos].transpose(0, 1),
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=True,
-        )
+        qs, ks, vs = (t[bos:eos].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
+        if window is None and sinks is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True)
+        else:
+            o = _explicit_attention(qs, ks, vs, causal, scale, window, sinks)
         outs.append(o.transpose(0, 1))
     if not outs:
-        return q.new_zeros(q.shape)  # no tokens at all
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]))  # no tokens at all
     return torch.cat(outs)
+
+
+def _explicit_attention(q, k, v, causal, scale, window, sinks):
+    """softmax([q k^T * scale | sink]) without the sink column, times v; q (Hq, L, D), k/v (Hkv, L, *).
+    Key j is visible to row i when j <= i (causal) and i - j < window (the window's keys include i)."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    acc = torch.promote_types(q.dtype, torch.float32)  # low precision inputs: scores in fp32
+    scores = (q.to(acc) @ k.to(acc).transpose(1, 2)) * scale  # (Hq, L, L)
+    i = torch.arange(q.shape[1], device=q.device)
+    visible = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= i[None, :] <= i[:, None]
+    if window is not None:
+        visible &= i[:, None] - i[None, :] < window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(acc).view(-1, 1, 1).expand(-1, q.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v.to(acc)).to(q.dtype)

@@ -63,11 +63,13 @@ def _capability(x: torch.Tensor) -> int:
 VARLEN_FALLBACK = 'backend="torch_varlen" (or "flash_attn" where installed, or the reference "torch")'
 
 
-@autotune({"BLOCK_N": _FWD_INNER, "num_warps": [4, 8], "num_stages": [2, 3]}, _KEY, VARLEN_FALLBACK)
-@triton.jit(do_not_specialize=["n_bucket", "n_rows"])
-def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, n_bucket, n_rows,
-                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+@autotune({"BLOCK_N": _FWD_INNER, "num_warps": [4, 8], "num_stages": [2, 3]}, _KEY + ["SLIDING"], VARLEN_FALLBACK)
+@triton.jit(do_not_specialize=["n_window", "n_bucket", "n_rows"])
+def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, n_window, n_bucket, n_rows,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr):
+    # SLIDING (causal only): row i sees keys i - n_window < j <= i; key tiles before the first row's
+    # window are skipped and every tile after is masked (a window spans few tiles).
     pid = tl.program_id(0)
     i_tile, i_h = pid // HQ, pid % HQ
     seq = tl.load(tiles + 2 * i_tile)
@@ -92,14 +94,18 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, n_bucket, n_rows
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    lo = 0
     if CAUSAL:
         full_end = (m0 // BLOCK_N) * BLOCK_N  # key tiles ending before the first row
         hi = tl.minimum(m0 + BLOCK_M, L)
+        if SLIDING:
+            lo = (tl.maximum(m0 - n_window + 1, 0) // BLOCK_N) * BLOCK_N
+            full_end = lo
     else:
         full_end = (L // BLOCK_N) * BLOCK_N
         hi = L
     # Fully visible key tiles: no bounds, no mask.
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in range(lo, full_end, BLOCK_N):
         kT = tl.load(k_base + (n0 + offs_n)[None, :] * (HKV * D) + offs_d[:, None])  # (D, BLOCK_N)
         v = tl.load(v_base + (n0 + offs_n)[:, None] * (HKV * D) + offs_d[None, :])
         s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
@@ -119,6 +125,8 @@ def _fwd_kernel(Q, K, V, OUT, LSE, cu_seqlens, tiles, qk_scale, n_bucket, n_rows
         visible = col_ok[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
+        if SLIDING:
+            visible = visible & (rows[:, None] - cols[None, :] < n_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see nothing
@@ -284,7 +292,8 @@ def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, 
     for causal in (True, False):
         common = dict(HQ=heads, HKV=kv_heads, D=head_dim, CAUSAL=causal, OFFS64=False)
         dkdv = {**common, "BLOCK_N": tile_rows(DKV_BLOCK_N, head_dim, dtype, DKV_ROW_BYTES)}
-        cases += [(_fwd_kernel, {**common, "BLOCK_M": _query_rows(FWD_BLOCK_M, head_dim, dtype, cap)}),
+        fwd = {**common, "SLIDING": False, "BLOCK_M": _query_rows(FWD_BLOCK_M, head_dim, dtype, cap)}
+        cases += [(_fwd_kernel, fwd),
                   (_bwd_dkdv_kernel, {**dkdv, "FUSED_DQ": True}), (_bwd_dkdv_kernel, {**dkdv, "FUSED_DQ": False}),
                   (_bwd_dq_kernel, {**common, "BLOCK_M": _query_rows(DQ_BLOCK_M, head_dim, dtype, cap)})]
     return cases
@@ -317,16 +326,18 @@ def _offs64(q, cu_seqlens_cpu) -> bool:
     return offsets_need_int64(longest, q.shape[1], q.shape[2])
 
 
-def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic=False):
+def varlen_fwd(q, k, v, cu_seqlens, causal, scale, cu_seqlens_cpu, deterministic=False, window=None):
+    """Output and base-2 lse; `window` (causal only): each row sees its `window` latest keys."""
     T, HQ, D = q.shape
     HKV = k.shape[1]
     block_m = _query_rows(FWD_BLOCK_M, D, q.dtype, _capability(q))
     tiles = _tiles(cu_seqlens, block_m, T, causal, cu_seqlens_cpu)
     o = torch.empty_like(q)
     lse = torch.empty((HQ, T), dtype=torch.float32, device=q.device)
-    launch(_fwd_kernel, (tiles.shape[0] * HQ,), (q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E, size_bucket(T), T),
-           dict(HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, BLOCK_M=block_m, OFFS64=_offs64(q, cu_seqlens_cpu)),
-           pinned=deterministic)
+    launch(_fwd_kernel, (tiles.shape[0] * HQ,),
+           (q, k, v, o, lse, cu_seqlens, tiles, scale * LOG2E, window or 0, size_bucket(T), T),
+           dict(HQ=HQ, HKV=HKV, D=D, CAUSAL=causal, SLIDING=window is not None, BLOCK_M=block_m,
+                OFFS64=_offs64(q, cu_seqlens_cpu)), pinned=deterministic)
     return o, lse
 
 
