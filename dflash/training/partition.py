@@ -115,12 +115,13 @@ class PartitionedTarget(nn.Module):
         self.__dict__["engine"] = deepspeed.initialize(model=self, config=ds_config)[0]
         self.meter = _GatherMeter(target.model)
 
-    def forward(self, batch):
-        return self.target.features(batch)
+    def forward(self, batch, with_output: bool = False):
+        return self.target.features(batch, with_output=with_output)
 
     @torch.no_grad()
-    def features(self, batch):
-        out = self(batch)  # through __call__: DeepSpeed's hooks on this module start each forward
+    def features(self, batch, *, with_output: bool = False):
+        """`TargetModel.features`, collective."""
+        out = self(batch, with_output)  # through __call__: DeepSpeed's hooks on this module start each forward
         if self.meter.calls < _MEASURED_CALLS:
             self.meter.call_done()
         return out
