@@ -108,17 +108,22 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(reference, tiny_ru
 def test_partitioned_target_stopped_and_resumed_trains_bitwise_like_the_replicated_reference(reference,
                                                                                             tiny_run_inputs, tmp_path):
     """--target-partition zero3: the same losses, evaluations and samples, bit for bit, through a
-    stop and a resume; only the target bytes each rank holds differ (about half)."""
+    stop and a resume; only the target bytes each rank holds differ (about half), and tau@1, which
+    walks the data's turns (a partitioned target does not sample turns) where the reference walks
+    turns the target sampled."""
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     partitioned = (*COMMON, "--target-partition", "zero3")
     ok(run_deepspeed(tiny_train_args(target, data, out, *partitioned, "--stop-at-step", 3)))
     resumed = ok(run_deepspeed(tiny_train_args(target, data, out, *partitioned, "--resume")))
     assert "resumed from" in resumed.stdout and "ZeRO-3 partitioned over 2 rank(s)" in resumed.stdout
+    assert "tau@1 follow them" in resumed.stdout and not (out / "eval_turns.json").exists()
 
     def without_target_bytes(run):
         records, samples = run
         memory = [(r.pop("target_resident_bytes", None), r.pop("target_gathered_bytes", None)) for r in records]
+        for r in records:
+            r.pop("tau@1", None), r.pop("tau@1_stderr", None)
         return (records, samples), memory
 
     (mine, memory), (theirs, full) = without_target_bytes(history(out)), without_target_bytes(history(reference))
