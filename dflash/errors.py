@@ -21,17 +21,22 @@ def say_error(line: str) -> None:
 
 
 def exit_with_error(line: str, status: int = 2):
-    """Print `line` and exit with `status`. A rank first takes down its process group: left to
-    interpreter shutdown, the threads of gloo can die in std::terminate (SIGABRT, status 250 instead
-    of 2), also in a one-rank group once it ran a collective."""
+    """Print `line` and exit with `status`, the process group taken down first (`end_process_group`)."""
     say_error(line)
+    end_process_group()
+    sys.exit(status)
+
+
+def end_process_group() -> None:
+    """Take down this process's process group, if it has one: left to interpreter shutdown, the
+    threads of gloo can die in std::terminate (SIGABRT, status 250 or -6 instead of the intended
+    one), also in a one-rank group once it ran a collective."""
     dist = sys.modules.get("torch.distributed")  # loaded only if this process uses it
     if dist is not None and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway; the message is out
+        except Exception:  # noqa: BLE001 - exiting anyway
             pass
-    sys.exit(status)
 
 
 def exit_on_user_error(main):
@@ -42,7 +47,7 @@ def exit_on_user_error(main):
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
         except UserError as err:
             exit_with_error(f"error: {err}")
         except Exception as err:  # noqa: BLE001 - anything else is raised again as it was
@@ -50,6 +55,8 @@ def exit_on_user_error(main):
             if line is None:
                 raise
             exit_with_error(f"error: {line}")
+        end_process_group()  # a run that succeeded exits 0, whatever gloo's threads do at shutdown
+        return result
 
     return wrapper
 

@@ -56,23 +56,15 @@ def main(argv=None):
 
     def run():
         trainer = Trainer(cfg, target=target)
-        stream = trainer._stream
-
-        def tapped():
-            for item in stream:
-                seen.extend(item[2])
-                yield item
-
-        trainer._stream = tapped()
         while trainer.step < steps:
             trainer.train_step()
+            seen.extend(trainer.micro_batch_shapes)
         return trainer
 
     peak, trainer = measure_peak_tensor_bytes(run)
     measured = peak + loaded["resident"] + loaded["shared"]
-    plan, B = trainer.memory_plan, cfg.block_size
-    batches = [(m.computed_tokens, m.anchors.num_blocks * B) for m in seen]
-    tokens, rows = max(batches, key=lambda tr: plan.peak(*tr)["total"])
+    plan = trainer.memory_plan
+    tokens, rows = max(seen, key=lambda tr: plan.peak(*tr)["total"])
     items = plan.peak(tokens, rows)
     # the reserve is not tensors: the CPU check compares tensor bytes alone
     record = {"rank": dist.get_rank(), "measured": measured, "estimate": items["total"],

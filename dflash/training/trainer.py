@@ -168,6 +168,7 @@ class Trainer:
         self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
 
         self.step = 0
+        self.micro_batch_shapes: list[tuple[int, int]] = []  # of the last step, this rank's
         self.nonfinite_in_row = self.nonfinite_total = 0
         d = self.data
         self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, "
@@ -364,6 +365,8 @@ class Trainer:
         if self.phases:
             self.phases.start()
         epoch, first, micro = next(self._stream)  # waiting for data is part of the step
+        # (computed tokens, drafter rows) of this rank's micro-batches: what the memory plan prices
+        self.micro_batch_shapes = [(m.computed_tokens, m.anchors.num_blocks * cfg.block_size) for m in micro]
         timings = [] if cfg.time_micro_batches else None
         sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, micro, self.device,
                                                    cfg.block_size, timings, self.phases)

@@ -43,3 +43,4 @@ every = [None] * dist.get_world_size()
 dist.all_gather_object(every, result)
 if dist.get_rank() == 0:  # one line per rank, from one process: never interleaved
     print("\n".join(json.dumps(r) for r in every), flush=True)
+dist.destroy_process_group()  # not left to interpreter shutdown, where gloo's threads can abort
