@@ -1,3 +1,4 @@
+import functools
 import os
 from pathlib import Path
 
@@ -28,6 +29,14 @@ def poison_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    # A `with torch.device(...)` block redirects the constructors torch caches at its first use; a
+    # first use under this patch would cache the lambda, not torch.empty, and every later
+    # `with torch.device("meta")` of the session would build real tensors (a 122B model in CPU
+    # memory). So the test gets its own cache, and the session's is back at teardown.
+    import torch.utils._device as device_context
+
+    monkeypatch.setattr(device_context, "_device_constructors",
+                        functools.lru_cache(1)(device_context._device_constructors.__wrapped__))
 
 
 def make_chat_tokenizer(words=None):
