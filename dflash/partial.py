@@ -79,3 +79,19 @@ def sync_folder(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def try_lock(path: Path) -> tuple[int | None, str]:
+    """Open `path` (made if missing) and take an exclusive lock on it without waiting: (fd, "")
+    once held, or (None, what the holder wrote in it) when another process holds it. OSError of
+    the open goes to the caller, who names the flag."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 128).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        return None, holder
+    return fd, ""

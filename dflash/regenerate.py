@@ -18,7 +18,6 @@ another input file, or with other settings, is refused.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from dflash.data.conversations import (
 )
 from dflash.data.generation import generation_eos, stop_ids
 from dflash.errors import UserError, disk_full, os_reason
-from dflash.partial import replace_file
+from dflash.partial import replace_file, try_lock
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -287,17 +286,13 @@ class OutputLock:
     def __enter__(self):
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd, holder = try_lock(self.path)
             except OSError as err:
                 raise UserError(f"--output {self.output}: cannot write in {self.path.parent} ({os_reason(err)})") \
                     from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 128).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
+            if fd is None:
                 raise UserError(f"--output {self.output}: another regenerate run is writing it (process {holder}); "
-                                "wait for it to end, or choose another --output") from None
+                                "wait for it to end, or choose another --output")
             # the previous holder may have removed the file between our open and our lock
             if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
                 break

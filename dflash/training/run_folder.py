@@ -8,12 +8,12 @@ on-the-fly token store `data/` is kept: it carries fingerprints and is rebuilt i
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 from pathlib import Path
 
 from dflash.errors import UserError, os_reason
+from dflash.partial import try_lock
 
 LOCK = ".dflash.lock"
 # what a run writes in its folder, and so what --overwrite may delete
@@ -63,17 +63,13 @@ class RunFolder:
     def lock(self) -> None:
         make_run_folder(self.path)
         try:
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd, holder = try_lock(self.path / LOCK)
         except OSError as err:
             raise UserError(f"--output-dir {self.path}: cannot write in the folder ({os_reason(err)}); choose "
                             "another --output-dir") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        if fd is None:
             raise UserError(f"--output-dir {self.path}: another run is using this folder (process {holder}); "
-                            "wait for it to end, or choose another --output-dir") from None
+                            "wait for it to end, or choose another --output-dir")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}@{os.uname().nodename}\n".encode())
         self._fd = fd  # held open: the lock lasts as long as the process

@@ -89,13 +89,13 @@ def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
     return DFlashDrafter(config, demo["target"].shared_weights(), num_anchors=32, attention_backend="torch")
 
 
-def fit(demo, drafter):
+def fit(demo, drafter, steps=40):
     """The drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
     feats = demo["target"].features(batch)
     (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(40):
+    for _ in range(steps):
         out = drafter(batch, feats, anchors=anchors)
         opt.zero_grad()
         (out.loss_sum / out.weight_sum).backward()

@@ -18,17 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dflash.data.collate import collate_packed
 from dflash.models import DFlashDrafter, DrafterConfig
 from dflash.models import speculate as speculate_module
-from dflash.models.acceptance import every_anchor
 from dflash.models.sampling import Sampling
 from dflash.models.speculate import speculate
 from dflash.training.config import TrainConfig
 from dflash.training.evaluator import TURNS_FILE, Evaluator, turn_seed
 from dflash.training.ranks import free_port
 
-from ..models.test_speculate import LIMIT, demo, one_thread  # noqa: F401  (module fixtures)
+from ..models.test_speculate import LIMIT, demo, fit, one_thread  # noqa: F401  (module fixtures)
 
 REPEATS = 4  # each of the demo's 8 held-out turns 4 times: 32 turns, each sampled from its own seed
 
@@ -54,16 +52,7 @@ def fitted(demo):  # noqa: F811
                                        vocab_size=demo["target"].num_embedding_rows)
     drafter = DFlashDrafter(config, demo["target"].shared_weights(), num_anchors=32, attention_backend="torch",
                             gamma=4.0)
-    batch = collate_packed(demo["samples"], range(len(demo["samples"])))
-    features = demo["target"].features(batch)
-    (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(150):
-        out = drafter(batch, features, anchors=anchors)
-        opt.zero_grad()
-        (out.loss_sum / out.weight_sum).backward()
-        opt.step()
-    return drafter.eval()
+    return fit(demo, drafter, steps=150)
 
 
 class Store(list):
