@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from dflash.data.buckets import padded_cost, quantile_buckets
-from dflash.data.cost import candidates_from_supervised, drafter_rows, store_candidates
+from dflash.data.cost import drafter_rows
 from dflash.data.plan_stats import dealing_stats, plan_stats
 from dflash.data.planner import (
     DEFAULT_MIX,
@@ -51,6 +51,7 @@ from dflash.data.planner import (
     plan_batches,
 )
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_like_lengths
+from dflash.data.supervision import candidates_from_supervised
 from dflash.errors import UserError, exit_on_user_error
 from dflash.models.config import default_target_layer_ids
 from dflash.models.flops import PRESETS, flop_cost_model, load_target_config
@@ -142,7 +143,7 @@ def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
         from dflash.data.token_store import TokenStore
 
         store = TokenStore(args.data)
-        return store.lengths, store.supervised, store_candidates(store), args.data
+        return store.lengths, store.supervised, store.candidates(), args.data
     lengths = seed_like_lengths().astype(np.int64)
     share = np.random.default_rng(1).beta(4.0, 2.0, lengths.size)
     supervised = np.clip((lengths * share).astype(np.int64), 1, lengths)

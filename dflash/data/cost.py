@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from dflash.data.supervision import trainable
 from dflash.errors import UserError
 
 FEATURES = ("tokens", "pairs", "rows", "row_keys", "samples", "batches", "window_pairs")
@@ -86,30 +87,7 @@ def drafter_rows(candidates, supervised, block_size: int, num_anchors: int) -> n
     if block_size < 1 or num_anchors < 1:
         raise UserError(f"block size and anchors per sample must be >= 1, got {block_size} and {num_anchors}")
     anchors = np.minimum(num_anchors, np.maximum(candidates, 0))
-    return np.where(supervised >= 2 * block_size, block_size * anchors, 0).astype(np.int64)
-
-
-def candidates_from_supervised(supervised) -> np.ndarray:
-    """Anchor candidates (supervised tokens followed by a supervised token) of samples with one
-    supervised span: supervised - 1. An upper bound with several spans; use `store_candidates`
-    when the loss masks are at hand."""
-    return np.maximum(np.asarray(supervised, dtype=np.int64) - 1, 0)
-
-
-def store_candidates(store) -> np.ndarray:
-    """Exact anchor candidates of every sample of a token store, read from its loss masks:
-    positions p with mask[p] and mask[p + 1] inside the sample (what `sample_anchors` draws from).
-    One vectorised pass over the memory-mapped mask column, chunk by chunk."""
-    column = store.dataset.data.table.column("loss_mask")
-    counts = []
-    for chunk in column.chunks:
-        mask = chunk.values.to_numpy(zero_copy_only=True).astype(bool)
-        offsets = chunk.offsets.to_numpy(zero_copy_only=True).astype(np.int64)
-        # prefix[k]: adjacent supervised pairs (p, p + 1) with p < k; sample [s, e) has prefix[e-1] - prefix[s]
-        prefix = np.concatenate([[0], np.cumsum(mask[:-1] & mask[1:])])
-        ends = np.maximum(offsets[1:] - 1, offsets[:-1])
-        counts.append(prefix[ends] - prefix[offsets[:-1]] if mask.size else np.zeros(offsets.size - 1, np.int64))
-    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+    return np.where(trainable(supervised, block_size), block_size * anchors, 0).astype(np.int64)
 
 
 def window_pairs(lengths, window: int) -> np.ndarray:

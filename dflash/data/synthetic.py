@@ -43,8 +43,8 @@ def parse_samples(data: str, flag: str = "--data") -> int:
 
 class SyntheticStore:
     """Seed-like synthetic samples in the TokenStore interface (`lengths`, `supervised`, `store[i]`
-    -> (int32 ids, bool assistant mask), `meta`, `vocab_size`, `check_tokenizer`), plus
-    `candidates()`: each sample's anchor candidates (one supervised span: supervised - 1).
+    -> (int32 ids, bool assistant mask), `meta`, `vocab_size`, `check_tokenizer`), with
+    `candidates()` as the token store has it (each sample holds one supervised span).
 
     Args:
         num_samples: samples in the store.
@@ -85,7 +85,10 @@ class SyntheticStore:
         return ids, mask
 
     def candidates(self) -> np.ndarray:
-        return np.maximum(self.supervised - 1, 0)
+        """Anchor candidates of every sample (`dflash.data.supervision`): one supervised span each."""
+        from dflash.data.supervision import candidates_from_supervised
+
+        return candidates_from_supervised(self.supervised)
 
     def check_tokenizer(self, tokenizer, flag: str) -> None:
         """Any tokenizer whose vocabulary holds the drawn ids will do (the ids mean nothing)."""

@@ -162,6 +162,12 @@ class TokenStore:
             raise UserError(f"{flag}: its tokenizer differs from the one {self.path} was made with "
                             f"({self.meta.get('tokenizer')}); prepare the data with the target's tokenizer")
 
+    def candidates(self) -> np.ndarray:
+        """Anchor candidates of every sample (`dflash.data.supervision`), counted from the loss masks."""
+        from dflash.data.supervision import ragged_candidates
+
+        return ragged_candidates(self.dataset.data.table.column("loss_mask"))
+
     @property
     def vocab_size(self) -> int | None:
         return self.meta.get("vocab_size")

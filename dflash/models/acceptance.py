@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from dflash.data.batch import PackedBatch
+from dflash.data.supervision import candidate_positions
 from dflash.models.anchors import Anchors
 from dflash.models.loss import DEFAULT_CHUNK_ROWS
 
@@ -91,14 +92,30 @@ def every_anchor(batch: PackedBatch, block_size: int, max_blocks: int = DEFAULT_
     bounds = batch.cu_seqlens_cpu.tolist()
     seqs, anchors = [], []
     for s, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        ms = m[bos:eos]
-        a = np.flatnonzero(ms[:-1] & ms[1:])
+        a = candidate_positions(m[bos:eos])
         anchors.append(a)
         seqs.append(np.full(a.size, s))
     seq = torch.from_numpy(np.concatenate(seqs).astype(np.int32)) if seqs else torch.zeros(0, dtype=torch.int32)
     anchor = torch.from_numpy(np.concatenate(anchors).astype(np.int32)) if anchors else seq.clone()
     return [Anchors(seq[i:i + max_blocks], anchor[i:i + max_blocks], block_size, 0)
             for i in range(0, seq.numel(), max_blocks)]
+
+
+def heldout_batches(lengths, token_budget: int, *, sort: bool = False, seed: int = 0) -> list[np.ndarray]:
+    """The held-out planner: samples of `lengths` packed into batches of at most `token_budget` tokens
+    (a longer sample goes alone), as index arrays. In the given order, a batch closing when the next
+    sample does not fit (the batch planner's packer with one open bin); `sort`: the batch planner's
+    sorted packed plan (by length, best fit, batches in the order `seed` deals them)."""
+    from dflash.data import packing
+    from dflash.data.planner import PlannerConfig, plan_batches
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if sort:
+        return plan_batches(lengths, PlannerConfig(token_budget, "sorted", "packed", seed=seed))[0]
+    if lengths.size == 0:
+        return []
+    items, offsets = packing.pack_best_fit(np.clip(lengths, 1, token_budget), token_budget, window=1)
+    return np.split(items, offsets[1:-1])
 
 
 def tau_key(temperature: float) -> str:
@@ -406,14 +423,8 @@ def walk_samples(
     from dflash.data.collate import collate_packed
 
     stats = WalkStats(block_size, tuple(temperatures))
-    groups, group, size = [], [], 0
-    for i, (ids, _) in enumerate(samples):
-        if group and size + len(ids) > token_budget:
-            groups.append(group)
-            group, size = [], 0
-        group.append(i)
-        size += len(ids)
-    groups += [group] if group else []
+    groups = heldout_batches(np.fromiter((len(ids) for ids, _ in samples), dtype=np.int64, count=len(samples)),
+                             token_budget)
     for g in groups:
         batch = collate_packed(samples, g)
         batch = batch if device is None else batch.to(device)

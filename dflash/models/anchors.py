@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from dflash.data.batch import PackedBatch, PaddedBatch
+from dflash.data.supervision import candidate_positions, min_supervised
 
 
 @dataclass
@@ -64,8 +65,8 @@ def sample_anchors(
         num_anchors: at most this many anchors per sample (drawn without replacement).
         seed, epoch: the planner's seed and the epoch; anchors are redrawn every epoch.
 
-    Candidates are positions a with loss_mask[a] and loss_mask[a+1] (a+1 inside the sample).
-    A sample with fewer than 2*B supervised tokens, or without a candidate, is skipped and
+    Candidates and the fewest supervised tokens a sample needs (2*B) follow `dflash.data.supervision`.
+    A sample with fewer supervised tokens, or without a candidate, is skipped and
     counted. Anchors of a sample are sorted; blocks may overlap.
 
     Returns:
@@ -79,10 +80,10 @@ def sample_anchors(
     seqs, anchors, skipped = [], [], 0
     for s, (bos, eos) in enumerate(pairwise(bounds)):
         m = lm[bos:eos]
-        if int(m.sum()) < 2 * block_size:
+        if int(m.sum()) < min_supervised(block_size):
             skipped += 1
             continue
-        candidates = np.flatnonzero(m[:-1] & m[1:])
+        candidates = candidate_positions(m)
         if candidates.size == 0:
             skipped += 1
             continue

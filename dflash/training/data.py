@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.data.cost import CostModel, drafter_rows, store_candidates
+from dflash.data.cost import CostModel, drafter_rows
 from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
+from dflash.data.supervision import min_supervised, trainable
 from dflash.data.synthetic import SyntheticStore, is_synthetic, open_store, synthetic_store
 from dflash.data.token_store import TokenStore
 from dflash.errors import UserError
@@ -110,10 +111,10 @@ class TrainingData:
             raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
                             f"target's embedding has {vocab_rows} rows; prepare the data with the target's tokenizer")
         check_lengths(store.lengths, cfg.token_budget, name=_sample_name(store, path))
-        self.usable = int((store.supervised >= 2 * cfg.block_size).sum())
+        self.usable = int(trainable(store.supervised, cfg.block_size).sum())
         if self.usable == 0:
-            raise UserError(f"--block-size {cfg.block_size}: a sample needs at least {2 * cfg.block_size} supervised "
-                            f"tokens to be trained on, and none of the {len(store):,} samples of {path} has "
+            raise UserError(f"--block-size {cfg.block_size}: a sample needs at least {min_supervised(cfg.block_size)} "
+                            f"supervised tokens to be trained on, and none of the {len(store):,} samples of {path} has "
                             f"(most: {int(store.supervised.max())}); use a smaller block size")
         self.train_idx, self.eval_idx = held_out_split(len(store), cfg.eval_fraction, cfg.seed)
         if cfg.subset_tokens:
@@ -132,7 +133,7 @@ class TrainingData:
         # dealing by cost is between ranks: one rank plans as without it (the same plan, the same checkpoints)
         self.balance = balance = cfg.balance and world_size > 1
         if balance or cfg.row_budget:
-            candidates = store.candidates() if isinstance(store, SyntheticStore) else store_candidates(store)
+            candidates = store.candidates()
             rows = drafter_rows(candidates[self.train_idx], store.supervised[self.train_idx],
                                 cfg.block_size, cfg.num_anchors)
         if balance:

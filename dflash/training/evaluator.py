@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from dflash.data.batch import PackedBatch
-from dflash.data.planner import PlannerConfig, plan_batches
 from dflash.training.config import TrainConfig
 from dflash.training.data import TrainingData
 from dflash.training.models import Models
@@ -56,12 +55,11 @@ class Evaluator:
 
     def _plan(self) -> tuple[list, list[int]]:
         """Held-out micro-batches (sorted, packed) and how many drafter forwards each takes (cached)."""
-        from dflash.models.acceptance import every_anchor
+        from dflash.models.acceptance import every_anchor, heldout_batches
 
         if self._chunks is None:
             lengths = self.data.maker.store.lengths[self.data.eval_idx]
-            config = PlannerConfig(self.cfg.token_budget, "sorted", "packed", seed=self.cfg.seed)
-            batches = plan_batches(lengths, config)[0]
+            batches = heldout_batches(lengths, self.cfg.token_budget, sort=True, seed=self.cfg.seed)
             forwards = [len(every_anchor(self._batch(b), self.cfg.block_size)) for b in batches]
             self._chunks = (batches, forwards)
         return self._chunks

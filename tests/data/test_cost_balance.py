@@ -2,7 +2,6 @@
 import dataclasses
 import itertools
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -11,9 +10,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dflash.data import BatchPlanner, PlannerConfig, plan_batches
-from dflash.data.cost import CostModel, batch_features, drafter_rows, fit, store_candidates
+from dflash.data.cost import CostModel, batch_features, drafter_rows, fit
 from dflash.data.plan_stats import dealing_stats, length_r2
 from dflash.data.planner import LAYOUTS, ORDERS
+from dflash.data.supervision import ragged_candidates
 from dflash.errors import UserError
 from dflash.models.flops import flop_cost_model, load_target_config
 
@@ -63,10 +63,8 @@ def test_store_candidates_count_adjacent_supervised_pairs_per_sample():
     masks = [rng.random(rng.integers(1, 30)) < 0.6 for _ in range(40)]
     chunks = [pa.array([m.astype(np.uint8).tolist() for m in masks[:25]], pa.list_(pa.uint8())),
               pa.array([m.astype(np.uint8).tolist() for m in masks[20:]], pa.list_(pa.uint8())).slice(5)]
-    store = SimpleNamespace(dataset=SimpleNamespace(data=SimpleNamespace(table=pa.table(
-        {"loss_mask": pa.chunked_array(chunks)}))))
     expected = [int(np.sum(m[:-1] & m[1:])) for m in masks]
-    assert store_candidates(store).tolist() == expected
+    assert ragged_candidates(pa.chunked_array(chunks)).tolist() == expected
 
 
 def test_fit_recovers_a_known_model_and_reports_r2():
@@ -276,3 +274,4 @@ def test_non_finite_cost_inputs_are_refused_naming_the_file_and_sample(tmp_path,
         _plan_cli().main([*args, flag, str(tmp_path / "bad.npy")])
     assert exit_info.value.code == 2
     assert f"error: {flag} {tmp_path / 'bad.npy'}: sample 5 has {values[5]} tokens" in capsys.readouterr().err
+

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from dflash.data.cost import candidates_from_supervised
 from dflash.data.seed_lengths import seed_like_lengths
+from dflash.data.supervision import candidates_from_supervised
 from dflash.data.synthetic import (
     DEFAULT_SAMPLES,
     SyntheticStore,

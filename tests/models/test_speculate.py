@@ -360,3 +360,21 @@ def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
         cli.main(["--drafter", str(tmp_path / "drafter")])  # no --prompts and no run around it
     assert e.value.code == 2
     assert "no run config" in capsys.readouterr().err
+
+
+def test_heldout_batches_pack_in_order_and_a_longer_sample_alone():
+    from dflash.models.acceptance import heldout_batches
+
+    def greedy(lengths, budget):  # the rule written out: close the batch when the next sample does not fit
+        groups, group, size = [], [], 0
+        for i, n in enumerate(lengths):
+            if group and size + n > budget:
+                groups, group, size = groups + [group], [], 0
+            group, size = group + [i], size + n
+        return groups + [group] if group else groups
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths, budget = rng.integers(1, 300, rng.integers(0, 20)), int(rng.integers(50, 400))
+        assert [b.tolist() for b in heldout_batches(lengths, budget)] == greedy(lengths.tolist(), budget)
+    assert [b.tolist() for b in heldout_batches([5, 900, 5, 5], 10)] == [[0], [1], [2, 3]]
