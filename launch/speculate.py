@@ -170,10 +170,15 @@ def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
 
 def eval_walk(drafter, target, samples, device, *, limit: int, stops, sampling) -> dict:
     """The eval walk on the decoded turns' data: greedy tau, anchor tau and, when sampling, tau@T."""
+    from dflash.models import BlockLoss, default_gamma, slot_weights
     from dflash.models.acceptance import tau_key, walk_samples
+    from dflash.models.blocks import block_scorer
 
     temperatures = (0.0,) if sampling.greedy else (0.0, sampling.temperature)
-    walk = walk_samples(lambda b, f, a, **kw: drafter(b, f, anchors=a, **kw), target.model, samples,
+    B = drafter.block_size
+    score = block_scorer(drafter, BlockLoss(), drafter.lm_head, mask_token_id=drafter.config.mask_token_id,
+                         slot_weights=slot_weights(B, default_gamma(B)))
+    walk = walk_samples(score, target.model, samples,
                         block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops,
                         temperatures=temperatures, device=device).metrics()
     result = {"walk_tau": walk["tau"], "anchor_tau": walk["anchor_tau"], "walk_turns": walk["turns"]}

@@ -3,11 +3,14 @@
     target = TargetModel(hf_causal_lm)                     # frozen, eval, no grad
     config = DrafterConfig.from_target(hf_causal_lm.config, mask_token_id=mask_id)
     drafter = DFlashDrafter(config, target.shared_weights())
-    out = drafter(batch, target.features(batch), epoch=epoch, seed=seed)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=512, mask_token_id=mask_id,
+                         slot_weights=slot_weights(B, gamma), seed=seed, epoch=epoch)
+    out = BlockLoss()(drafter(batch, target.features(batch), blocks), blocks, drafter.lm_head)
     drafter.save_pretrained(path)                          # official DFlash checkpoint format
 """
 from dflash.data.vocab import MASK_TOKEN, ensure_mask_token
 from dflash.models.anchors import Anchors, BlockTensors, block_tensors, sample_anchors, to_packed
+from dflash.models.blocks import Blocks, draw_blocks
 from dflash.models.config import (
     CONFIG_KEYS,
     DrafterConfig,
@@ -15,19 +18,21 @@ from dflash.models.config import (
     default_gamma,
     default_target_layer_ids,
 )
-from dflash.models.drafter import DFlashDrafter, DrafterCache, DrafterOutput
+from dflash.models.drafter import DFlashDrafter, DrafterCache
 from dflash.models.flops import measure_flops, target_forward_flops
-from dflash.models.loss import acceptance_stats, chunked_weighted_ce, slot_weights
+from dflash.models.loss import BlockLoss, LossOutput, acceptance_stats, chunked_weighted_ce, slot_weights
 from dflash.models.target import TARGET_FAMILIES, SharedWeights, TargetModel, load_language_model
 
 __all__ = [
     "Anchors",
+    "BlockLoss",
     "BlockTensors",
+    "Blocks",
     "CONFIG_KEYS",
     "DFlashDrafter",
     "DrafterCache",
     "DrafterConfig",
-    "DrafterOutput",
+    "LossOutput",
     "MASK_TOKEN",
     "SharedWeights",
     "TARGET_FAMILIES",
@@ -38,6 +43,7 @@ __all__ = [
     "chunked_weighted_ce",
     "default_gamma",
     "default_target_layer_ids",
+    "draw_blocks",
     "ensure_mask_token",
     "load_language_model",
     "measure_flops",

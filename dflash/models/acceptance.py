@@ -330,8 +330,8 @@ def score_and_walk(
 ) -> WalkStats:
     """Score the blocks of `chunks` (from `every_anchor(batch)`) and walk every turn of `batch`.
 
-    forward(batch, features, anchors) -> DrafterOutput: the drafter (or its DeepSpeed engine) with the
-    anchors given, so the blocks are exactly those of training (same inputs, positions and visibility).
+    forward(batch, features, anchors) -> LossOutput: the drafter and its loss on the blocks at the anchors
+    given (`dflash.models.blocks.block_scorer`), exactly those of training (inputs, positions, visibility).
     Cut the turns where decoding stops first (`limited`), for both the anchors and this call.
     temperatures: of the walk (`tau@T`, 0 = greedy); for those > 0, forward is called with
     `temperatures=` them (the drafter's `label_logq`) and `target_logprobs` (`token_logprobs`) must
@@ -395,7 +395,8 @@ def walk_tau(
 
     Example:
         feats, logp = target_inputs(target, batch, (1.0,))
-        stats = walk_tau(lambda b, f, a, **kw: drafter(b, f, anchors=a, **kw), batch, feats,
+        score = block_scorer(drafter, BlockLoss(), drafter.lm_head, mask_token_id=m, slot_weights=w)
+        stats = walk_tau(score, batch, feats,
                          block_size=drafter.block_size, temperatures=(0, 1.0), target_logprobs=logp)
         stats.metrics()["tau"], stats.metrics()["tau@1"]
     """

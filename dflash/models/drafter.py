@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,9 +26,9 @@ from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import DiskFull, UserError, disk_full, free_space
-from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
-from dflash.models.config import DrafterConfig, default_gamma
-from dflash.models.loss import DEFAULT_CHUNK_ROWS, acceptance_stats, chunked_weighted_ce, slot_weights
+from dflash.models.anchors import Anchors, to_packed
+from dflash.models.blocks import Blocks
+from dflash.models.config import DrafterConfig
 from dflash.models.target import SharedWeights
 
 CONFIG_NAME = "config.json"
@@ -163,27 +162,6 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@dataclass
-class DrafterOutput:
-    """Sums over one micro-batch; the trainer divides by totals over the whole optimizer step.
-
-    loss = total loss_sum / total weight_sum; tau = total tau_sum / total num_blocks;
-    accuracy of slot k = slot_correct[k-1] / slot_count[k-1].
-    """
-
-    loss_sum: torch.Tensor  # scalar float32, differentiable: sum of w_k * CE over scored slots
-    weight_sum: torch.Tensor  # scalar float32: sum of w_k over scored slots
-    tau_sum: torch.Tensor  # scalar float32: sum over blocks of the offline acceptance length
-    slot_correct: torch.Tensor  # (B-1,) int64: argmax == label, per slot k = 1..B-1
-    slot_count: torch.Tensor  # (B-1,) int64: scored labels per slot
-    hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
-    num_blocks: int
-    num_skipped: int  # samples skipped for too few supervised tokens
-    # (NB, B-1, len(temperatures)) float32, when the forward was given temperatures: log q_t(label) of slot k of
-    # block j at each temperature t (the eval walk at temperature), -inf where the label is not valid
-    label_logq: torch.Tensor | None = None
-
-
 def is_drafter_folder(path: Path) -> bool:
     """An empty folder, or one holding a DFlash drafter's config (and nothing but its files)."""
     names = {p.name for p in path.iterdir()} if path.is_dir() else {None}
@@ -203,14 +181,11 @@ class DFlashDrafter(nn.Module):
         config: sizes (see `DrafterConfig.from_target`).
         shared: the target's frozen embedding and lm_head (`TargetModel.shared_weights()`);
             held by reference, never registered, never saved. Needed for forward only.
-        num_anchors: anchors per sample (at most; fewer when a sample has fewer candidates).
-        gamma: loss decay, w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8.
-        ce_chunk_rows: rows per lm_head chunk of the loss.
         attention_backend: `dflash.ops` backend ("auto": Triton on CUDA, torch elsewhere).
 
-    Training call:
-        feats = target.features(batch)
-        out = drafter(batch, feats, epoch=epoch, seed=seed)
+    Training call (the blocks drawn by the loader, `dflash.models.blocks.draw_blocks`):
+        hidden = drafter(batch, target.features(batch), blocks)
+        out = BlockLoss()(hidden, blocks, drafter.lm_head)
         engine.backward(out.loss_sum / step_weight_total)
     """
 
@@ -219,9 +194,6 @@ class DFlashDrafter(nn.Module):
         config: DrafterConfig,
         shared: SharedWeights | None = None,
         *,
-        num_anchors: int = 512,
-        gamma: float | None = None,
-        ce_chunk_rows: int = DEFAULT_CHUNK_ROWS,
         attention_backend: str = "auto",
         activation_checkpointing: bool = False,
     ) -> None:
@@ -236,9 +208,6 @@ class DFlashDrafter(nn.Module):
             DFlashDecoderLayer(config, attention_backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
-        self.num_anchors = num_anchors
-        self.gamma = default_gamma(config.block_size) if gamma is None else float(gamma)
-        self.ce_chunk_rows = ce_chunk_rows
         # recompute each layer in backward instead of keeping its activations: less memory, ~1/3 more compute
         self.activation_checkpointing = activation_checkpointing
         self._rope = _Rope(config)
@@ -258,6 +227,11 @@ class DFlashDrafter(nn.Module):
             if tuple(w.shape) != (V, H):
                 raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter config expects {(V, H)}")
         self._shared = shared
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The target's frozen lm_head weight (V, H), which every loss scores through."""
+        return self._require_shared().lm_head
 
     def _init_weights(self) -> None:
         for m in self.modules():
@@ -320,91 +294,24 @@ class DFlashDrafter(nn.Module):
         hidden = self.block_hidden(features, ids, torch.arange(start, start + B, device=device),
                                    torch.arange(cache.length, start, device=device), (cu.to(device), cu),
                                    anchors.to(device), cache)
-        lm_head = self._require_shared().lm_head
+        lm_head = self.lm_head
         return hidden[1:].to(lm_head.dtype) @ lm_head.t()
 
-    def anchors(self, batch: PackedBatch | PaddedBatch, *, epoch: int, seed: int) -> Anchors:
-        """The anchors of a micro-batch (CPU); draw them in the data loader to keep forward sync-free."""
-        packed = to_packed(batch)
-        return sample_anchors(
-            packed.loss_mask,
-            packed.cu_seqlens_cpu,
-            packed.sample_ids,
-            block_size=self.block_size,
-            num_anchors=self.num_anchors,
-            seed=seed,
-            epoch=epoch,
-        )
-
-    def forward(
-        self,
-        batch: PackedBatch | PaddedBatch,
-        features: torch.Tensor,
-        *,
-        epoch: int = 0,
-        seed: int = 0,
-        anchors: Anchors | None = None,
-        temperatures: tuple[float, ...] = (),
-    ) -> DrafterOutput:
-        """Training forward of one micro-batch.
+    def forward(self, batch: PackedBatch | PaddedBatch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+        """Training forward of one micro-batch: the final-normed states of its blocks, (NB*B, H), for a
+        loss (`dflash.models.loss.BlockLoss`).
 
         Args:
             batch: packed or padded micro-batch (a padded one is packed here; the features
                 of `TargetModel.features` are already in packed order for both).
             features: (T, K*H) target taps of the batch's real tokens, packed order.
-            epoch, seed: key of the anchor draw (ignored when `anchors` are given).
-            anchors: precomputed anchors (`drafter.anchors(batch, epoch=..., seed=...)`).
-            temperatures: also return each label's log-probability under the drafter's softmax at
-                these temperatures (> 0), `label_logq`.
-
-        A micro-batch without any block runs one zero-weight block so that every rank runs
-        the same modules (ZeRO-3) and the loss still has a graph.
+            blocks: the micro-batch's blocks (`dflash.models.blocks`), on the batch's device.
         """
         packed = to_packed(batch)
         if features.shape[0] != packed.input_ids.shape[0]:
             raise ValueError(f"features cover {features.shape[0]} tokens, the batch has {packed.input_ids.shape[0]}")
-        if anchors is None:
-            anchors = self.anchors(packed, epoch=epoch, seed=seed)
-        num_blocks = anchors.num_blocks
-        if num_blocks == 0:
-            anchors = Anchors(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                              anchors.block_size, anchors.num_skipped)
-        device = packed.input_ids.device
-        anchors = anchors.to(device)
-        blocks = block_tensors(anchors, packed, self.config.mask_token_id)
-        valid = blocks.label_valid if num_blocks else torch.zeros_like(blocks.label_valid)
-        hidden = self.block_hidden(
-            features,
-            blocks.input_ids,
-            blocks.position_ids,
-            packed.position_ids,
-            (packed.cu_seqlens, packed.cu_seqlens_cpu),
-            anchors,
-        )
-        B, H = self.block_size, self.config.hidden_size
-        scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
-        row_w = slot_weights(B, self.gamma, device=device)[None, :] * valid
-        lm_head = self._require_shared().lm_head
-        loss_sum, preds, logq = chunked_weighted_ce(
-            scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), row_w.reshape(-1), self.ce_chunk_rows,
-            temperatures,
-        )
-        correct = preds.view_as(blocks.labels) == blocks.labels
-        # [:num_blocks] leaves out the zero-weight stand-in block of an empty micro-batch.
-        hits = correct[:num_blocks] & valid[:num_blocks]
-        tau_sum, slot_correct, slot_count = acceptance_stats(correct[:num_blocks], valid[:num_blocks])
-        return DrafterOutput(
-            loss_sum=loss_sum,
-            weight_sum=row_w.sum(),
-            tau_sum=tau_sum,
-            slot_correct=slot_correct,
-            slot_count=slot_count,
-            hits=hits,
-            num_blocks=num_blocks,
-            num_skipped=anchors.num_skipped,
-            label_logq=logq.view(-1, B - 1, len(temperatures))[:num_blocks].masked_fill(
-                ~valid[:num_blocks, :, None], float("-inf")) if temperatures else None,
-        )
+        return self.block_hidden(features, blocks.input_ids, blocks.position_ids, packed.position_ids,
+                                 (packed.cu_seqlens, packed.cu_seqlens_cpu), blocks.anchors)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write `config.json` and `model.safetensors` in the official DFlash format.
@@ -459,7 +366,7 @@ class DFlashDrafter(nn.Module):
 
         Weights keep the stored dtype. A uniform `model.` prefix on the tensor names is
         accepted; any missing or unknown tensor is an error (serving engines would silently
-        skip it). kwargs go to the constructor (num_anchors, gamma, ce_chunk_rows, attention_backend).
+        skip it). kwargs go to the constructor (attention_backend, activation_checkpointing).
         """
         from safetensors.torch import load_file
 

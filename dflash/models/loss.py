@@ -11,7 +11,13 @@ optimizer step (all micro-batches, all ranks).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from dflash.models.blocks import Blocks
 
 DEFAULT_CHUNK_ROWS = 1024
 
@@ -117,3 +123,67 @@ def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.
     tau_sum = (accepted + 1).sum().float()
     return tau_sum, hit.long().sum(0), valid.long().sum(0)
 
+
+
+@dataclass
+class LossOutput:
+    """Sums over one micro-batch; the trainer divides by totals over the whole optimizer step.
+
+    loss = total loss_sum / total weight_sum; tau = total tau_sum / total num_blocks;
+    accuracy of slot k = slot_correct[k-1] / slot_count[k-1].
+    """
+
+    loss_sum: torch.Tensor  # scalar float32, differentiable: sum of w_k * CE over scored slots
+    weight_sum: torch.Tensor  # scalar float32: sum of w_k over scored slots
+    tau_sum: torch.Tensor  # scalar float32: sum over blocks of the offline acceptance length
+    slot_correct: torch.Tensor  # (B-1,) int64: argmax == label, per slot k = 1..B-1
+    slot_count: torch.Tensor  # (B-1,) int64: scored labels per slot
+    hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
+    num_blocks: int
+    num_skipped: int  # samples skipped for too few supervised tokens
+    # (NB, B-1, len(temperatures)) float32, when the loss was given temperatures: log q_t(label) of slot k of
+    # block j at each temperature t (the eval walk at temperature), -inf where the label is not valid
+    label_logq: torch.Tensor | None = None
+
+
+class BlockLoss:
+    """The DFlash objective: slot-weighted cross-entropy of every block's slots 1..B-1 through the
+    frozen lm_head (chunked: no rows x vocab buffer), with the acceptance metrics of the same pass.
+
+    A new loss term reads the same inputs (the drafter's hidden states, the `Blocks` with their
+    labels, validity and weights, the lm_head) and adds its sum to `loss_sum`.
+
+    Example:
+        out = BlockLoss()(drafter(batch, features, blocks), blocks, drafter.lm_head)
+        engine.backward(out.loss_sum / step_weight_total)
+    """
+
+    def __init__(self, chunk_rows: int = DEFAULT_CHUNK_ROWS):
+        self.chunk_rows = chunk_rows
+
+    def __call__(self, hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor,
+                 temperatures: tuple[float, ...] = ()) -> LossOutput:
+        """hidden (NB*B, H) final-normed drafter states of `blocks`; temperatures: also each label's
+        log-probability under the drafter's softmax at these temperatures (> 0), `label_logq`."""
+        B, H, n = blocks.block_size, hidden.shape[-1], blocks.num_blocks
+        scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
+        loss_sum, preds, logq = chunked_weighted_ce(
+            scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), blocks.weights.reshape(-1), self.chunk_rows,
+            temperatures,
+        )
+        correct = preds.view_as(blocks.labels) == blocks.labels
+        valid = blocks.valid
+        # [:n] leaves out the zero-weight stand-in block of an empty micro-batch.
+        tau_sum, slot_correct, slot_count = acceptance_stats(correct[:n], valid[:n])
+        return LossOutput(
+            loss_sum=loss_sum,
+            weight_sum=blocks.weight_sum,
+            tau_sum=tau_sum,
+            slot_correct=slot_correct,
+            slot_count=slot_count,
+            hits=correct[:n] & valid[:n],
+            num_blocks=n,
+            num_skipped=blocks.num_skipped,
+            label_logq=logq.view(-1, B - 1, len(temperatures))[:n].masked_fill(
+                ~valid[:n, :, None], float("-inf")) if temperatures else None,
+        )

@@ -43,6 +43,7 @@ class Evaluator:
         self._turns: dict[float, list] = {}  # this rank's share of the turns sampled at each temperature
         self._sampled_count = 0  # turns sampled at each temperature, all ranks
         self._noted = False
+        self._score = None  # the drafter and the loss on the blocks at given anchors
 
     def _batch(self, indices) -> PackedBatch:
         """Held-out samples packed, every turn cut where decoding stops: its first stop token, or the
@@ -88,7 +89,13 @@ class Evaluator:
         return record
 
     def _forward(self, batch, features, anchors, **kwargs):
-        return self.models.engine(batch, features, anchors=anchors, **kwargs)
+        if self._score is None:
+            from dflash.models.blocks import block_scorer
+
+            m = self.data.maker
+            self._score = block_scorer(self.models.engine, self.models.loss, self.models.drafter.lm_head,
+                                       mask_token_id=m.mask_token_id, slot_weights=m.weights)
+        return self._score(batch, features, anchors, **kwargs)
 
     def _stand_in(self) -> tuple:
         """A held-out batch, its taps and first anchors, for the discarded forwards that keep ranks in

@@ -232,19 +232,19 @@ class Models:
     that train it over `total_steps` steps.
 
     Attributes: `target` (LoadedTarget), `drafter` (the module), `engine` (DeepSpeed's wrapper:
-    call it for the forward), `optimizer`, `scheduler`, `zero_stage`.
+    call it for the forward: hidden states), `loss` (`BlockLoss`: hidden states -> loss and metrics),
+    `optimizer`, `scheduler`, `zero_stage`.
     """
 
     def __init__(self, cfg: TrainConfig, target: LoadedTarget, ds_config: dict, *, total_steps: int, device):
         import deepspeed
 
-        from dflash.models import DFlashDrafter, DrafterConfig
+        from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig
         from dflash.training.ds_config import offloads_optimizer, zero_stage
 
         self.target = target
         torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
-        options = dict(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention_backend=cfg.attention_backend,
-                       activation_checkpointing=cfg.activation_checkpointing)
+        options = dict(attention_backend=cfg.attention_backend, activation_checkpointing=cfg.activation_checkpointing)
         if cfg.init_drafter:
             self.drafter = init_drafter(cfg.init_drafter, target, options)
         else:
@@ -255,6 +255,7 @@ class Models:
                                              layer_types=cfg.drafter_layer_types,
                                              sliding_window=cfg.sliding_window or None)
             self.drafter = DFlashDrafter(dcfg, target.model.shared_weights(), **options)
+        self.loss = BlockLoss()  # the objective: hidden states + blocks -> loss sum and metrics
         self.zero_stage = zero_stage(ds_config)
         params = self.drafter.parameters()
         if offloads_optimizer(ds_config):

@@ -5,7 +5,7 @@ and books it to the mark's phase. On CUDA a mark is an event on the current stre
 spans are read when the step's record syncs anyway); on the CPU, where work runs as it is called,
 it is the host clock. The loss is the drafter's chunked lm_head cross-entropy: its forward
 computes the gradient too, so its span runs from the drafter's final norm (a forward hook) to the
-end of the drafter's forward (another), and the backward that follows is the drafter's alone.
+trainer's mark after the loss, and the backward that follows is the drafter's alone.
 """
 from __future__ import annotations
 
@@ -23,16 +23,15 @@ PHASES = ("target_forward", "drafter_forward", "loss", "drafter_backward", "opti
 class PhaseTimer:
     """Device time per phase of one step at a time: `start()`, `mark(phase)`..., `seconds()`.
 
-    Hooks on `drafter.norm` and `drafter` mark the end of the drafter's layers ("drafter_forward")
-    and of the loss ("loss") in every training forward; between `seconds()` and the next
+    A hook on `drafter.norm` marks the end of the drafter's layers ("drafter_forward") in every
+    training forward (the trainer marks the end of the loss, "loss"); between `seconds()` and the next
     `start()` (eval walks, decoding) they mark nothing.
     """
 
     def __init__(self, device: torch.device, drafter: torch.nn.Module):
         self.cuda = torch.device(device).type == "cuda"
         self._marks: list | None = None
-        self._hooks = [drafter.norm.register_forward_hook(lambda *_: self.mark("drafter_forward")),
-                       drafter.register_forward_hook(lambda *_: self.mark("loss"))]
+        self._hooks = [drafter.norm.register_forward_hook(lambda *_: self.mark("drafter_forward"))]
 
     def _now(self):
         if self.cuda:

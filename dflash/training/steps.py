@@ -17,7 +17,8 @@ import torch
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.data.collate import collate
 from dflash.data.cost import batch_features
-from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
+from dflash.models.anchors import to_packed
+from dflash.models.blocks import Blocks, draw_blocks
 from dflash.models.loss import slot_weights
 
 
@@ -47,18 +48,18 @@ def step_ranges(plan: list, lengths: np.ndarray, step_tokens: int) -> list[tuple
 @dataclass
 class MicroBatch:
     batch: PackedBatch | PaddedBatch
-    anchors: Anchors  # drawn here so the forward never syncs to draw them
+    blocks: Blocks  # drawn and built here so the forward never syncs for them
     weight_sum: float  # sum of loss weights of its scored slots (for the step's normaliser)
     real_tokens: int
     computed_tokens: int
     cost_features: np.ndarray  # (7,) `dflash.data.cost.batch_features`: what the cost model prices
 
     def pin_memory(self) -> MicroBatch:
-        return dataclasses.replace(self, batch=self.batch.pin_memory())
+        return dataclasses.replace(self, batch=self.batch.pin_memory(), blocks=self.blocks.pin_memory())
 
 
 class MicroBatchMaker:
-    """Collates one micro-batch and draws its anchors (runs inside loader workers)."""
+    """Collates one micro-batch and builds its blocks (runs inside loader workers)."""
 
     def __init__(self, store_path, layout: str, *, pad_id: int, mask_token_id: int, block_size: int,
                  num_anchors: int, gamma: float, seed: int, window: int = 0):
@@ -83,16 +84,13 @@ class MicroBatchMaker:
     def __call__(self, indices: np.ndarray, epoch: int) -> MicroBatch:
         batch = collate(self.store, indices, self.layout, self.pad_id)
         packed = to_packed(batch)
-        anchors = sample_anchors(packed.loss_mask, packed.cu_seqlens_cpu, packed.sample_ids,
-                                 block_size=self.block_size, num_anchors=self.num_anchors, seed=self.seed, epoch=epoch)
-        valid = block_tensors(anchors, packed, self.mask_token_id).label_valid
-        weight_sum = float((valid * self.weights).sum())
+        blocks = draw_blocks(packed, block_size=self.block_size, num_anchors=self.num_anchors,
+                             mask_token_id=self.mask_token_id, slot_weights=self.weights, seed=self.seed, epoch=epoch)
         lengths = np.diff(packed.cu_seqlens_cpu.numpy()).astype(np.int64)
         if self.layout == "padded":  # the target runs every sample at the longest length
             lengths = np.full_like(lengths, lengths.max())
-        rows = np.bincount(anchors.block_seq.numpy(), minlength=lengths.size) * self.block_size
-        features = batch_features(lengths, rows, [np.arange(lengths.size)], self.window)[0]
-        return MicroBatch(batch, anchors, weight_sum, batch.num_tokens, batch.computed_tokens, features)
+        features = batch_features(lengths, blocks.rows(lengths.size), [np.arange(lengths.size)], self.window)[0]
+        return MicroBatch(batch, blocks, float(blocks.weight_sum), batch.num_tokens, batch.computed_tokens, features)
 
 
 class _EpochItems(torch.utils.data.Dataset):

@@ -46,7 +46,7 @@ from dflash.training.shared_fs import check_shared_paths
 from dflash.training.steps import micro_batches
 
 
-def accumulate_gradients(engine, target, micro: list, device, block_size: int, timings: list | None = None,
+def accumulate_gradients(engine, target, loss, micro: list, device, block_size: int, timings: list | None = None,
                          phases=None):
     """Forward and backward of one step's micro-batches on this rank.
 
@@ -75,7 +75,10 @@ def accumulate_gradients(engine, target, micro: list, device, block_size: int, t
         features = target.features(batch)
         if phases:
             phases.mark("target_forward")
-        out = engine(batch, features, anchors=mb.anchors)  # the drafter's hooks mark its forward and the loss
+        blocks = mb.blocks.to(device, non_blocking=True)
+        out = loss(engine(batch, features, blocks), blocks, engine.module.lm_head)  # a hook marks the drafter's end
+        if phases:
+            phases.mark("loss")
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
         if phases:
             phases.mark("drafter_backward")
@@ -366,10 +369,10 @@ class Trainer:
             self.phases.start()
         epoch, first, micro = next(self._stream)  # waiting for data is part of the step
         # (computed tokens, drafter rows) of this rank's micro-batches: what the memory plan prices
-        self.micro_batch_shapes = [(m.computed_tokens, m.anchors.num_blocks * cfg.block_size) for m in micro]
+        self.micro_batch_shapes = [(m.computed_tokens, m.blocks.num_blocks * cfg.block_size) for m in micro]
         timings = [] if cfg.time_micro_batches else None
-        sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, micro, self.device,
-                                                   cfg.block_size, timings, self.phases)
+        sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, self.models.loss, micro,
+                                                   self.device, cfg.block_size, timings, self.phases)
         busy = waited = float("nan")
         if self.step % cfg.log_every == 0 or self.step + 1 >= self.data.total_steps:
             # A step that will be logged: the ranks meet before the step's collectives, and time spent

@@ -35,7 +35,7 @@ def make_drafter(num_layers=3, taps=(1, 3, 6), dtype=torch.float32, layer_types=
                                        layer_types=layer_types, sliding_window=sliding_window)
     config = dataclasses.replace(config, is_causal=is_causal)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config, gamma=2.0).to(dtype)
+    drafter = DFlashDrafter(config).to(dtype)
     with torch.no_grad():  # norms away from 1 so a mix-up between them would show
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)

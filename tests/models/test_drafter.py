@@ -11,7 +11,17 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
 
 from dflash.data.batch import PackedBatch, PaddedBatch
-from dflash.models import Anchors, DFlashDrafter, DrafterCache, DrafterConfig, TargetModel, block_tensors, slot_weights
+from dflash.models import (
+    Anchors,
+    BlockLoss,
+    DFlashDrafter,
+    DrafterCache,
+    DrafterConfig,
+    TargetModel,
+    block_tensors,
+    draw_blocks,
+    slot_weights,
+)
 
 VOCAB, MASK_ID, B = 300, 299, 4
 TAPS = [1, 3]
@@ -28,7 +38,7 @@ def tiny_target(seed=0):
 def tiny_drafter(target, seed=0, layer_types=None, sliding_window=None, **kwargs):
     config = DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, num_draft_layers=2,
                                        target_layer_ids=TAPS, layer_types=layer_types, sliding_window=sliding_window)
-    drafter = DFlashDrafter(config, target.shared_weights(), gamma=2.0, **kwargs)
+    drafter = DFlashDrafter(config, target.shared_weights(), **kwargs)
     # Larger than the 0.02 init, and non-trivial norms, so every term shows in the outputs.
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -82,6 +92,13 @@ def inference_block(drafter, feats, tokens, anchor):
         x = x + at.o_proj(torch.einsum("hqk,khd->qhd", p, v).reshape(B, Hq * D))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.norm(x)
+
+
+def train_forward(drafter, batch, feats, *, num_anchors=512, chunk_rows=1024, epoch=0, seed=0):
+    """The training forward: the loader's blocks, the drafter's hidden states, the loss (gamma 2)."""
+    blocks = draw_blocks(batch, block_size=B, num_anchors=num_anchors, mask_token_id=MASK_ID,
+                         slot_weights=slot_weights(B, 2.0), seed=seed, epoch=epoch)
+    return BlockLoss(chunk_rows)(drafter(batch, feats, blocks), blocks, drafter.lm_head), blocks
 
 
 def run_blocks(drafter, batch, feats, anchors):
@@ -141,11 +158,11 @@ def test_cached_block_by_block_forward_equals_the_training_forward():
 
 def test_loss_and_metrics_match_direct_computation():
     target = tiny_target(1)
-    drafter = tiny_drafter(target, seed=1, num_anchors=5, ce_chunk_rows=7)
+    drafter = tiny_drafter(target, seed=1)
     batch = make_batch([25, 9, 40], seed=1)  # the 9-token sample has 4 < 2B supervised tokens
     feats = target.features(batch)
-    out = drafter(batch, feats, epoch=1, seed=5)
-    anchors = drafter.anchors(batch, epoch=1, seed=5)
+    out, blocks = train_forward(drafter, batch, feats, num_anchors=5, chunk_rows=7, epoch=1, seed=5)
+    anchors = blocks.anchors
     assert out.num_skipped == 1 and out.num_blocks == anchors.num_blocks == 10
 
     w = slot_weights(B, 2.0)
@@ -176,7 +193,7 @@ def test_loss_and_metrics_match_direct_computation():
 
 def test_padded_batch_gives_the_packed_result():
     target = tiny_target()
-    drafter = tiny_drafter(target, num_anchors=3)
+    drafter = tiny_drafter(target)
     lengths = [20, 33]
     packed = make_batch(lengths)
     S, L = 2, 33
@@ -188,8 +205,8 @@ def test_padded_batch_gives_the_packed_result():
         ids[i, :n], mask[i, :n], pos[i, :n] = packed.input_ids[lo:hi], True, torch.arange(n)
         lm[i, :n] = packed.loss_mask[lo:hi]
     padded = PaddedBatch(ids, mask, lm, pos, torch.tensor(lengths), packed.sample_ids)
-    a = drafter(packed, target.features(packed), epoch=0, seed=0)
-    b = drafter(padded, target.features(padded), epoch=0, seed=0)
+    a = train_forward(drafter, packed, target.features(packed), num_anchors=3)[0]
+    b = train_forward(drafter, padded, target.features(padded), num_anchors=3)[0]
     torch.testing.assert_close(a.loss_sum, b.loss_sum, rtol=1e-5, atol=1e-5)
     assert a.num_blocks == b.num_blocks == 6 and a.tau_sum == b.tau_sum
 
@@ -200,10 +217,10 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     feats = target.features(batch)
     grads = []
     for checkpointing in (False, True):
-        drafter = tiny_drafter(target, num_anchors=3, activation_checkpointing=checkpointing)
+        drafter = tiny_drafter(target, activation_checkpointing=checkpointing)
         calls = []
         drafter.layers[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
-        out = drafter(batch, feats, epoch=0, seed=0)
+        out = train_forward(drafter, batch, feats, num_anchors=3)[0]
         out.loss_sum.backward()
         assert len(calls) == (2 if checkpointing else 1), "checkpointing recomputes the layer in backward"
         grads.append((out.loss_sum.detach(), {n: p.grad for n, p in drafter.named_parameters()}))
@@ -217,7 +234,7 @@ def test_micro_batch_without_blocks_still_backpropagates():
     target = tiny_target()
     drafter = tiny_drafter(target)
     batch = make_batch([8, 9], prompt=5)  # 3 and 4 supervised tokens: both samples skipped
-    out = drafter(batch, target.features(batch))
+    out = train_forward(drafter, batch, target.features(batch))[0]
     assert out.num_blocks == 0 and out.num_skipped == 2
     assert out.loss_sum.item() == 0.0 and out.weight_sum.item() == 0.0 and out.tau_sum.item() == 0.0
     out.loss_sum.backward()
@@ -236,18 +253,18 @@ def test_drafter_owns_only_trainable_parameters():
     assert all(p is not shared.embed and p is not shared.lm_head for p in drafter.parameters())
 
     batch = make_batch([30, 26])
-    drafter(batch, target.features(batch), seed=3).loss_sum.backward()
+    train_forward(drafter, batch, target.features(batch), seed=3)[0].loss_sum.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
     assert shared.embed.grad is None and shared.lm_head.grad is None
 
 
 def test_bf16_drafter_close_to_fp32():
     target = tiny_target()
-    drafter = tiny_drafter(target, num_anchors=4)
+    drafter = tiny_drafter(target)
     batch = make_batch([30, 26])
     feats = target.features(batch)
-    ref = drafter(batch, feats, seed=2)
-    out = drafter.to(torch.bfloat16)(batch, feats, seed=2)
+    ref = train_forward(drafter, batch, feats, num_anchors=4, seed=2)[0]
+    out = train_forward(drafter.to(torch.bfloat16), batch, feats, num_anchors=4, seed=2)[0]
     assert out.loss_sum.dtype == torch.float32
     torch.testing.assert_close(out.loss_sum / out.weight_sum, ref.loss_sum / ref.weight_sum, rtol=3e-2, atol=3e-2)
 
@@ -256,9 +273,9 @@ def test_tau_counts_leading_slots_that_match_the_data():
     """With one block per sample, its labels (a+1..a+B-1) are neither its inputs nor its context,
     so they can be set to the drafter's own argmax without changing that argmax."""
     target = tiny_target()
-    drafter = tiny_drafter(target, num_anchors=1)
+    drafter = tiny_drafter(target)
     batch = make_batch([24, 30, 28])
-    anchors = drafter.anchors(batch, epoch=0, seed=0)
+    anchors = train_forward(drafter, batch, target.features(batch), num_anchors=1)[1].anchors
     lm_head = target.shared_weights().lm_head
     cu = batch.cu_seqlens.tolist()
     feats = target.features(batch)
@@ -271,7 +288,7 @@ def test_tau_counts_leading_slots_that_match_the_data():
             for k in range(1, B):
                 good = int(pred[k])
                 batch.input_ids[cu[s] + a + k] = good if k <= matches[s] else (good + 1) % (VOCAB - 1)
-    out = drafter(batch, target.features(batch), epoch=0, seed=0)
+    out = train_forward(drafter, batch, target.features(batch), num_anchors=1)[0]
     assert out.num_blocks == 3
     assert out.tau_sum.item() == sum(m + 1 for m in matches)
     assert out.slot_correct.tolist() == [2, 1, 1]

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from dflash.data.collate import collate_packed
-from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token
+from dflash.models import (
+    BlockLoss,
+    DFlashDrafter,
+    DrafterConfig,
+    TargetModel,
+    default_gamma,
+    ensure_mask_token,
+    slot_weights,
+)
 from dflash.models import sampling as sampling_module
 from dflash.models.acceptance import (
     every_anchor,
@@ -26,6 +34,7 @@ from dflash.models.acceptance import (
     walk,
     walk_tau,
 )
+from dflash.models.blocks import block_scorer
 from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
     greedy_decode,
@@ -86,17 +95,24 @@ def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
                                        num_draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=layer_types,
                                        sliding_window=sliding_window)
-    return DFlashDrafter(config, demo["target"].shared_weights(), num_anchors=32, attention_backend="torch")
+    return DFlashDrafter(config, demo["target"].shared_weights(), attention_backend="torch")
 
 
-def fit(demo, drafter, steps=40):
+def score(drafter, gamma=None):
+    """The drafter and its loss on the blocks at given anchors, as the eval walk calls them."""
+    B = drafter.block_size
+    return block_scorer(drafter, BlockLoss(), drafter.lm_head, mask_token_id=drafter.config.mask_token_id,
+                        slot_weights=slot_weights(B, gamma or default_gamma(B)))
+
+
+def fit(demo, drafter, steps=40, gamma=None):
     """The drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
     feats = demo["target"].features(batch)
     (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     for _ in range(steps):
-        out = drafter(batch, feats, anchors=anchors)
+        out = score(drafter, gamma)(batch, feats, anchors)
         opt.zero_grad()
         (out.loss_sum / out.weight_sum).backward()
         opt.step()
@@ -130,7 +146,7 @@ def decode_and_walk(demo, drafter, limit):
         tokens += len(spec.tokens) - 1
         forwards += spec.forwards
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
-    stats = walk_tau(lambda b, f, a: drafter(b, f, anchors=a), batch, demo["target"].features(batch),
+    stats = walk_tau(score(drafter), batch, demo["target"].features(batch),
                      block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops, max_blocks=100)
     assert stats.turns == len(demo["prompts"])  # every turn, however short
     return lossless, (tokens, forwards), (stats.tokens, stats.blocks), stats
@@ -171,7 +187,7 @@ def walk_at(demo, drafter, samples, temperature):
     for sample in samples:
         batch = collate_packed([sample], [0])
         features, logprobs = target_inputs(demo["target"], batch, (temperature,))
-        stats = walk_tau(lambda b, f, a, **kw: drafter(b, f, anchors=a, **kw), batch, features,
+        stats = walk_tau(score(drafter), batch, features,
                          block_size=drafter.block_size, max_turn_tokens=LIMIT, stop_ids=demo["stops"],
                          temperatures=(temperature,), target_logprobs=logprobs)
         out.append((stats.tokens, stats.expected_blocks[0]))
@@ -236,7 +252,7 @@ def test_walk_ratios_are_those_of_decoding(demo, trained, monkeypatch):
         features, logprobs = target_inputs(demo["target"], batch, (1.0,))
         (anchors,) = every_anchor(batch, B)
         positions = anchors.block_anchor.numpy()
-        ratios = slot_ratios(trained(batch, features, anchors=anchors, temperatures=(1.0,)).label_logq, positions,
+        ratios = slot_ratios(score(trained)(batch, features, anchors, temperatures=(1.0,)).label_logq, positions,
                              logprobs)[0]
         anchor = len(prompt)
         for accepted, decoding_ratios in blocks:

@@ -39,7 +39,7 @@ def tiny():
         hf.lm_head.weight.mul_(16.0)  # logits of order 1: spread distributions, about 17 likely outcomes
     dconfig = DrafterConfig.from_target(config, mask_token_id=VOCAB - 1, block_size=3, num_draft_layers=1,
                                         target_layer_ids=[0])
-    drafter = DFlashDrafter(dconfig, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight), gamma=4.0,
+    drafter = DFlashDrafter(dconfig, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight),
                             attention_backend="torch").eval()
     return hf, drafter
 

@@ -12,7 +12,7 @@ target_path, store_path, stage = args[0], args[1], int(args[2])
 import deepspeed  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, ensure_mask_token  # noqa: E402
+from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, TargetModel, default_gamma, ensure_mask_token  # noqa: E402,E501
 from dflash.training.ds_config import load_ds_config  # noqa: E402
 from dflash.training.steps import MicroBatchMaker  # noqa: E402
 from dflash.training.trainer import accumulate_gradients, init_distributed  # noqa: E402
@@ -29,13 +29,13 @@ mask_id = ensure_mask_token(tok, target.num_embedding_rows)
 config = DrafterConfig.from_target(hf.config, mask_token_id=mask_id, block_size=8, num_draft_layers=2,
                                    target_layer_ids=[1, 2], vocab_size=target.num_embedding_rows)
 torch.manual_seed(0)
-drafter = DFlashDrafter(config, target.shared_weights(), num_anchors=6, attention_backend="torch")
+drafter = DFlashDrafter(config, target.shared_weights(), attention_backend="torch")
 reference = copy.deepcopy(drafter)
 reference.attach(target.shared_weights())
 before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
 
 maker = MicroBatchMaker(store_path, "packed", pad_id=0, mask_token_id=mask_id, block_size=8, num_anchors=6,
-                        gamma=drafter.gamma, seed=0)
+                        gamma=default_gamma(8), seed=0)
 per_rank = {0: [[0, 1, 2], [3]], 1: [[4], [5, 6]]}  # uneven micro-batches, same count per rank
 micro = [maker(torch.tensor(ix).numpy(), epoch=0) for ix in per_rank[rank]]
 
@@ -44,14 +44,15 @@ ds_config["zero_optimization"]["stage"] = stage
 ds_config["zero_allow_untested_optimizer"] = True  # plain SGD: the update is exactly -lr * grad
 engine, *_ = deepspeed.initialize(model=drafter, optimizer=torch.optim.SGD(drafter.parameters(), lr=LR),
                                   config=ds_config)
-accumulate_gradients(engine, target, micro, torch.device("cpu"), 8)
+accumulate_gradients(engine, target, BlockLoss(), micro, torch.device("cpu"), 8)
 engine.step()
 with deepspeed.zero.GatheredParameters(list(drafter.parameters()), enabled=stage == 3):
     ds_grad = {n: (before[n] - p.detach()) / LR for n, p in drafter.named_parameters()}
 
 if rank == 0:
     whole = maker(torch.arange(7).numpy(), epoch=0)
-    out = reference(whole.batch, target.features(whole.batch), anchors=whole.anchors)
+    hidden = reference(whole.batch, target.features(whole.batch), whole.blocks)
+    out = BlockLoss()(hidden, whole.blocks, reference.lm_head)
     (out.loss_sum / out.weight_sum).backward()
     err = max(float((ds_grad[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
               for n, p in reference.named_parameters())

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dflash.models import DFlashDrafter, DrafterConfig
+from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, slot_weights
 from dflash.models import speculate as speculate_module
 from dflash.models.sampling import Sampling
 from dflash.models.speculate import speculate
@@ -50,9 +50,8 @@ def fitted(demo):  # noqa: F811
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=4,
                                        num_draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows)
-    drafter = DFlashDrafter(config, demo["target"].shared_weights(), num_anchors=32, attention_backend="torch",
-                            gamma=4.0)
-    return fit(demo, drafter, steps=150)
+    drafter = DFlashDrafter(config, demo["target"].shared_weights(), attention_backend="torch")
+    return fit(demo, drafter, steps=150, gamma=4.0)
 
 
 class Store(list):
@@ -65,12 +64,14 @@ class Store(list):
 
 def evaluator(demo, drafter, out, *, sample_turns, seed=0):  # noqa: F811
     """The trainer's Evaluator over the demo's greedy turns (meta.temperature 0, limit LIMIT)."""
-    store = Store(demo["samples"] * REPEATS)
+    store, B = Store(demo["samples"] * REPEATS), drafter.block_size
     cfg = TrainConfig(target="demo", output_dir=str(out), block_size=drafter.block_size, token_budget=4096, seed=seed,
                       eval_temperatures=(0.0, 1.0), eval_sample_turns=sample_turns, progress=False)
-    data = SimpleNamespace(maker=SimpleNamespace(store=store), eval_idx=np.arange(len(store)), turn_limit=LIMIT,
+    maker = SimpleNamespace(store=store, mask_token_id=drafter.config.mask_token_id, weights=slot_weights(B, 4.0))
+    data = SimpleNamespace(maker=maker, eval_idx=np.arange(len(store)), turn_limit=LIMIT,
                            stop_ids=demo["stops"], data_temperature=0.0)
-    models = SimpleNamespace(target=SimpleNamespace(model=demo["target"], hf=demo["hf"]), engine=drafter)
+    models = SimpleNamespace(target=SimpleNamespace(model=demo["target"], hf=demo["hf"]), engine=drafter,
+                             drafter=drafter, loss=BlockLoss())
     return Evaluator(cfg, data, models, torch.device("cpu"), torch.float32)
 
 

@@ -105,7 +105,7 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
     folder = tmp_path / "released"
     folder.mkdir()
     torch.manual_seed(3)
-    weights = {k: v.to(torch.bfloat16) for k, v in DFlashDrafter(config, gamma=4.0).state_dict().items()}
+    weights = {k: v.to(torch.bfloat16) for k, v in DFlashDrafter(config).state_dict().items()}
     save_file(weights, folder / "model.safetensors")
     written = config.to_json_dict()
     written["torch_dtype"] = written.pop("dtype")

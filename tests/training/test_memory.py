@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash.data.batch import PackedBatch
 from dflash.errors import UserError
-from dflash.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
 from dflash.models.flops import measure_peak_tensor_bytes
 from dflash.training.memory import (
     GIB,
@@ -64,22 +64,23 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
     target = TargetModel(AutoModelForCausalLM.from_config(config).to(dtype), [0, 1], attention_backend="triton")
     drafter = DFlashDrafter(DrafterConfig.from_target(config, mask_token_id=511, num_draft_layers=2,
                                                       target_layer_ids=[0, 1]),
-                            target.shared_weights(), num_anchors=8, attention_backend="triton",
+                            target.shared_weights(), attention_backend="triton",
                             activation_checkpointing=checkpointing).to(dtype)
     lengths = [150, 100]
     cu = torch.tensor([0, 150, 250], dtype=torch.int32)
     batch = PackedBatch(input_ids=torch.randint(0, 500, (250,)), loss_mask=torch.ones(250, dtype=torch.bool),
                         position_ids=torch.cat([torch.arange(n) for n in lengths]), cu_seqlens=cu,
                         cu_seqlens_cpu=cu.clone(), max_seqlen=150, sample_ids=torch.arange(2))
-    anchors = drafter.anchors(batch, epoch=0, seed=0)
+    blocks = draw_blocks(batch, block_size=16, num_anchors=8, mask_token_id=511, slot_weights=slot_weights(16, 7.0),
+                         seed=0, epoch=0)
 
     def step():
-        drafter(batch, target.features(batch), anchors=anchors).loss_sum.backward()
+        BlockLoss()(drafter(batch, target.features(batch), blocks), blocks, drafter.lm_head).loss_sum.backward()
 
     measured, _ = measure_peak_tensor_bytes(step)
     plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=2, features=2),
                       MemorySetup(dtype_bytes=dtype.itemsize, num_anchors=8, activation_checkpointing=checkpointing))
-    tokens, rows = 250, anchors.num_blocks * 16
+    tokens, rows = 250, blocks.num_blocks * 16
     estimate = max(plan.target_phase(tokens), plan.drafter_phase(tokens, rows))
     assert -0.02 <= estimate / measured - 1 <= 0.06, (estimate, measured)
 
