@@ -69,13 +69,12 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
     skipped = 0
     for mb in micro:
         start = time.perf_counter()
-        batch = mb.batch.to(device, non_blocking=True)
+        batch, blocks = mb.batch.to(device, non_blocking=True), mb.blocks.to(device, non_blocking=True)
         if phases:
             phases.mark("other")
         features = target.features(batch)
         if phases:
             phases.mark("target_forward")
-        blocks = mb.blocks.to(device, non_blocking=True)
         out = loss(engine(batch, features, blocks), blocks, engine.module.lm_head)  # a hook marks the drafter's end
         if phases:
             phases.mark("loss")
