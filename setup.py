@@ -36,7 +36,7 @@ setup(
     description="Training stack for DFlash speculative-decoding drafters: packed batches, "
     "Triton varlen kernels, DeepSpeed ZeRO",
     packages=find_packages(include=["dflash", "dflash.*"]),
-    package_data={"dflash": ["demo/assets/**/*"]},
+    package_data={"dflash": ["demo/assets/**/*", "ds_configs/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -9,6 +9,10 @@ class UserError(Exception):
     """Bad input or configuration: the message says what is wrong, where, and how to fix it."""
 
 
+class NonFiniteWeights(UserError):
+    """Weights that hold NaN or inf (a diverged training); callers may add what to do next."""
+
+
 class DiskFull(UserError):
     """A write that failed for want of space and left nothing behind; callers may add what to do next."""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from dflash.errors import UserError, exit_on_user_error
 from dflash.options import parse_list
 from dflash.training import tune
-from dflash.training.ds_config import load_ds_config
+from dflash.training.ds_config import load_ds_config, resolve_ds_config, shipped_ds_configs
 
 
 def build_parser():
@@ -72,7 +72,7 @@ def main(argv=None):
     if set(offloads) - {"none", "cpu"}:
         raise UserError(f"--offload: expected none and/or cpu, got {args.offload!r}")
     load_ds_config(args.base, world_size=1, grad_clip=1.0, bf16=False, flag="--base")  # one the trainer can run
-    base = json.loads(Path(args.base).read_text())
+    base = json.loads(resolve_ds_config(args.base).read_text())
     budgets = parse_list(args.token_budgets, "--token-budgets", minimum=1)
     micro = parse_list(args.micro_batches, "--micro-batches", minimum=1)
     checkpointing = parse_list(args.activation_checkpointing, "--activation-checkpointing", str)
@@ -85,7 +85,7 @@ def main(argv=None):
                                [c == "on" for c in checkpointing])
     if not args.no_defaults:
         trials += [tune.Trial(f"default:{p.stem}", json.loads(p.read_text()), budgets[0], micro[0])
-                   for p in sorted((tune.ROOT / "ds_configs").glob("*.json"))]
+                   for p in sorted(shipped_ds_configs().glob("*.json"))]
     workdir = Path(args.workdir)
     for i, trial in enumerate(trials):
         print(f"[{i + 1}/{len(trials)}] {trial.name} ...", file=sys.stderr, flush=True)

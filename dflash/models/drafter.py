@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
-from dflash.errors import DiskFull, UserError, disk_full, free_space
+from dflash.errors import DiskFull, NonFiniteWeights, UserError, disk_full, free_space
 from dflash.models.anchors import Anchors, to_packed
 from dflash.models.blocks import Blocks
 from dflash.models.config import DrafterConfig
@@ -330,9 +330,8 @@ class DFlashDrafter(nn.Module):
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
-            raise UserError(f"{directory}: not exported: {len(bad)} of {len(tensors)} weight tensors hold NaN or inf "
-                            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the training diverged: "
-                            "lower --lr, or resume from an earlier checkpoint")
+            raise NonFiniteWeights(f"{directory}: not exported: {len(bad)} of {len(tensors)} weight tensors hold NaN "
+                                   f"or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         if directory.exists() and not is_drafter_folder(directory):
             raise UserError(f"{directory}: exists and is not a DFlash drafter folder; not replaced (move it away)")
         config = self.config.to_json_dict()

@@ -30,7 +30,7 @@ from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import UserError
 from dflash.models.config import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
-# model_type -> what the packed path does beyond dense attention (the README "Targets" table)
+# model_type -> what the packed path does beyond dense attention (the "Targets" table of docs/GUIDE.md)
 TARGET_FAMILIES = {
     "qwen3": "dense",
     "qwen2": "dense (q/k/v biases; sliding-window layers where configured)",

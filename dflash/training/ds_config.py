@@ -7,6 +7,7 @@ optimizer and schedule come from the training options.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -18,12 +19,28 @@ from dflash.errors import UserError
 OWNED = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
 
 
+def shipped_ds_configs() -> Path:
+    """The folder of the DeepSpeed JSONs that ship with the package (`ds_configs/` in a checkout links to it)."""
+    return Path(str(resources.files("dflash") / "ds_configs"))
+
+
+def resolve_ds_config(path: str | Path) -> Path:
+    """`path` from the current folder when it is there; else a shipped config named `zero2.json`, `zero2` or
+    `ds_configs/zero2.json` (the default), so the defaults and the docs' commands work from any folder."""
+    path = Path(path)
+    if path.is_file() or path.is_absolute() or path.parent not in (Path("."), Path("ds_configs")):
+        return path
+    shipped = shipped_ds_configs() / (path.name if path.suffix == ".json" else f"{path.name}.json")
+    return shipped if shipped.is_file() else path
+
+
 def load_ds_config(path: str | Path, *, world_size: int, grad_clip: float, bf16: bool,
                    flag: str = "--deepspeed_config") -> dict:
     """The checked config with the trainer's sizes filled in; `flag` names the option in errors."""
-    path = Path(path)
+    path = resolve_ds_config(path)
     if not path.is_file():
-        raise UserError(f"{flag} {path}: no such file (see ds_configs/ for ready ones)")
+        ready = ", ".join(p.name for p in sorted(shipped_ds_configs().glob("*.json")))
+        raise UserError(f"{flag} {path}: no such file (shipped, usable by name from anywhere: {ready})")
     try:
         config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

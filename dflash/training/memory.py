@@ -32,7 +32,7 @@ RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffer
 RESERVE_FRACTION = 0.05  # allocator fragmentation
 CE_CHUNK_ROWS = 1024  # dflash.models.loss.DEFAULT_CHUNK_ROWS (not imported: that pulls in torch models)
 
-# Public config.json sizes of targets the README plans for (the language model's text config).
+# Public config.json sizes of targets docs/GUIDE.md plans for (the language model's text config).
 MODEL_PRESETS = {
     "qwen3-8b": dict(model_type="qwen3", tie_word_embeddings=False, **FLOP_PRESETS["qwen3-8b"]),
     "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,

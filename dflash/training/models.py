@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from dflash.errors import UserError
+from dflash.errors import NonFiniteWeights, UserError
 from dflash.training.config import TrainConfig
 from dflash.training.ranks import on_rank0
 
@@ -276,4 +276,8 @@ class Models:
 
         params = list(self.drafter.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3):
-            on_rank0(lambda: self.drafter.save_pretrained(directory), "exporting the drafter")
+            try:
+                on_rank0(lambda: self.drafter.save_pretrained(directory), "exporting the drafter")
+            except NonFiniteWeights as e:
+                advice = "the training diverged: lower --lr, or resume from an earlier checkpoint"
+                raise UserError(f"{e}: {advice}") from None

@@ -127,4 +127,4 @@ def check_shared_paths(output_dir: Path, inputs: dict[str, Path]) -> None:
                         "or the same copy on each node")
     if problems:
         raise UserError("multi-node setup: not every rank sees the same files\n  " + "\n  ".join(problems)
-                        + "\nsee 'Multi-node training' in README.md")
+                        + "\nsee 'Multi-node training' in docs/GUIDE.md")

@@ -25,7 +25,7 @@ from dflash.partial import write_json
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, prepare_token_store
-from dflash.training.ds_config import training_ds_config
+from dflash.training.ds_config import resolve_ds_config, training_ds_config
 from dflash.training.evaluator import Evaluator
 from dflash.training.memory import accelerator_memory, run_plan, size_run
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
@@ -115,7 +115,7 @@ def init_distributed() -> None:
 
 def input_paths(cfg: TrainConfig) -> dict[str, Path]:
     """The files every rank reads, by flag (a random target and synthetic data are made in memory)."""
-    paths = {"--target": cfg.target, "--data": cfg.data, "--deepspeed_config": cfg.deepspeed_config}
+    paths = {"--target": cfg.target, "--data": cfg.data, "--deepspeed_config": resolve_ds_config(cfg.deepspeed_config)}
     made = {"--target": is_random_target(cfg.target), "--data": is_synthetic(cfg.data)}
     return {flag: Path(path) for flag, path in paths.items() if not made.get(flag)}
 

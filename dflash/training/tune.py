@@ -2,9 +2,9 @@
 
 DeepSpeed's autotuner ranks configurations by samples/s over a few steps; with shuffled
 variable-length data a sample is no unit of work and a few steps are noise. Each trial here
-is a real `launch/train.py` run in its own process (an out-of-memory error ends the trial,
-not the sweep), measured over many steps after a warm-up, in real tokens/s from the
-trainer's own metrics.
+is a real training run (`dflash.training.cli`, what `launch/train.py` runs) in its own process
+(an out-of-memory error ends the trial, not the sweep), measured over many steps after a
+warm-up, in real tokens/s from the trainer's own metrics.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from pathlib import Path
 from dflash.errors import UserError
 from dflash.training.ranks import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
 EXCEPTION = re.compile(r"^[\w.]+(Error|Exception): ")
 OOM = re.compile(r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|Killed", re.IGNORECASE)
@@ -75,8 +74,9 @@ def run_trial(trial: Trial, train_args: list[str], workdir: Path, *, num_ranks: 
     metrics = folder / "run" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     launcher = Path(sys.executable).parent / "deepspeed"
+    # the package's trainer, from the caller's folder: relative paths in `train_args` are the caller's
     cmd = [str(launcher), "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
-           str(ROOT / "launch" / "train.py"), *train_args, "--output-dir", str(folder / "run"),
+           "--module", "dflash.training.cli", *train_args, "--output-dir", str(folder / "run"),
            "--token-budget", str(trial.token_budget), "--step-tokens", str(trial.micro_batches * trial.token_budget),
            "--deepspeed_config", str(folder / "ds_config.json"), "--max-steps", str(steps + warmup),
            "--no-export", "--no-progress", "--overwrite",  # a trial folder is the tuner's own: reruns start over
@@ -84,7 +84,7 @@ def run_trial(trial: Trial, train_args: list[str], workdir: Path, *, num_ranks: 
            "--activation-checkpointing" if trial.activation_checkpointing else "--no-activation-checkpointing"]
     log = folder / "log.txt"
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         start = time.monotonic()
         while (done := os.wait4(proc.pid, os.WNOHANG))[0] == 0:
             if time.monotonic() - start > timeout:

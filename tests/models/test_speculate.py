@@ -172,13 +172,41 @@ def test_limit_cuts_turns_as_decoding_does(demo, trained):
     assert decoded == walked
 
 
-def test_speculate_report(demo, trained):
-    prompts = demo["prompts"][:3]
-    report = speculate(demo["hf"], trained, prompts, max_new_tokens=LIMIT, stop_ids=demo["stops"], progress=False)
-    s = report.summary()
-    assert s["lossless"] and s["turns"] == 3
-    assert s["tokens"] == sum(len(out) for out in demo["outs"][:3])
-    assert set(s) >= {"acceptance_length", "target_tokens_per_s", "speculative_tokens_per_s", "speedup", "lossless"}
+def test_speculate_report(demo, trained, monkeypatch):
+    """The report's figures against the turns decoded one by one: acceptance length = tokens after the
+    first per verify forward, speedup = the ratio of the two tokens/s; a turn the target alone decodes
+    otherwise is named; without the reference run its figures are None."""
+    import dflash.models.speculate as speculate_module
+
+    hf, stops, prompts = demo["hf"], demo["stops"], demo["prompts"][:3]
+    alone = [speculative_decode(hf, trained, p, max_new_tokens=LIMIT, stop_ids=stops) for p in prompts]
+    s = speculate(hf, trained, prompts, max_new_tokens=LIMIT, stop_ids=stops, progress=False).summary()
+    assert s["lossless"] is True and s["mismatched_turns"] == [] and s["turns"] == 3
+    assert s["tokens"] == s["reference_tokens"] == sum(len(out) for out in demo["outs"][:3])
+    assert s["target_forwards"] == sum(d.forwards for d in alone)
+    assert s["acceptance_length"] == sum(len(d.tokens) - 1 for d in alone) / sum(d.forwards for d in alone)
+    assert s["acceptance_length"] > 1.05  # drafts are accepted: the ratio counts real acceptance
+    assert s["speedup"] == pytest.approx(s["speculative_tokens_per_s"] / s["target_tokens_per_s"])
+    assert s["acceptance_length_stderr"] is None and s["temperature"] == 0 and s["seed"] is None
+
+    decode = speculate_module.greedy_decode
+    calls = []
+
+    def second_turn_differs(*args, **kwargs):
+        out = decode(*args, **kwargs)
+        calls.append(len(calls))
+        if calls[-1] == 1:
+            out.tokens[-1] = out.tokens[-1] + 1
+        return out
+
+    monkeypatch.setattr(speculate_module, "greedy_decode", second_turn_differs)
+    s = speculate(hf, trained, prompts, max_new_tokens=LIMIT, stop_ids=stops, progress=False).summary()
+    assert s["lossless"] is False and s["mismatched_turns"] == [1]
+    s = speculate(hf, trained, prompts[:1], max_new_tokens=LIMIT, stop_ids=stops, reference=False,
+                  progress=False).summary()
+    assert len(calls) == 3, "no reference run"
+    assert s["lossless"] is s["speedup"] is s["target_tokens_per_s"] is s["reference_tokens"] is None
+    assert s["tokens"] == len(alone[0].tokens) and s["speculative_tokens_per_s"] > 0
 
 
 def walk_at(demo, drafter, samples, temperature):

@@ -48,7 +48,7 @@ def test_sweep_survives_a_failing_trial_and_writes_the_fastest_config(tiny_run_i
          "--micro-batches", "1", "--steps", "2", "--warmup", "1", "--no-defaults", "--workdir", str(tmp_path),
          "--", "--target", str(target), "--data", str(tiny_store), "--num-anchors", "8", "--draft-layers", "1",
          "--num-target-features", "2", "--num-workers", "0", "--dtype", "fp32", "--eval-fraction", "0"],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)  # not the checkout
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trials = {t["name"]: t for t in json.loads((tmp_path / "summary.json").read_text())}
     assert sorted(trials) == ["zero2-b512-x1", "zero2-b64-x1", "zero3-b512-x1", "zero3-b64-x1"]
