@@ -201,7 +201,8 @@ class Trainer:
         """Lock the run folder (rank 0) and, for --resume, refuse options that would train another
         drafter than the checkpoint's, before anything loads."""
         cfg = self.cfg
-        self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite)
+        reads = {**input_paths(cfg), **({"--init-drafter": Path(cfg.init_drafter)} if cfg.init_drafter else {})}
+        self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite, reads=reads)
         state = self.checkpointer.newest_state() if cfg.resume else None
         if state is None:
             return

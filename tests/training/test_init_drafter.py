@@ -144,3 +144,26 @@ def test_resume_refuses_a_checkpoint_trained_with_other_layer_types():
         "--drafter-layer-types: full -> sliding_attention,full_attention", "--sliding-window: 0 -> 64"]
     explicit_full = load_config(["--data", "d.jsonl", "--draft-layers", "2", "--drafter-layer-types", "full,full"])
     assert drafter_differences(drafter_settings(full, 6), drafter_settings(explicit_full, 6)) == []
+
+
+def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
+    """`--init-drafter RUN/drafter --output-dir RUN --overwrite`: the drafter to start from is the
+    previous run's export, which --overwrite would delete; refused naming both, nothing deleted."""
+    from types import SimpleNamespace
+
+    from dflash.training.run_folder import RunFolder
+    from dflash.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    folder = released_drafter(run / "drafter")
+    (run / "metrics.jsonl").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    cfg = load_config(["--init-drafter", str(folder), "--output-dir", str(run), "--overwrite"])
+    trainer = SimpleNamespace(cfg=cfg, run_folder=RunFolder(run), checkpointer=None, drafter_settings={})
+    with pytest.raises(UserError) as err:
+        Trainer._claim(trainer)
+    assert str(err.value) == (f"--overwrite would delete {folder}, and the run reads --init-drafter {folder} from "
+                              f"it: copy {folder} out of --output-dir {run} first, or choose another --output-dir")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert (run / "metrics.jsonl").is_file(), "a refused overwrite deletes nothing"
+    RunFolder(run).claim(resume=False, overwrite=True)  # the lock was released
