@@ -137,10 +137,12 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
 
     types = list(cfg.drafter_layer_types or [])
     settings = {"--block-size": cfg.block_size, "--draft-layers": cfg.draft_layers,
-                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma, "--mask-token": cfg.mask_token or MASK_TOKEN,
+                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma,
                 # the mask each layer trains with (the weights have the same shapes whatever it is)
                 "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
                 "--sliding-window": cfg.sliding_window}
+    if not cfg.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
+        settings["--mask-token"] = cfg.mask_token or MASK_TOKEN
     taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
     if taps is None and num_target_layers is not None:
         try:

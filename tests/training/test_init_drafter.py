@@ -3,6 +3,7 @@ checked against the target before anything loads."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -130,6 +131,22 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
     assert trained.keys() == weights.keys()
     for name, w in weights.items():
         torch.testing.assert_close(trained[name].float(), w.float(), rtol=0, atol=1e-5, msg=name)
+
+    # Resumed without --init-drafter but with its every option, the run would add a mask token of
+    # its own and train (and export) another id: the checkpoint records the id, and the resume is
+    # refused once the target gives it, before the drafter loads; the export stays as it was.
+    exported_before = (out / "drafter" / "config.json").read_bytes()
+    args = tiny_train_args(target, data, out, "--max-steps", 2, "--lr", 1e-9, "--resume", "--draft-layers", 2,
+                           "--block-size", 8, "--target-layer-ids", "0,1", "--drafter-layer-types", "sliding,full",
+                           "--sliding-window", 5)
+    i = args.index("--draft-layers")
+    del args[i:i + 2]  # tiny_train_args' own
+    proc = run_deepspeed(args, num_ranks=1)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(rf"\n  mask token id: {hf['vocab_size'] - 1} -> \d+\n", proc.stderr), proc.stderr[-3000:]
+    assert "a run started with --init-drafter resumes with it" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (out / "drafter" / "config.json").read_bytes() == exported_before
 
 
 def test_resume_refuses_a_checkpoint_trained_with_other_layer_types():
