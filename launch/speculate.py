@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
+from dflash.models.folders import check_drafter_folder
 
 
 def parse_args(argv=None):
@@ -229,6 +230,7 @@ def main(argv=None):
     if not (drafter_dir / "config.json").is_file():
         hint = " (train the demo first: deepspeed launch/train.py)" if args.drafter == "runs/demo/drafter" else ""
         raise UserError(f"--drafter {drafter_dir}: no exported drafter there (config.json){hint}")
+    check_drafter_folder(drafter_dir, "--drafter")  # its weights there, whole, and the config's
     if args.save_heldout:
         count = save_heldout(drafter_dir, Path(args.save_heldout))
         print(f"wrote the {count} held-out conversations of {drafter_dir.parent} to {args.save_heldout}")

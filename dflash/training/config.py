@@ -313,22 +313,17 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
 
 def init_drafter_config(folder: str, target: str):
     """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
-    (raises UserError naming the field that disagrees). Reads config files only."""
+    (raises UserError naming the field that disagrees). Reads config files and the weights' header only."""
     import json
 
     from transformers import AutoConfig
 
     from dflash.models.config import DrafterConfig, check_fits_target
+    from dflash.models.folders import check_drafter_folder
 
     path = Path(folder)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise UserError(f"--init-drafter {folder}: not a drafter folder in the official format (config.json and "
-                        "model.safetensors)")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-        drafter = DrafterConfig.from_json_dict(raw)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--init-drafter {path / 'config.json'}: {e}") from None
+    drafter = check_drafter_folder(path, "--init-drafter")  # files there, whole, and fitting each other
+    raw = json.loads((path / "config.json").read_text())
     from dflash.models.random_target import is_random_target, random_target_config
 
     try:
