@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.folders import check_drafter_folder
+from dflash.models.folders import check_drafter_folder, check_target_folder
 
 
 def parse_args(argv=None):
@@ -248,6 +248,7 @@ def main(argv=None):
     if limit < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 
+    check_target_folder(target_path)
     drafter, target, device, dtype = load_models(drafter_dir, target_path, args.dtype)
     tokenizer, hf = target.tokenizer, target.hf
     stops = stop_ids(tokenizer, generation_eos(str(target_path)))

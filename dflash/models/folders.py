@@ -75,6 +75,6 @@ def check_target_folder(folder: str | Path, where: str = "--target") -> None:
     """A target model folder: config.json there, and each safetensors file whole."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise UserError(f"{where} {folder}: no config.json (a model folder holds config.json and its weights)")
+        raise UserError(f"{where} {folder}: not a Hugging Face model folder (no config.json)")
     for path in sorted(folder.glob("*.safetensors")):
         safetensors_shapes(path, where)

@@ -39,6 +39,7 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
     from dflash.data.prepare import check_tokenizer_files
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
     from dflash.models import TargetModel, load_language_model
+    from dflash.models.folders import check_target_folder
     from dflash.models.random_target import is_random_target, random_target
 
     mask_text = mask_text or MASK_TOKEN
@@ -47,8 +48,7 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
         tokenizer, hf = random_target(target_path, device, dtype)
     else:
         target_path = Path(path)
-        if not (target_path / "config.json").is_file():
-            raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+        check_target_folder(target_path)  # config.json there, each weight file whole
         check_tokenizer_files(target_path, "--target")
         tokenizer = AutoTokenizer.from_pretrained(str(target_path))
         if chat_data is not None and not tokenizer.chat_template:
