@@ -20,7 +20,7 @@ from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
 from dflash.models.config import FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
-from dflash.options import parse_list
+from dflash.options import number, parse_list
 
 TARGET_PARTITIONS = ("none", "zero3")
 
@@ -276,7 +276,8 @@ def _list_parser(f: dataclasses.Field, where: str):
 def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of options (keys as below, with underscores)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--local_rank", "--local-rank", type=number(int, minimum=-1), default=-1,  # set by the launcher
+                   help=argparse.SUPPRESS)
     for f in dataclasses.fields(TrainConfig):
         kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {f.default!r})"}
         kind = _kind(f)
@@ -424,7 +425,7 @@ _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear",
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "checkpoint_every", "seed", "row_budget", "subset_tokens")
+                 "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
