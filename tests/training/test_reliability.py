@@ -108,9 +108,9 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(reference, tiny_ru
 def test_partitioned_target_with_a_killed_peer_is_one_line_and_resumes_bitwise_like_the_replicated_reference(
         reference, tiny_run_inputs, tmp_path):
     """--target-partition zero3: the same losses, evaluations and samples, bit for bit, through a
-    peer's death (one line on rank 0) and a resume; only the target bytes each rank holds differ (about half), and tau@1, which
-    walks the data's turns (a partitioned target does not sample turns) where the reference walks
-    turns the target sampled."""
+    peer's death (one line on rank 0) and a resume; only the target bytes each rank holds differ
+    (about half), and tau@1, which walks the data's turns (a partitioned target does not sample
+    turns) where the reference walks turns the target sampled."""
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     partitioned = (*COMMON, "--target-partition", "zero3")
