@@ -48,9 +48,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="folder for the JSON files (created)")
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated, of {', '.join(STAGE_NAMES)}")
-    p.add_argument("--budget", type=number(float, above=0), default=BUDGET_S,
+    p.add_argument("--budget", type=number(float, minimum=0), default=BUDGET_S,
                    help="seconds for all stages; the benchmark stops measuring when it runs out")
-    p.add_argument("--e2e-seconds", type=number(float, above=0), default=E2E_S,
+    p.add_argument("--e2e-seconds", type=number(float, minimum=0), default=E2E_S,
                    help="seconds of the budget kept for the end-to-end stage (the stages before it stop earlier)")
     p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
                    help="folder of wheels carried in for what the image lacks (DeepSpeed and its dependencies)")
