@@ -35,11 +35,13 @@ def safetensors_shapes(path: Path, where: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_drafter_folder(folder: str | Path, where: str):
+def check_drafter_folder(folder: str | Path, where: str, check_config=None):
     """The DrafterConfig of drafter `folder` (official format), once its files are there, whole
     and consistent: every tensor the config builds, with its shape, and no other (a uniform
     `model.` prefix is accepted, as `DFlashDrafter.from_pretrained` does). `where` names the
-    flag in messages, e.g. `--init-drafter`."""
+    flag in messages, e.g. `--init-drafter`. `check_config(config, raw)`, when given, runs once
+    the config is read and before the weights are (a config that does not fit the target is
+    the error to name first)."""
     import torch
 
     from dflash.models.config import DrafterConfig
@@ -54,6 +56,8 @@ def check_drafter_folder(folder: str | Path, where: str):
         config = DrafterConfig.from_json_dict(json.loads((folder / CONFIG_NAME).read_text()))
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{where} {folder / CONFIG_NAME}: {e}") from None
+    if check_config is not None:
+        check_config(config, json.loads((folder / CONFIG_NAME).read_text()))
     shapes = safetensors_shapes(folder / WEIGHTS_NAME, where)
     if shapes and all(k.startswith("model.") for k in shapes):
         shapes = {k.removeprefix("model."): v for k, v in shapes.items()}

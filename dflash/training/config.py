@@ -315,28 +315,28 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
 def init_drafter_config(folder: str, target: str):
     """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
     (raises UserError naming the field that disagrees). Reads config files and the weights' header only."""
-    import json
-
     from transformers import AutoConfig
 
     from dflash.models.config import DrafterConfig, check_fits_target
     from dflash.models.folders import check_drafter_folder
-
-    path = Path(folder)
-    drafter = check_drafter_folder(path, "--init-drafter")  # files there, whole, and fitting each other
-    raw = json.loads((path / "config.json").read_text())
     from dflash.models.random_target import is_random_target, random_target_config
 
-    try:
-        target_config = random_target_config(target) if is_random_target(target) else AutoConfig.from_pretrained(
-            target)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
-    try:
-        check_fits_target(drafter, target_config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
-    except ValueError as e:
-        raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
-    return drafter
+    path = Path(folder)
+
+    def fits_target(drafter, raw):
+        try:
+            target_config = random_target_config(target) if is_random_target(target) else \
+                AutoConfig.from_pretrained(target)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
+        try:
+            check_fits_target(drafter, target_config,
+                              num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+        except ValueError as e:
+            raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
+
+    # its files there, its config fitting the target, then its weights whole and the config's
+    return check_drafter_folder(path, "--init-drafter", fits_target)
 
 
 def _from_init_drafter(values: dict, explicit: set) -> dict:
