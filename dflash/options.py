@@ -1,6 +1,9 @@
-"""Command-line values shared by every entry point: one parser for comma-separated lists."""
+"""Command-line values shared by every entry point: one parser for comma-separated lists, and the
+argparse type of every numeric option of the `launch/` commands (`number`), with its range."""
 from __future__ import annotations
 
+import argparse
+import math
 from itertools import pairwise
 
 from dflash.errors import UserError
@@ -35,3 +38,26 @@ def parse_list(text, flag: str, cast=int, *, increasing: bool = False, distinct:
     if distinct and len(set(values)) != len(values):
         raise UserError(f"{flag}: values must not repeat, got {text!r}")
     return tuple(values)
+
+
+def number(kind=int, *, minimum=None, above=None, maximum=None):
+    """The argparse `type` of a numeric option: a finite `kind` (int or float) >= `minimum`, >
+    `above`, <= `maximum` (each None: no bound). argparse names the flag in the error, e.g.
+    `argument --max-turns: must be >= 1, got -1`. The bounds stay on the function as `bounds`,
+    for the test that walks every command's options."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        for bound, holds, words in ((minimum, lambda b: value >= b, ">="), (above, lambda b: value > b, ">"),
+                                    (maximum, lambda b: value <= b, "<=")):
+            if bound is not None and not holds(bound):
+                raise argparse.ArgumentTypeError(f"must be {words} {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's fallback message: "invalid int value"
+    parse.bounds = (kind, minimum, above, maximum)
+    return parse

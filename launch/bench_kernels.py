@@ -40,6 +40,7 @@ from dflash.data import seed_like_lengths
 from dflash.errors import UserError, exit_on_user_error
 from dflash.ops import dflash_block_attention, varlen_attention
 from dflash.ops.common.triton_utils import pin_configs
+from dflash.options import number
 
 PATTERNS = ("seed-like", "constant", "uniform", "long-tail", "bimodal")
 
@@ -48,18 +49,22 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_kernels", help="folder for bench_kernels.json and .png")
     p.add_argument("--quick", action="store_true", help="seed-like and bimodal only, fewer repeats")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per call (default 49152; 256 on the CPU)")
-    p.add_argument("--heads", type=int, default=None, help="query heads (default 32; 2 on the CPU)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 8; 1 on the CPU)")
-    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; 32 on the CPU)")
-    p.add_argument("--block-size", type=int, default=16, help="DFlash block size B")
-    p.add_argument("--blocks", type=int, default=None,
+    p.add_argument("--tokens", type=number(int, minimum=1), default=None,
+                   help="tokens per call (default 49152; 256 on the CPU)")
+    p.add_argument("--heads", type=number(int, minimum=1), default=None, help="query heads (default 32; 2 on the CPU)")
+    p.add_argument("--kv-heads", type=number(int, minimum=1), default=None,
+                   help="key/value heads (default 8; 1 on the CPU)")
+    p.add_argument("--head-dim", type=number(int, minimum=1), default=None,
+                   help="head dim (default 128; 32 on the CPU)")
+    p.add_argument("--block-size", type=number(int, minimum=2), default=16, help="DFlash block size B")
+    p.add_argument("--blocks", type=number(int, minimum=1), default=None,
                    help="DFlash blocks per call, spread over the samples by length (default 4096; 16 on the CPU)")
-    p.add_argument("--max-len", type=int, default=8192, help="longest sample (scaled down on the CPU)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median)")
+    p.add_argument("--max-len", type=number(int, minimum=1), default=8192,
+                   help="longest sample (scaled down on the CPU)")
+    p.add_argument("--repeats", type=number(int, minimum=1), default=None, help="timed calls per measurement (median)")
     p.add_argument("--lengths", metavar="F.npy", default=None,
                    help="sample lengths for the seed-like pattern (default: dflash.data.seed_like_lengths())")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(int, minimum=0), default=0)
     return p.parse_args()
 
 

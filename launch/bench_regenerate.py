@@ -12,16 +12,19 @@ import tempfile
 
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError, exit_on_user_error
+from dflash.options import number
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(TARGET), help="model directory (default: the demo target)")
     p.add_argument("--input", default=str(PROMPTS), help="prompt JSONL (default: the demo prompts)")
-    p.add_argument("--samples", type=int, default=64, help="conversations per measurement (default: 64)")
+    p.add_argument("--samples", type=number(int, minimum=1), default=64,
+                   help="conversations per measurement (default: 64)")
     p.add_argument("--batch-sizes", default="1,4,8,16,32", help="comma-separated batch sizes (default: 1,4,8,16,32)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="limit per assistant turn (default: 256)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default: 2)")
+    p.add_argument("--max-new-tokens", type=number(int, minimum=1), default=256,
+                   help="limit per assistant turn (default: 256)")
+    p.add_argument("--threads", type=number(int, minimum=1), default=2, help="CPU threads for torch (default: 2)")
     return p.parse_args(argv)
 
 

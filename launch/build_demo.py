@@ -11,18 +11,23 @@ from pathlib import Path
 
 from dflash.demo import ASSETS
 from dflash.errors import UserError, exit_on_user_error
+from dflash.options import number
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ASSETS, help=f"output folder (default: {ASSETS})")
-    p.add_argument("--seed", type=int, default=0, help="seed for the corpus, prompts and training (default: 0)")
-    p.add_argument("--steps", type=int, default=300, help="training steps of the target (default: 300)")
-    p.add_argument("--prompts", type=int, default=1000, help="number of bundled prompts (default: 1000)")
-    p.add_argument("--batch-size", type=int, default=16, help="regeneration batch size (default: 16)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--seed", type=number(int, minimum=0), default=0,
+                   help="seed for the corpus, prompts and training (default: 0)")
+    p.add_argument("--steps", type=number(int, minimum=1), default=300,
+                   help="training steps of the target (default: 300)")
+    p.add_argument("--prompts", type=number(int, minimum=1), default=1000,
+                   help="number of bundled prompts (default: 1000)")
+    p.add_argument("--batch-size", type=number(int, minimum=1), default=16,
+                   help="regeneration batch size (default: 16)")
+    p.add_argument("--max-new-tokens", type=number(int, minimum=1), default=256,
                    help="regeneration limit per assistant turn (default: 256)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default: 2)")
+    p.add_argument("--threads", type=number(int, minimum=1), default=2, help="CPU threads for torch (default: 2)")
     return p.parse_args(argv)
 
 

@@ -49,6 +49,7 @@ if "RANK" not in os.environ:  # plain `python`, no launcher: one rank of its own
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 from dflash.errors import UserError, exit_on_user_error  # noqa: E402
+from dflash.options import number
 from dflash.training.config import build_parser, load_config  # noqa: E402
 
 
@@ -56,20 +57,20 @@ def add_compare_args(p):
     g = p.add_argument_group("comparison")
     g.add_argument("--modes", default="",
                    help="comma-separated modes to compare (default: all six, e.g. sorted-padded,shuffle-packed)")
-    g.add_argument("--steps", type=int, default=None,
+    g.add_argument("--steps", type=number(int, minimum=1), default=None,
                    help="about this many measured optimizer steps per mode: every mode trains on the same random "
                         "samples, as many tokens as this many steps hold (default: 8; fewer samples make a noisy "
                         "ratio; --subset-tokens instead sets the tokens); with --convergence: the steps whose tokens "
                         "set the budget (default: 30)")
-    g.add_argument("--warmup", type=int, default=1,
+    g.add_argument("--warmup", type=number(int, minimum=0), default=1,
                    help="steps per mode left out of the throughput statistics, taken before the measured pass over "
                         "the same samples (default: 1)")
     g.add_argument("--convergence", action="store_true",
                    help="train every mode on the same real tokens and plot loss and tau curves instead of measuring "
                         "throughput")
-    g.add_argument("--repeats", type=int, default=3,
+    g.add_argument("--repeats", type=number(int, minimum=1), default=3,
                    help="--convergence: seeds per mode (--seed, --seed + 1, ...) to show the noise (default: 3)")
-    g.add_argument("--eval-interval", type=int, default=5,
+    g.add_argument("--eval-interval", type=number(int, minimum=1), default=5,
                    help="--convergence: evaluate every N steps per mode (default: 5)")
     g.add_argument("--json", action="store_true",
                    help="print the result as JSON on stdout (everything else goes to stderr)")

@@ -33,6 +33,7 @@ import triton
 from tqdm import tqdm
 
 from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_config
+from dflash.options import number
 
 # constexprs that tell a kernel's cases apart
 REPORTED = ("CAUSAL", "HAS_WINDOW", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ")
@@ -41,18 +42,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=int, nargs="+", default=sorted(ARCH_NAMES), choices=sorted(ARCH_NAMES),
+    p.add_argument("--arch", type=number(int, minimum=0), nargs="+",
+                   default=sorted(ARCH_NAMES), choices=sorted(ARCH_NAMES),
                    help="compute capabilities (80 = sm_80, 90 = sm_90a, 100 = sm_100a, 120 = sm_120a)")
-    p.add_argument("--head-dim", type=int, nargs="+", default=[16, 32, 64, 128, 256], choices=[16, 32, 64, 128, 256])
+    p.add_argument("--head-dim", type=number(int, minimum=1), nargs="+",
+                   default=[16, 32, 64, 128, 256], choices=[16, 32, 64, 128, 256])
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
     p.add_argument("--op", nargs="+", default=["varlen", "block"], choices=["varlen", "block"])
-    p.add_argument("--heads", type=int, default=32, help="query heads (default 32, Qwen3-8B)")
-    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
+    p.add_argument("--heads", type=number(int, minimum=1), default=32, help="query heads (default 32, Qwen3-8B)")
+    p.add_argument("--kv-heads", type=number(int, minimum=1), default=8, help="key/value heads (default 8)")
     p.add_argument("--first-only", action="store_true", help="only the first config of each kernel (a quick check)")
     p.add_argument("--causal-only", action="store_true", help="varlen: only the causal kernels (the target's)")
     p.add_argument("--sliding-only", action="store_true",
                    help="block: only the sliding-layer variants (HAS_WINDOW, CAUSAL: a drafter's sliding_attention)")
-    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compiler processes")
+    p.add_argument("--jobs", type=number(int, minimum=1), default=min(4, os.cpu_count() or 1),
+                   help="compiler processes")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout)")
     p.add_argument("--table", action="store_true",
                    help="print a Markdown table: configs fitting per kernel and arch, and the pinned config")

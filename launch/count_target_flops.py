@@ -21,6 +21,7 @@ from dflash.data.batch import PackedBatch
 from dflash.data.seed_lengths import SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.models import TargetModel, default_target_layer_ids, measure_flops, target_forward_flops
 from dflash.models.flops import PRESETS
+from dflash.options import number
 
 
 def greedy(lengths, budget, cost):
@@ -47,10 +48,12 @@ def tiny_packed(lengths, vocab, seed):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", help=".npy array of sample lengths (default: the built-in seed-like lengths)")
-    ap.add_argument("--budget", type=int, default=SEED_TOKEN_BUDGET, help="tokens per micro-batch")
-    ap.add_argument("--samples", type=int, default=200_000, help="shuffled samples counted analytically")
-    ap.add_argument("--measure", type=int, default=2, help="micro-batches measured with FlopCounterMode")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", type=number(int, minimum=1), default=SEED_TOKEN_BUDGET, help="tokens per micro-batch")
+    ap.add_argument("--samples", type=number(int, minimum=1), default=200_000,
+                    help="shuffled samples counted analytically")
+    ap.add_argument("--measure", type=number(int, minimum=0), default=2,
+                    help="micro-batches measured with FlopCounterMode")
+    ap.add_argument("--seed", type=number(int, minimum=0), default=0)
     args = ap.parse_args()
 
     if args.lengths:

@@ -37,6 +37,8 @@ import traceback
 import zipfile
 from pathlib import Path
 
+from dflash.options import number
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minutes)
 E2E_S = 200  # kept for the end-to-end stage: the stages before it stop at BUDGET_S - E2E_S
@@ -46,9 +48,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="folder for the JSON files (created)")
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated, of {', '.join(STAGE_NAMES)}")
-    p.add_argument("--budget", type=float, default=BUDGET_S,
+    p.add_argument("--budget", type=number(float, minimum=0), default=BUDGET_S,
                    help="seconds for all stages; the benchmark stops measuring when it runs out")
-    p.add_argument("--e2e-seconds", type=float, default=E2E_S,
+    p.add_argument("--e2e-seconds", type=number(float, minimum=0), default=E2E_S,
                    help="seconds of the budget kept for the end-to-end stage (the stages before it stop earlier)")
     p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
                    help="folder of wheels carried in for what the image lacks (DeepSpeed and its dependencies)")

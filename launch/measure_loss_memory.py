@@ -17,15 +17,16 @@ import torch
 from dflash.models import chunked_weighted_ce
 from dflash.models.flops import measure_peak_tensor_bytes
 from dflash.models.loss import DEFAULT_CHUNK_ROWS
+from dflash.options import number
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1024, 4096, 8192],
+    ap.add_argument("--vocab", type=number(int, minimum=1), default=151936)
+    ap.add_argument("--hidden", type=number(int, minimum=1), default=64)
+    ap.add_argument("--rows", type=number(int, minimum=1), nargs="+", default=[1024, 4096, 8192],
                     help="scored block rows (one sample with 512 anchors and B=16 has 512*15 = 7680)")
-    ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_ROWS)
+    ap.add_argument("--chunk", type=number(int, minimum=1), default=DEFAULT_CHUNK_ROWS)
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(0)

@@ -10,6 +10,7 @@ parameters counted as loaded. Prints one JSON line per rank:
   deepspeed --num_gpus 2 launch/measure_memory.py --target T --data D --output-dir /tmp/m \\
       --token-budget 2048 --target-partition zero3 --measure-steps 3
 """
+import argparse
 import json
 import os
 import sys
@@ -20,15 +21,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 from dflash.errors import exit_on_user_error  # noqa: E402
+from dflash.options import number  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
 from dflash.training.ranks import single_process_env  # noqa: E402
 
 
 def _take(argv: list[str], flag: str, default: int) -> tuple[list[str], int]:
-    if flag not in argv:
-        return argv, default
-    i = argv.index(flag)
-    return argv[:i] + argv[i + 2:], int(argv[i + 1])
+    """`flag N` taken out of argv (the rest are the trainer's options)."""
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument(flag, dest="value", type=number(int, minimum=1), default=default)
+    args, rest = own.parse_known_args(argv)
+    return rest, args.value
 
 
 @exit_on_user_error

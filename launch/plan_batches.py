@@ -55,7 +55,7 @@ from dflash.data.supervision import candidates_from_supervised
 from dflash.errors import UserError, exit_on_user_error
 from dflash.models.config import default_target_layer_ids
 from dflash.models.flops import PRESETS, flop_cost_model, load_target_config
-from dflash.options import parse_list
+from dflash.options import number, parse_list
 
 DEFAULT_ROW_BUDGET = 327_680  # 20 x 16,384: caps the seed-like worst case (553K) at 0.6x for < 3% more micro-batches
 
@@ -65,29 +65,33 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help=".npy file of sample lengths")
     src.add_argument("--data", help="token store folder (from launch/prepare_data.py)")
-    p.add_argument("--token-budget", type=int, default=SEED_TOKEN_BUDGET,
+    p.add_argument("--token-budget", type=number(int, minimum=1), default=SEED_TOKEN_BUDGET,
                    help="tokens per micro-batch (default %(default)s)")
-    p.add_argument("--world-size", type=int, default=1, help="number of ranks (default %(default)s)")
+    p.add_argument("--world-size", type=number(int, minimum=1), default=1, help="number of ranks (default %(default)s)")
     b = p.add_mutually_exclusive_group()
-    b.add_argument("--buckets", type=int, default=6,
+    b.add_argument("--buckets", type=number(int, minimum=1), default=6,
                    help="number of optimal buckets for the bucketed order (default %(default)s)")
     b.add_argument("--boundaries", type=lambda text: parse_list(text, "--boundaries", increasing=True, minimum=0),
                    help="bucket boundaries, e.g. 770,1216,1728,2432,3296")
-    p.add_argument("--seed", type=int, default=0, help="planner seed (default %(default)s)")
-    p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default %(default)s)")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="open bins of the packer (default %(default)s)")
+    p.add_argument("--seed", type=number(int, minimum=0), default=0, help="planner seed (default %(default)s)")
+    p.add_argument("--epoch", type=number(int, minimum=0), default=0, help="epoch to plan (default %(default)s)")
+    p.add_argument("--window", type=number(int, minimum=1), default=DEFAULT_WINDOW,
+                   help="open bins of the packer (default %(default)s)")
     p.add_argument("--supervised", help=".npy file of supervised token counts that go with --lengths")
     p.add_argument("--model", default="qwen3-8b",
                    help=f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json (or its "
                    "folder) of a dense, MoE, hybrid Gated DeltaNet, sliding-window or MLA target (default %(default)s)")
-    p.add_argument("--target-layers", type=int,
+    p.add_argument("--target-layers", type=number(int, minimum=1),
                    help="target layers run for the features (default: last default tap + 1, e.g. 34 for Qwen3-8B)")
-    p.add_argument("--drafter-layers", type=int, default=5, help="drafter layers (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=16, help="drafter block size (default %(default)s)")
-    p.add_argument("--anchors", type=int, default=512, help="anchors per sample at most (default %(default)s)")
-    p.add_argument("--row-budget", type=int, default=DEFAULT_ROW_BUDGET,
+    p.add_argument("--drafter-layers", type=number(int, minimum=1), default=5,
+                   help="drafter layers (default %(default)s)")
+    p.add_argument("--block-size", type=number(int, minimum=2), default=16,
+                   help="drafter block size (default %(default)s)")
+    p.add_argument("--anchors", type=number(int, minimum=1), default=512,
+                   help="anchors per sample at most (default %(default)s)")
+    p.add_argument("--row-budget", type=number(int, minimum=0), default=DEFAULT_ROW_BUDGET,
                    help="drafter rows per micro-batch at most, in the balanced plans (default %(default)s)")
-    p.add_argument("--micro-batches-per-step", type=int, default=DEFAULT_MIX,
+    p.add_argument("--micro-batches-per-step", type=number(int, minimum=1), default=DEFAULT_MIX,
                    help="micro-batches per rank in a step, for the per-step numbers and the dealing "
                    "(default %(default)s)")
     p.add_argument("--save-plan", help="write every mode's balanced plan (token-only with --no-balance) to this .npz")

@@ -20,6 +20,7 @@ import os
 import sys
 
 from dflash.errors import UserError, exit_on_user_error
+from dflash.options import number
 from dflash.training.memory import (
     GIB,
     MODEL_PRESETS,
@@ -41,18 +42,25 @@ def parse_args(argv=None):
     p.add_argument("--model", default="qwen3-8b",
                    help=f"target: a preset ({', '.join(MODEL_PRESETS)}), a config.json or a model folder "
                    "(default %(default)s)")
-    p.add_argument("--world-size", type=int, default=8, help="ranks (GPUs) in all (default %(default)s)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU, GiB (default %(default)s)")
-    p.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch (default %(default)s)")
-    p.add_argument("--row-budget", type=int, default=0,
+    p.add_argument("--world-size", type=number(int, minimum=1), default=8,
+                   help="ranks (GPUs) in all (default %(default)s)")
+    p.add_argument("--gpu-memory-gib", type=number(float, above=0), default=80.0,
+                   help="memory per GPU, GiB (default %(default)s)")
+    p.add_argument("--token-budget", type=number(int, minimum=1), default=16384,
+                   help="tokens per micro-batch (default %(default)s)")
+    p.add_argument("--row-budget", type=number(int, minimum=0), default=0,
                    help="drafter rows per micro-batch to estimate at (default: one sample's, block size x anchors)")
     p.add_argument("--deepspeed_config", "--deepspeed-config", default="ds_configs/zero2.json",
                    help="the drafter's DeepSpeed JSON: ZeRO stage, buckets, offloads (default %(default)s)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training dtype (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=16, help="drafter block size (default %(default)s)")
-    p.add_argument("--num-anchors", type=int, default=512, help="anchors per sample at most (default %(default)s)")
-    p.add_argument("--draft-layers", type=int, default=5, help="drafter layers (default %(default)s)")
-    p.add_argument("--num-target-features", type=int, default=5, help="tapped target layers (default %(default)s)")
+    p.add_argument("--block-size", type=number(int, minimum=2), default=16,
+                   help="drafter block size (default %(default)s)")
+    p.add_argument("--num-anchors", type=number(int, minimum=1), default=512,
+                   help="anchors per sample at most (default %(default)s)")
+    p.add_argument("--draft-layers", type=number(int, minimum=1), default=5,
+                   help="drafter layers (default %(default)s)")
+    p.add_argument("--num-target-features", type=number(int, minimum=1), default=5,
+                   help="tapped target layers (default %(default)s)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute drafter layers in backward")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)

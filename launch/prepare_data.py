@@ -12,6 +12,7 @@ import argparse
 
 from dflash.data.prepare import OVERLONG, prepare_jsonl
 from dflash.errors import exit_on_user_error
+from dflash.options import number
 
 
 def parse_args(argv=None):
@@ -20,7 +21,8 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", required=True,
                    help="local Hugging Face tokenizer (or model) folder with a chat template")
     p.add_argument("--output", required=True, help="folder to create for the token store")
-    p.add_argument("--max-length", type=int, default=None, help="longest sample in tokens (default: no limit)")
+    p.add_argument("--max-length", type=number(int, minimum=1), default=None,
+                   help="longest sample in tokens (default: no limit)")
     p.add_argument("--overlong", choices=OVERLONG, default="truncate",
                    help="what to do with samples longer than --max-length (counted in the summary either way)")
     p.add_argument("--skip-bad", action="store_true",

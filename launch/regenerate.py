@@ -17,6 +17,7 @@ import signal
 import sys
 
 from dflash.errors import exit_on_user_error
+from dflash.options import number
 from dflash.regenerate import BACKENDS, DTYPES, RegenerateConfig, regenerate, summary
 
 
@@ -28,11 +29,14 @@ def parse_args(argv=None) -> RegenerateConfig:
                    help="JSONL conversations ({'messages': [...]} or ShareGPT {'conversations': [...]})")
     p.add_argument("--output", required=True,
                    help="output JSONL; if it exists, the run resumes it (conversations matched by content)")
-    p.add_argument("--max-new-tokens", type=int, default=2048, help="limit per assistant turn (default: 2048)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--max-new-tokens", type=number(int, minimum=1), default=2048,
+                   help="limit per assistant turn (default: 2048)")
+    p.add_argument("--temperature", type=number(float, minimum=0), default=0.0,
                    help="0 = greedy (default); > 0 samples at this temperature")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed, recorded in meta (default: 0 when sampling)")
-    p.add_argument("--batch-size", type=int, default=16, help="conversations per generation batch (default: 16)")
+    p.add_argument("--seed", type=number(int, minimum=0), default=None,
+                   help="sampling seed, recorded in meta (default: 0 when sampling)")
+    p.add_argument("--batch-size", type=number(int, minimum=1), default=16,
+                   help="conversations per generation batch (default: 16)")
     p.add_argument("--keep-thinking", action="store_true",
                    help="keep <think>...</think> in stored responses "
                         "(default: strip it, as Qwen3 templates do for history)")
@@ -42,7 +46,8 @@ def parse_args(argv=None) -> RegenerateConfig:
                    help="generation engine: auto = vllm if installed and a GPU is present, else hf (default: auto)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="model dtype: auto = bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--limit", type=int, default=None, help="regenerate only the first N valid conversations")
+    p.add_argument("--limit", type=number(int, minimum=1), default=None,
+                   help="regenerate only the first N valid conversations")
     a = p.parse_args(argv)
     return RegenerateConfig(
         target=a.target, input=a.input, output=a.output, max_new_tokens=a.max_new_tokens,

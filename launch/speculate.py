@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
+from dflash.models.folders import check_drafter_folder, check_target_folder
+from dflash.options import number
 
 
 def parse_args(argv=None):
@@ -46,16 +48,18 @@ def parse_args(argv=None):
                    "file's history, and a conversation ending with a user turn gets one response (default: the "
                    "held-out turns of the drafter's run)")
     p.add_argument("--target", help="Hugging Face target folder (default: the run's target, else the demo target)")
-    p.add_argument("--max-new-tokens", type=int, help="limit per turn (default: the limit the data was regenerated "
+    p.add_argument("--max-new-tokens", type=number(int, minimum=1),
+                   help="limit per turn (default: the limit the data was regenerated "
                    "with, meta.max_new_tokens, else 2048)")
-    p.add_argument("--max-turns", type=int, help="decode only the first N turns")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--max-turns", type=number(int, minimum=1), help="decode only the first N turns")
+    p.add_argument("--temperature", type=number(float, minimum=0), default=0.0,
                    help="0: greedy decoding, outputs checked token for token (default); > 0: speculative sampling "
                    "at this temperature (lossless in distribution)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=number(float, above=0, maximum=1), default=1.0,
                    help="when sampling: the target's nucleus (default 1: the whole vocabulary); the drafts use the "
                    "temperature only, as vLLM's")
-    p.add_argument("--seed", type=int, help="when sampling: seed of both runs' random draws (default 0)")
+    p.add_argument("--seed", type=number(int, minimum=0),
+                   help="when sampling: seed of both runs' random draws (default 0)")
     p.add_argument("--drafts", choices=DRAFTS, default="sampled",
                    help="when sampling: sampled (default): every slot drawn from the drafter's softmax at the "
                    "temperature (vLLM draft_sample_method=probabilistic); argmax: the drafter's argmax, q one-hot "
@@ -234,6 +238,7 @@ def main(argv=None):
     if not (drafter_dir / "config.json").is_file():
         hint = " (train the demo first: deepspeed launch/train.py)" if args.drafter == "runs/demo/drafter" else ""
         raise UserError(f"--drafter {drafter_dir}: no exported drafter there (config.json){hint}")
+    check_drafter_folder(drafter_dir, "--drafter")  # its weights there, whole, and the config's
     if args.save_heldout:
         count = save_heldout(drafter_dir, Path(args.save_heldout))
         print(f"wrote the {count} held-out conversations of {drafter_dir.parent} to {args.save_heldout}")
@@ -251,6 +256,7 @@ def main(argv=None):
     if limit < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 
+    check_target_folder(target_path)
     drafter, target, device, dtype = load_models(drafter_dir, target_path, args.dtype)
     tokenizer, hf = target.tokenizer, target.hf
     stops = stop_ids(tokenizer, generation_eos(str(target_path)))

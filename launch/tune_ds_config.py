@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
-from dflash.options import parse_list
+from dflash.options import number, parse_list
 from dflash.training import tune
 from dflash.training.ds_config import load_ds_config, resolve_ds_config, shipped_ds_configs
 
@@ -44,10 +44,13 @@ def build_parser():
                    help="drafter activation checkpointing to try: off, on or off,on (default: off)")
     p.add_argument("--no-defaults", action="store_true",
                    help="do not run the shipped ds_configs/*.json as reference trials")
-    p.add_argument("--num-ranks", type=int, default=1, help="ranks per trial (deepspeed --num_gpus) (default: 1)")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per trial, after the warm-up (default: 8)")
-    p.add_argument("--warmup", type=int, default=2, help="steps per trial left out of the measurement (default: 2)")
-    p.add_argument("--timeout", type=float, default=900,
+    p.add_argument("--num-ranks", type=number(int, minimum=1), default=1,
+                   help="ranks per trial (deepspeed --num_gpus) (default: 1)")
+    p.add_argument("--steps", type=number(int, minimum=1), default=8,
+                   help="measured steps per trial, after the warm-up (default: 8)")
+    p.add_argument("--warmup", type=number(int, minimum=0), default=2,
+                   help="steps per trial left out of the measurement (default: 2)")
+    p.add_argument("--timeout", type=number(float, above=0), default=900,
                    help="seconds after which a trial is stopped and recorded as an error (default: 900)")
     p.add_argument("--workdir", default="runs/tune", help="trial folders, logs, summary.json (default: runs/tune)")
     p.add_argument("--output", default="",

@@ -260,7 +260,7 @@ def test_user_mistakes_are_reported_without_traceback(tmp_path):
     proc = run_cli("--input", prompts, "--output", tmp_path / "o.jsonl", "--temperature", "-1")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert "error: --temperature must be >= 0" in err and "Traceback" not in err
+    assert "error: argument --temperature: must be >= 0, got -1" in err and "Traceback" not in err
 
 
 def test_template_and_encoding_faults_are_named_by_line_also_when_skipped(tmp_path):

@@ -20,7 +20,7 @@ from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
 from dflash.models.config import FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
-from dflash.options import parse_list
+from dflash.options import number, parse_list
 
 TARGET_PARTITIONS = ("none", "zero3")
 
@@ -276,7 +276,8 @@ def _list_parser(f: dataclasses.Field, where: str):
 def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of options (keys as below, with underscores)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--local_rank", "--local-rank", type=number(int, minimum=-1), default=-1,  # set by the launcher
+                   help=argparse.SUPPRESS)
     for f in dataclasses.fields(TrainConfig):
         kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {f.default!r})"}
         kind = _kind(f)
@@ -313,34 +314,29 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
 
 def init_drafter_config(folder: str, target: str):
     """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
-    (raises UserError naming the field that disagrees). Reads config files only."""
-    import json
-
+    (raises UserError naming the field that disagrees). Reads config files and the weights' header only."""
     from transformers import AutoConfig
 
     from dflash.models.config import DrafterConfig, check_fits_target
-
-    path = Path(folder)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise UserError(f"--init-drafter {folder}: not a drafter folder in the official format (config.json and "
-                        "model.safetensors)")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-        drafter = DrafterConfig.from_json_dict(raw)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--init-drafter {path / 'config.json'}: {e}") from None
+    from dflash.models.folders import check_drafter_folder
     from dflash.models.random_target import is_random_target, random_target_config
 
-    try:
-        target_config = random_target_config(target) if is_random_target(target) else AutoConfig.from_pretrained(
-            target)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
-    try:
-        check_fits_target(drafter, target_config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
-    except ValueError as e:
-        raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
-    return drafter
+    path = Path(folder)
+
+    def fits_target(drafter, raw):
+        try:
+            target_config = random_target_config(target) if is_random_target(target) else \
+                AutoConfig.from_pretrained(target)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
+        try:
+            check_fits_target(drafter, target_config,
+                              num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+        except ValueError as e:
+            raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
+
+    # its files there, its config fitting the target, then its weights whole and the config's
+    return check_drafter_folder(path, "--init-drafter", fits_target)
 
 
 def _from_init_drafter(values: dict, explicit: set) -> dict:
@@ -429,7 +425,7 @@ _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear",
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
-                 "checkpoint_every", "seed", "row_budget", "subset_tokens")
+                 "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {

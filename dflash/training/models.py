@@ -39,6 +39,7 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
     from dflash.data.prepare import check_tokenizer_files
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
     from dflash.models import TargetModel, load_language_model
+    from dflash.models.folders import check_target_folder
     from dflash.models.random_target import is_random_target, random_target
 
     mask_text = mask_text or MASK_TOKEN
@@ -47,8 +48,7 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
         tokenizer, hf = random_target(target_path, device, dtype)
     else:
         target_path = Path(path)
-        if not (target_path / "config.json").is_file():
-            raise UserError(f"--target {target_path}: not a Hugging Face model folder (no config.json)")
+        check_target_folder(target_path)  # config.json there, each weight file whole
         check_tokenizer_files(target_path, "--target")
         tokenizer = AutoTokenizer.from_pretrained(str(target_path))
         if chat_data is not None and not tokenizer.chat_template:
@@ -137,10 +137,12 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
 
     types = list(cfg.drafter_layer_types or [])
     settings = {"--block-size": cfg.block_size, "--draft-layers": cfg.draft_layers,
-                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma, "--mask-token": cfg.mask_token or MASK_TOKEN,
+                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma,
                 # the mask each layer trains with (the weights have the same shapes whatever it is)
                 "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
                 "--sliding-window": cfg.sliding_window}
+    if not cfg.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
+        settings["--mask-token"] = cfg.mask_token or MASK_TOKEN
     taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
     if taps is None and num_target_layers is not None:
         try:

@@ -45,9 +45,10 @@ def _peer_failure(err: BaseException) -> bool:
 
 
 def peer_failures_are_one_line(main):
-    """Decorate a CLI `main`: on a rank other than 0, a collective broken by a dead peer becomes
-    one `error:` line and exit status 2 (the peer printed the cause); a rank stopped by a signal
-    says so (`stopped`), also when the signal arrives while it reports a peer's failure."""
+    """Decorate a CLI `main`: on every rank, rank 0 included, a collective broken by a dead peer
+    (in a step, a barrier, a checkpoint save, an evaluation) becomes one `error:` line and exit
+    status 2 (the peer printed the cause, or was killed); a rank stopped by a signal says so
+    (`stopped`), also when the signal arrives while it reports a peer's failure."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -55,7 +56,7 @@ def peer_failures_are_one_line(main):
             try:
                 return main(*args, **kwargs)
             except Exception as err:
-                if not (dist.is_initialized() and dist.get_rank() != 0 and _peer_failure(err)):
+                if not (dist.is_initialized() and _peer_failure(err)):
                     raise
                 exit_with_error(f"error: rank {dist.get_rank()}: stopped because another rank failed "
                                 "(its error is above)")

@@ -53,6 +53,12 @@ def foreign_drafter(output_dir: Path) -> None:
                         "--output-dir")
 
 
+def _within(path: Path, entry: Path) -> bool:
+    """Whether `path` is `entry` or lies inside it (links resolved)."""
+    path, entry = path.resolve(), entry.resolve()
+    return path == entry or entry in path.parents
+
+
 class RunFolder:
     """The lock on a run folder (rank 0 only), released when the process ends."""
 
@@ -79,10 +85,12 @@ class RunFolder:
             os.close(self._fd)
             self._fd = None
 
-    def claim(self, *, resume: bool, overwrite: bool) -> None:
+    def claim(self, *, resume: bool, overwrite: bool, reads: dict | None = None) -> None:
         """Lock the folder and refuse a fresh run over a previous one unless told; with
-        `overwrite`, delete the previous run's entries first (and only those). A `drafter/` folder
-        that is not an export is refused first: no option makes it the run's to replace."""
+        `overwrite`, delete the previous run's entries first (and only those), but never one that
+        holds or lies in what the run reads (`reads`: flag -> path, e.g. --init-drafter RUN/drafter).
+        A `drafter/` folder that is not an export is refused first: no option makes it the run's to
+        replace."""
         self.lock()
         try:
             foreign_drafter(self.path)
@@ -97,6 +105,13 @@ class RunFolder:
             self.release()
             raise UserError(f"--output-dir {self.path}: holds a previous run ({names}); continue it with --resume, "
                             "start over with --overwrite (deletes these and nothing else), or choose another folder")
+        for p in previous:
+            for flag, path in (reads or {}).items():
+                if _within(Path(path), p):
+                    self.release()
+                    raise UserError(f"--overwrite would delete {p}, and the run reads {flag} {path} from it: "
+                                    f"copy {path} out of --output-dir {self.path} first, or choose another "
+                                    "--output-dir")
         for p in previous:
             if p.is_dir():
                 shutil.rmtree(p)

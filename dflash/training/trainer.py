@@ -157,9 +157,16 @@ class Trainer:
         self.drafter_settings = drafter_settings(cfg, target_layers(cfg.target))
         if is_random_target(cfg.target) or (Path(cfg.target) / "config.json").is_file():
             self.drafter_settings["--target"] = target_fingerprint(cfg.target)
+        self._recorded = None  # (checkpoint, its drafter settings) of a resume, on rank 0
         on_rank0(self._claim, "claiming the run folder")
 
         target = target or load_train_target(cfg, self.device, self.dtype)
+        # what the drafter was trained with, as values: the mask token's id (the drafter's with
+        # --init-drafter, else the one the tokenizer gives --mask-token) and the embedding's rows
+        self.drafter_settings.update({"mask token id": target.mask_id,
+                                      "embedding rows": target.model.num_embedding_rows})
+        if cfg.resume:  # every rank: the checkpoint's record is read on rank 0
+            on_rank0(self._refuse_another_drafter, "comparing the checkpoint's drafter with this run's")
         self.data = TrainingData(cfg, prepare_token_store(cfg, target.tokenizer, self._say),
                                  tokenizer=target.tokenizer, target_config=target.hf.config,
                                  target_layer_ids=target.model.target_layer_ids,
@@ -203,7 +210,8 @@ class Trainer:
         """Lock the run folder (rank 0) and, for --resume, refuse options that would train another
         drafter than the checkpoint's, before anything loads."""
         cfg = self.cfg
-        self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite)
+        reads = {**input_paths(cfg), **({"--init-drafter": Path(cfg.init_drafter)} if cfg.init_drafter else {})}
+        self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite, reads=reads)
         state = self.checkpointer.newest_state() if cfg.resume else None
         if state is None:
             return
@@ -213,13 +221,22 @@ class Trainer:
             old = dataclasses.replace(cfg, **{k: v for k, v in state.get("config", {}).items() if k in known})
             recorded = {**drafter_settings(old, target_layers(cfg.target)),
                         "--target": {"path": str(Path(old.target).resolve())}}
+        self._recorded = (state["checkpoint"], recorded)
+        self._refuse_another_drafter()
+
+    def _refuse_another_drafter(self) -> None:
+        """Refuse a resume whose drafter settings differ from the newest checkpoint's (rank 0): those
+        known from the options when the folder is claimed, then the ids the target gives."""
+        if self._recorded is None:
+            return
+        checkpoint, recorded = self._recorded
         diffs = drafter_differences(recorded, self.drafter_settings)
         if diffs:
             self.run_folder.release()
-            raise UserError(f"--resume: {state['checkpoint']} trained a drafter with other settings (checkpoint -> "
+            raise UserError(f"--resume: {checkpoint} trained a drafter with other settings (checkpoint -> "
                             "now):\n  " + "\n  ".join(diffs) + "\nthey shape its weights or what it learns: resume "
-                            "with the checkpoint's values, or train these in a new run (another --output-dir, or "
-                            "--overwrite)")
+                            "with the checkpoint's values (a run started with --init-drafter resumes with it), or "
+                            "train these in a new run (another --output-dir, or --overwrite)")
 
     def _resume(self) -> bool:
         """Load the newest complete checkpoint; False when there is none. A checkpoint of other

@@ -3,6 +3,7 @@ checked against the target before anything loads."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -131,6 +132,22 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
     for name, w in weights.items():
         torch.testing.assert_close(trained[name].float(), w.float(), rtol=0, atol=1e-5, msg=name)
 
+    # Resumed without --init-drafter but with its every option, the run would add a mask token of
+    # its own and train (and export) another id: the checkpoint records the id, and the resume is
+    # refused once the target gives it, before the drafter loads; the export stays as it was.
+    exported_before = (out / "drafter" / "config.json").read_bytes()
+    args = tiny_train_args(target, data, out, "--max-steps", 2, "--lr", 1e-9, "--resume", "--draft-layers", 2,
+                           "--block-size", 8, "--target-layer-ids", "0,1", "--drafter-layer-types", "sliding,full",
+                           "--sliding-window", 5)
+    i = args.index("--draft-layers")
+    del args[i:i + 2]  # tiny_train_args' own
+    proc = run_deepspeed(args, num_ranks=1)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(rf"\n  mask token id: {hf['vocab_size'] - 1} -> \d+\n", proc.stderr), proc.stderr[-3000:]
+    assert "a run started with --init-drafter resumes with it" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (out / "drafter" / "config.json").read_bytes() == exported_before
+
 
 def test_resume_refuses_a_checkpoint_trained_with_other_layer_types():
     """The weights have the same shapes whatever mask a layer trains with, so the checkpoint's
@@ -144,3 +161,26 @@ def test_resume_refuses_a_checkpoint_trained_with_other_layer_types():
         "--drafter-layer-types: full -> sliding_attention,full_attention", "--sliding-window: 0 -> 64"]
     explicit_full = load_config(["--data", "d.jsonl", "--draft-layers", "2", "--drafter-layer-types", "full,full"])
     assert drafter_differences(drafter_settings(full, 6), drafter_settings(explicit_full, 6)) == []
+
+
+def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
+    """`--init-drafter RUN/drafter --output-dir RUN --overwrite`: the drafter to start from is the
+    previous run's export, which --overwrite would delete; refused naming both, nothing deleted."""
+    from types import SimpleNamespace
+
+    from dflash.training.run_folder import RunFolder
+    from dflash.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    folder = released_drafter(run / "drafter")
+    (run / "metrics.jsonl").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    cfg = load_config(["--init-drafter", str(folder), "--output-dir", str(run), "--overwrite"])
+    trainer = SimpleNamespace(cfg=cfg, run_folder=RunFolder(run), checkpointer=None, drafter_settings={})
+    with pytest.raises(UserError) as err:
+        Trainer._claim(trainer)
+    assert str(err.value) == (f"--overwrite would delete {folder}, and the run reads --init-drafter {folder} from "
+                              f"it: copy {folder} out of --output-dir {run} first, or choose another --output-dir")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert (run / "metrics.jsonl").is_file(), "a refused overwrite deletes nothing"
+    RunFolder(run).claim(resume=False, overwrite=True)  # the lock was released

@@ -105,16 +105,20 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(reference, tiny_ru
     assert history(out) == history(reference)
 
 
-def test_partitioned_target_stopped_and_resumed_trains_bitwise_like_the_replicated_reference(reference,
-                                                                                            tiny_run_inputs, tmp_path):
+def test_partitioned_target_with_a_killed_peer_is_one_line_and_resumes_bitwise_like_the_replicated_reference(
+        reference, tiny_run_inputs, tmp_path):
     """--target-partition zero3: the same losses, evaluations and samples, bit for bit, through a
-    stop and a resume; only the target bytes each rank holds differ (about half), and tau@1, which
-    walks the data's turns (a partitioned target does not sample turns) where the reference walks
-    turns the target sampled."""
+    peer's death (one line on rank 0) and a resume; only the target bytes each rank holds differ
+    (about half), and tau@1, which walks the data's turns (a partitioned target does not sample
+    turns) where the reference walks turns the target sampled."""
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     partitioned = (*COMMON, "--target-partition", "zero3")
-    ok(run_deepspeed(tiny_train_args(target, data, out, *partitioned, "--stop-at-step", 3)))
+    # a peer killed in a partitioned step (rank 1, after its first backward of step 3): rank 0, in
+    # a collective of the partitioned target or the step, says so in one line
+    killed = run_deepspeed(["kill-mid-step@3:1", *tiny_train_args(target, data, out, *partitioned)], script=FAULTS)
+    assert killed.returncode != 0 and "Traceback" not in killed.stderr, killed.stderr[-3000:]
+    assert "error: rank 0: stopped because another rank failed" in killed.stderr, killed.stderr[-3000:]
     resumed = ok(run_deepspeed(tiny_train_args(target, data, out, *partitioned, "--resume")))
     assert "resumed from" in resumed.stdout and "ZeRO-3 partitioned over 2 rank(s)" in resumed.stdout
     assert "tau@1 follow them" in resumed.stdout and not (out / "eval_turns.json").exists()
@@ -142,9 +146,11 @@ def test_crashes_at_any_point_lose_and_repeat_no_sample(reference, tiny_run_inpu
     def crash(fault, *extra):
         proc = run_deepspeed([fault, *tiny_train_args(target, data, out, *COMMON, *extra)], script=FAULTS)
         assert proc.returncode != 0, f"{fault} did not stop the run"
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # a dead peer is one line on every rank
         return proc
 
-    crash("kill-mid-step@3:1")  # one rank dies between backward and optimizer step
+    # one rank dies between backward and optimizer step; rank 0, in the step's collective, says so
+    assert "error: rank 0: stopped because another rank failed" in crash("kill-mid-step@3:1").stderr
     assert complete_checkpoints(out) == ["step-00000002"]
     crash("kill-mid-save@4:all", "--resume")  # every rank dies while writing its files
     assert complete_checkpoints(out) == ["step-00000002"]

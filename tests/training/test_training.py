@@ -185,8 +185,8 @@ BAD_OPTIONS = [
     (["--drafter-layer-types", "sliding,full"], "--sliding-window: sliding drafter layers need a window >= 1 "
                                                 "(positions seen, the query's own included)"),
     (["--sliding-window", "8"], "--sliding-window: no drafter layer is sliding (--drafter-layer-types)"),
-    (["--init-drafter", "nope"], "--init-drafter nope: not a drafter folder in the official format (config.json "
-                                 "and model.safetensors)"),
+    (["--init-drafter", "nope"], "--init-drafter nope: no config.json (a drafter folder in the official format "
+                                 "holds config.json and model.safetensors)"),
     (["--balance", "--cost-model", "nope.json"], "--cost-model: nope.json: not a cost model JSON of per_token, "
      "per_pair, per_row, per_row_key, per_sample, per_batch, per_window_pair, unit, window ([Errno 2] No such file or "
      "directory: 'nope.json')"),

@@ -1,0 +1,92 @@
+"""Every numeric option of every `launch/` command is range-checked in one place (dflash.options.number
+for the commands' own options, `training.config.validate` for the trainer's), with the flag named:
+each is walked here with NaN, infinities and the first value outside its range."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import inspect
+import sys
+
+import pytest
+
+from dflash.errors import UserError
+from dflash.training.config import TrainConfig, _flag, _kind, load_config
+
+from .conftest import ROOT
+
+COMMANDS = sorted(p.stem for p in (ROOT / "launch").glob("*.py"))
+TRAIN_FLAGS = {_flag(f.name) for f in dataclasses.fields(TrainConfig)} | {"--deepspeed_config"}
+
+
+class Captured(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def own_parser(name, monkeypatch):
+    """The parser `launch/NAME.py` reads its own options with (the first it parses with)."""
+    def capture(self, *args, **kwargs):
+        raise Captured(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py"])
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main = module.main
+    with pytest.raises(Captured) as got:
+        main([]) if inspect.signature(main).parameters else main()
+    return got.value.parser
+
+
+def outside(bounds):
+    """The values a numeric option must refuse: not finite, and the first one past each bound."""
+    kind, minimum, above, maximum = bounds
+    step = 1 if kind is int else 1e-6
+    bad = ["nan", "inf", "-inf"]
+    bad += [str(minimum - step)] if minimum is not None else []
+    bad += [str(above)] if above is not None else []
+    bad += [str(maximum + step)] if maximum is not None else []
+    return bad
+
+
+def numeric(action):
+    return action.type in (int, float) or hasattr(action.type, "bounds")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_numeric_option_of_a_command_refuses_what_it_cannot_mean_naming_the_flag(name, monkeypatch, capsys):
+    parser = own_parser(name, monkeypatch)
+    monkeypatch.undo()
+    options = [a for a in parser._actions if numeric(a) and a.option_strings[0] not in TRAIN_FLAGS]
+    for action in options:
+        flag = action.option_strings[0]
+        assert hasattr(action.type, "bounds"), f"{name}.py {flag}: declare its range with dflash.options.number"
+        for value in outside(action.type.bounds):
+            with pytest.raises(SystemExit) as e:
+                parser.parse_known_args([f"{flag}={value}"])
+            assert e.value.code == 2
+            err = capsys.readouterr().err
+            assert f"error: argument {flag}" in err, (name, flag, value, err)
+
+
+# the first negative value an option refuses, where -1 means something
+FIRST_NEGATIVE = {"--speculate-turns": "-2"}
+NUMERIC_TRAIN_FIELDS = [f for f in dataclasses.fields(TrainConfig) if _kind(f) in ("int", "float")]
+
+
+@pytest.mark.parametrize("field", NUMERIC_TRAIN_FIELDS, ids=lambda f: _flag(f.name))
+def test_every_numeric_training_option_refuses_nan_infinities_and_negatives_naming_the_flag(field, capsys):
+    """train.py, measure_memory.py and compare_modes.py share these options (`load_config`)."""
+    flag = _flag(field.name)
+    for value in ("nan", "inf", "-inf", FIRST_NEGATIVE.get(flag, "-1")):
+        try:
+            load_config(["--data", "d.jsonl", f"{flag}={value}"])
+        except UserError as err:
+            assert str(err).startswith(flag), (flag, value, str(err))
+        except SystemExit as e:  # argparse: not an integer
+            assert e.code == 2 and f"argument {flag}" in capsys.readouterr().err
+        else:
+            pytest.fail(f"{flag} {value} accepted")
