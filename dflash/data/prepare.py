@@ -375,14 +375,13 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
                 summary.samples += 1
                 yield {"input_ids": ids, "loss_mask": mask, "length": int(ids.size), "supervised": int(mask.sum()),
                        "source_line": index}
-            if bar.total is None:
-                bar.total = bar.n
-            bar.update(bar.total - bar.n)
-        summary.lines_read = bar.total
+            total = num_lines if num_lines is not None else source.rows_read
+            bar.update(total - bar.n)
+        summary.lines_read = total
         if summary.samples == 0:
             # before `datasets` sees an empty generator (it would fail with no word of why)
             raise UserError(
-                f"{input_path}: no usable sample in {bar.total:,} {source.unit}(s) ({summary.dropped_overlong} "
+                f"{input_path}: no usable sample in {total:,} {source.unit}(s) ({summary.dropped_overlong} "
                 f"over-long dropped, {summary.dropped_no_loss} with no supervised token left); {skipped.summary()}")
 
     features = datasets.Features({

@@ -80,6 +80,7 @@ class Source:
     kind: str  # jsonl | json | parquet | arrow | saved
     files: list[Path]
     messages_field: str | None = None
+    rows_read: int | None = None  # rows of a tabular source, once `rows` has read them all
 
     @property
     def unit(self) -> str:
@@ -160,6 +161,7 @@ class Source:
                     continue
                 yield index, where, messages, raw
                 index += 1
+        self.rows_read = index
 
     def count(self) -> int | None:
         """Lines (JSONL) or rows, where the files say it without being read; else None."""
