@@ -206,3 +206,27 @@ def test_regenerate_reads_a_parquet_input_as_its_jsonl_and_resumes_it(tmp_path):
         assert stats["resumed"] == 3 and stats["written"] == 0
     assert [x["meta"]["source_line"] for x in outputs["parquet"]] == [0, 1, 2]
     assert [x["messages"] for x in outputs["parquet"]] == [x["messages"] for x in outputs["jsonl"]]
+
+
+def test_train_py_trains_on_a_parquet_file(tmp_path):
+    """`python launch/train.py --data conv.parquet`: prepared into the run folder and trained."""
+    from ..training.conftest import make_conversations, make_tiny_target
+
+    target, data = make_tiny_target(tmp_path / "target"), make_conversations(tmp_path / "data.jsonl")
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    src = tmp_path / "conv.parquet"
+    dataset(rows).to_parquet(src)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "--target", str(target), "--data", str(src),
+         "--output-dir", str(tmp_path / "run"), "--token-budget", "1024", "--step-tokens", "1500",
+         "--num-anchors", "8", "--draft-layers", "1", "--num-target-features", "2", "--max-steps", "1",
+         "--no-progress", "--num-workers", "0", "--dtype", "fp32", "--no-export", "--eval-every", "0",
+         "--speculate-turns", "0"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    store = TokenStore(tmp_path / "run" / "data")
+    assert store.meta["input_format"] == "parquet" and len(store) == len(rows)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1]
