@@ -29,14 +29,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflash.data.conversations import (
-    BadSample,
-    SkipCounter,
-    parse_conversation,
-    read_conversations,
-    render_chat,
-)
+from dflash.data.conversations import BadSample, SkipCounter, parse_conversation, render_chat
 from dflash.data.generation import generation_eos, stop_ids
+from dflash.data.sources import Source, open_source
 from dflash.errors import UserError, disk_full, os_reason
 from dflash.partial import replace_file, try_lock
 
@@ -50,7 +45,7 @@ SETTINGS = ("target", "temperature", "seed", "max_new_tokens", "keep_thinking")
 @dataclass
 class RegenerateConfig:
     target: str  # Hugging Face model directory (config, weights, tokenizer with a chat template)
-    input: str  # JSONL conversations (`messages` or ShareGPT `conversations`)
+    input: str  # conversations in any format of dflash.data.sources (`messages` or ShareGPT `conversations`)
     output: str  # JSONL written in the `messages` form; appended to when it exists (resume)
     max_new_tokens: int = 2048  # per assistant turn
     temperature: float = 0.0  # 0 = greedy
@@ -62,6 +57,7 @@ class RegenerateConfig:
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
     target_name: str | None = None  # what `meta.target` records; defaults to the path as given
     limit: int | None = None  # regenerate only the first `limit` valid conversations
+    messages_field: str | None = None  # the input's conversation column (default: messages, else conversations)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -80,8 +76,7 @@ class RegenerateConfig:
             raise UserError(f"--limit must be at least 1, got {self.limit}")
         if not (Path(self.target) / "config.json").is_file():
             raise UserError(f"--target {self.target}: not a model directory (no config.json)")
-        if not Path(self.input).is_file():
-            raise UserError(f"--input {self.input}: no such file")
+        open_source(self.input, messages_field=self.messages_field)  # the format and columns, one line if wrong
         if Path(self.output).resolve() == Path(self.input).resolve():
             raise UserError("--output must differ from --input")
         if not Path(self.output).resolve().parent.is_dir():
@@ -362,10 +357,10 @@ def read_output(output: Path, settings: dict) -> list[OutputLine]:
     return lines
 
 
-def input_keys(path: Path) -> dict[int, str]:
-    """conversation_key of every usable line of the input, by line number."""
-    return {lineno: conversation_key(messages, raw)
-            for lineno, messages, raw in read_conversations(path, skip_bad=True, require_assistant=False)}
+def input_keys(source: Source) -> dict[int, str]:
+    """conversation_key of every usable line (row) of the input, by line number (row index)."""
+    return {index: conversation_key(messages, raw)
+            for index, _, messages, raw in source.rows(skip_bad=True, require_assistant=False)}
 
 
 def _with_source_line(line: OutputLine, source_line: int) -> bytes:
@@ -376,7 +371,8 @@ def _with_source_line(line: OutputLine, source_line: int) -> bytes:
     return _dump(row)
 
 
-def resume_output(output: Path, cfg: RegenerateConfig, settings: dict, say) -> tuple[set[int], int]:
+def resume_output(output: Path, cfg: RegenerateConfig, settings: dict, say,
+                  source: Source) -> tuple[set[int], int]:
     """Match the lines already in `output` with the input's conversations by content: returns the
     input lines done and how many output lines were dropped.
 
@@ -389,7 +385,7 @@ def resume_output(output: Path, cfg: RegenerateConfig, settings: dict, say) -> t
     lines = read_output(output, settings)
     if not lines:
         return set(), 0
-    keys = input_keys(Path(cfg.input))
+    keys = input_keys(source)
     by_key: dict[str, list[OutputLine]] = {}
     for line in lines:
         by_key.setdefault(line.key, []).append(line)
@@ -428,13 +424,14 @@ def _assistant_slots(messages: list[dict]) -> list[int]:
     return slots + [len(messages)] if messages[-1]["role"] == "user" else slots
 
 
-def renderable(samples: Iterator, tokenizer, path, skip_bad: bool, skipped: SkipCounter) -> Iterator:
-    """The samples whose every prompt the chat template renders; the others are a BadSample
-    naming their line (or, with skip_bad, counted), before any of them reaches the model."""
-    for lineno, messages, raw in samples:
+def renderable(samples: Iterator, tokenizer, skip_bad: bool, skipped: SkipCounter) -> Iterator:
+    """The samples (`Source.rows`) whose every prompt the chat template renders, as `(index, messages,
+    raw)`; the others are a BadSample naming their line or row (or, with skip_bad, counted), before
+    any of them reaches the model."""
+    for lineno, where, messages, raw in samples:
         try:
             for slot in _assistant_slots(messages):
-                render_chat(tokenizer, messages[:slot], f"{path}:{lineno}", add_generation_prompt=True)
+                render_chat(tokenizer, messages[:slot], where, add_generation_prompt=True)
         except BadSample as err:
             if not skip_bad:
                 raise
@@ -532,8 +529,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _count_lines(path: Path) -> int:
-    with path.open("rb") as f:
+def _count_rows(source: Source) -> int | None:
+    """Non-blank lines of a JSONL input, rows of the others (None: unknown before reading)."""
+    if source.kind != "jsonl":
+        return source.count()
+    with source.path.open("rb") as f:
         return sum(1 for line in f if line.strip())
 
 
@@ -551,15 +551,16 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
 
 def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progress: bool, say) -> dict:
     settings = cfg.settings()
-    done, dropped = resume_output(output, cfg, settings, say)
+    source_data = open_source(cfg.input, messages_field=cfg.messages_field)
+    done, dropped = resume_output(output, cfg, settings, say, source_data)
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     backend = backend or load_backend(cfg, tokenizer)
     skipped = SkipCounter()
-    samples = renderable(read_conversations(cfg.input, skip_bad=cfg.skip_bad, skipped=skipped,
-                                            require_assistant=False), tokenizer, cfg.input, cfg.skip_bad, skipped)
-    total = _count_lines(Path(cfg.input))
+    samples = renderable(source_data.rows(skip_bad=cfg.skip_bad, skipped=skipped, require_assistant=False),
+                         tokenizer, cfg.skip_bad, skipped)
+    total = _count_rows(source_data)
     if cfg.limit is not None:
-        total = min(total, cfg.limit)
+        total = cfg.limit if total is None else min(total, cfg.limit)
     source = str(Path(cfg.input).resolve())
     stats = {"backend": backend.name, "written": 0, "resumed": len(done), "dropped": dropped, "new_tokens": 0,
              "hit_limit": 0, "seconds": 0.0}
@@ -568,7 +569,8 @@ def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progres
         fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as err:
         raise UserError(f"--output {output}: cannot write it ({os_reason(err)})") from None
-    bar = tqdm(total=total, initial=min(len(done), total), unit="sample", desc=f"regenerate [{backend.name}]",
+    initial = len(done) if total is None else min(len(done), total)
+    bar = tqdm(total=total, initial=initial, unit="sample", desc=f"regenerate [{backend.name}]",
                disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
     counted_skips = read = 0

@@ -26,7 +26,10 @@ def parse_args(argv=None) -> RegenerateConfig:
     p.add_argument("--target", required=True,
                    help="Hugging Face model directory of the target (with tokenizer and chat template)")
     p.add_argument("--input", required=True,
-                   help="JSONL conversations ({'messages': [...]} or ShareGPT {'conversations': [...]})")
+                   help="conversations ({'messages': [...]} or ShareGPT {'conversations': [...]}): a JSONL, JSON, "
+                        "parquet or Arrow file, a folder of parquet shards, or a datasets save_to_disk folder")
+    p.add_argument("--messages-field", default=None,
+                   help="the input's column of turns (default: messages, else conversations)")
     p.add_argument("--output", required=True,
                    help="output JSONL; if it exists, the run resumes it (conversations matched by content)")
     p.add_argument("--max-new-tokens", type=number(int, minimum=1), default=2048,
@@ -52,7 +55,7 @@ def parse_args(argv=None) -> RegenerateConfig:
     return RegenerateConfig(
         target=a.target, input=a.input, output=a.output, max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, seed=a.seed, batch_size=a.batch_size, keep_thinking=a.keep_thinking,
-        skip_bad=a.skip_bad, backend=a.backend, dtype=a.dtype, limit=a.limit,
+        skip_bad=a.skip_bad, backend=a.backend, dtype=a.dtype, limit=a.limit, messages_field=a.messages_field,
     )
 
 

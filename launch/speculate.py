@@ -129,8 +129,9 @@ def save_heldout(drafter_dir: Path, output: Path) -> int:
     data = Path(cfg.get("data") or DATA)
     store = TokenStore(store_path(data, drafter_dir.parent))
     source = source_file(store, data)
-    if not source.is_file():
-        raise UserError(f"--save-heldout: the run's data {data} came from no JSONL file that is still there")
+    if not source.is_file() or store.meta.get("input_format", "jsonl") != "jsonl":
+        raise UserError(f"--save-heldout: the run's data {data} came from no JSONL file that is still there "
+                        "(it copies the held-out lines of one)")
     _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
     lines = source.read_text(encoding="utf-8").splitlines()
     numbers = store.dataset.data.table.column("source_line").to_numpy()[eval_idx]

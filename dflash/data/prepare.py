@@ -1,4 +1,5 @@
-"""raw conversations (JSONL) -> token store: chat template, assistant-only loss mask, lengths."""
+"""raw conversations (JSONL, JSON, parquet, Arrow, datasets folders) -> token store: chat template,
+assistant-only loss mask, lengths."""
 from __future__ import annotations
 
 import hashlib
@@ -6,18 +7,19 @@ import json
 import os
 import shutil
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from dflash.data.conversations import BadSample, SkipCounter, read_conversations, render_chat
+from dflash.data.conversations import BadSample, SkipCounter, render_chat
+from dflash.data.sources import Source, default_num_proc, open_source
 from dflash.data.token_store import (
     STORE_META,
     STORE_VERSION,
-    file_fingerprint,
     read_store_meta,
-    same_file_content,
     tokenizer_fingerprint,
 )
 from dflash.errors import UserError, disk_full, free_space, os_reason
@@ -113,10 +115,78 @@ def tokenize_conversation(tokenizer, messages, where: str) -> tuple[np.ndarray, 
     return ids, mask
 
 
+def _tokenize_one(tokenizer, messages, where: str):
+    """`(ids, mask)`, or a refusal as `(where, reason, detail)` (BadSample does not pickle)."""
+    try:
+        return tokenize_conversation(tokenizer, messages, where)
+    except BadSample as err:
+        return err.where, err.reason, err.detail
+
+
+_worker_tokenizer = None
+
+
+def _start_worker(tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _tokenize_chunk(chunk: list[tuple[str, list[dict]]]) -> list:
+    return [_tokenize_one(_worker_tokenizer, messages, where) for where, messages in chunk]
+
+
+CHUNK = 64  # conversations per task sent to a tokenizing process
+IN_FLIGHT = 4  # tasks per process queued ahead: what bounds memory, whatever the data's size
+
+
+def tokenized(rows, tokenizer, num_proc: int) -> Iterator[tuple[int, str, object]]:
+    """`(index, where, result)` for each row of `rows` (`Source.rows`), in order: `result` as
+    `_tokenize_one`. With `num_proc` > 1 the rows are tokenized by that many processes, at most
+    IN_FLIGHT chunks each ahead of the consumer. Row order, and so the store, is the same for every
+    `num_proc`; so is the first error: a bad row found by the reader is raised only after the
+    rows before it were yielded."""
+    if num_proc <= 1:
+        for index, where, messages, _ in rows:
+            yield index, where, _tokenize_one(tokenizer, messages, where)
+        return
+    import multiprocessing
+
+    # spawn: no copy of the parent's threads (DeepSpeed, gloo, the tokenizer's own pool) and locks
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(num_proc, initializer=_start_worker, initargs=(tokenizer,)) as pool:
+        pending: deque = deque()
+
+        def ready():
+            heads, task = pending.popleft()
+            for (index, where), result in zip(heads, task.get(), strict=True):
+                yield index, where, result
+
+        try:
+            chunk = []
+            for index, where, messages, _ in rows:
+                chunk.append((index, where, messages))
+                if len(chunk) == CHUNK:
+                    pending.append(([(i, w) for i, w, _ in chunk],
+                                    pool.apply_async(_tokenize_chunk, ([(w, m) for _, w, m in chunk],))))
+                    chunk = []
+                    if len(pending) >= IN_FLIGHT * num_proc:
+                        yield from ready()
+            if chunk:
+                pending.append(([(i, w) for i, w, _ in chunk],
+                                pool.apply_async(_tokenize_chunk, ([(w, m) for _, w, m in chunk],))))
+        except BadSample:
+            while pending:
+                yield from ready()
+            raise
+        while pending:
+            yield from ready()
+
+
 @dataclass
 class PrepareSummary:
     input: str
     output: str
+    unit: str = "line"  # what lines_read counts: JSONL lines, or rows of the other formats
     lines_read: int = 0
     samples: int = 0
     tokens: int = 0
@@ -132,12 +202,12 @@ class PrepareSummary:
         lines = [
             f"wrote {self.samples:,} samples, {self.tokens:,} tokens ({self.assistant_tokens:,} supervised) "
             f"to {self.output} in {self.seconds:.1f}s",
-            f"  lines read: {self.lines_read:,}",
+            f"  {self.unit}s read: {self.lines_read:,}",
             f"  over-long: {self.truncated:,} truncated, {self.dropped_overlong:,} dropped",
             f"  dropped with no supervised token left: {self.dropped_no_loss:,}",
         ]
         if self.skipped:
-            lines.append(f"  skipped bad lines: {sum(self.skipped.values()):,} "
+            lines.append(f"  skipped bad {self.unit}s: {sum(self.skipped.values()):,} "
                          + ", ".join(f"{k}: {v}" for k, v in self.skipped.items()))
         if self.length_stats:
             s = self.length_stats
@@ -146,28 +216,32 @@ class PrepareSummary:
         return "\n".join(lines)
 
 
-def settings_of(max_length: int | None, overlong: str, skip_bad: bool) -> dict:
-    """The preparation settings a store records, and is rebuilt or refused for when they change."""
-    return {"max_length": max_length, "overlong": overlong, "skip_bad": skip_bad}
+def settings_of(max_length: int | None, overlong: str, skip_bad: bool, messages_field: str | None = None) -> dict:
+    """The preparation settings a store records, and is rebuilt or refused for when they change
+    (`messages_field` only when given: the stores made before it are still those of JSONL)."""
+    return {"max_length": max_length, "overlong": overlong, "skip_bad": skip_bad,
+            **({"messages_field": messages_field} if messages_field is not None else {})}
 
 
-def store_differences(store_dir: Path, input_path: Path, tokenizer, settings: dict) -> list[str]:
-    """How the store at `store_dir` differs from one made now of `input_path` with `tokenizer`
-    and `settings`: empty when it can be used as is."""
+def store_differences(store_dir: Path, source: Source | Path, tokenizer, settings: dict) -> list[str]:
+    """How the store at `store_dir` differs from one made now of `source` (or the data at that
+    path) with `tokenizer` and `settings`: empty when it can be used as is."""
+    if not isinstance(source, Source):
+        source = open_source(source, messages_field=settings.get("messages_field"))
     meta = read_store_meta(store_dir)
     if meta is None:
         return [f"{store_dir} is not a token store"]
     if meta.get("version") != STORE_VERSION:
         return [f"store version {meta.get('version')} is not {STORE_VERSION}"]
     diffs = []
-    made = meta.get("input_fingerprint") or {}
+    made, input_path = meta.get("input_fingerprint") or {}, source.path
     if made.get("path") != str(input_path.resolve()):
         diffs.append(f"input: {made.get('path')} -> {input_path.resolve()}")
-    elif not same_file_content(made, input_path):
+    elif not source.same_content(made):
         diffs.append(f"input: {input_path} changed since the store was made")
     if meta.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
         diffs.append(f"tokenizer: {meta.get('tokenizer')} -> {getattr(tokenizer, 'name_or_path', None)}")
-    for key, value in settings.items():
+    for key, value in {"messages_field": None, **settings}.items():
         if meta.get("settings", {}).get(key) != value:
             diffs.append(f"{key}: {meta.get('settings', {}).get(key)} -> {value}")
     return diffs
@@ -176,7 +250,7 @@ def store_differences(store_dir: Path, input_path: Path, tokenizer, settings: di
 def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag: str = "--output") -> None:
     """Refuse to write the store where it would delete anything dflash did not create: only an
     empty folder or a token store (marked by its meta file) is replaced, never the input."""
-    if output_dir.resolve() in input_path.resolve().parents:
+    if output_dir.resolve() == input_path.resolve() or output_dir.resolve() in input_path.resolve().parents:
         raise UserError(f"{flag} {output_dir}: the input {input_path} lies inside it and would be deleted; "
                         "choose another folder")
     if not output_dir.exists():
@@ -190,13 +264,13 @@ def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag:
         raise UserError(f"{flag} {output_dir} already exists; choose another folder or pass --overwrite")
 
 
-def _check_arguments(input_path: Path, max_length: int | None, overlong: str) -> None:
+def _check_arguments(max_length: int | None, overlong: str, num_proc: int | None) -> None:
     if overlong not in OVERLONG:
         raise UserError(f"--overlong must be one of {', '.join(OVERLONG)}; got {overlong!r}")
     if max_length is not None and max_length < 2:
         raise UserError(f"--max-length must be >= 2, got {max_length}")
-    if not input_path.is_file():
-        raise UserError(f"--input {input_path}: no such file")
+    if num_proc is not None and num_proc < 1:
+        raise UserError(f"--num-proc must be at least 1, got {num_proc}")
 
 
 def _fit(ids, mask, where: str, *, vocab: int, max_length: int | None, overlong: str, summary: PrepareSummary):
@@ -230,49 +304,69 @@ def _summarize(summary: PrepareSummary, lengths: np.ndarray, skipped: SkipCounte
     summary.seconds = seconds
 
 
+def _refused(err: BadSample, skip_bad: bool, skipped: SkipCounter) -> None:
+    if not skip_bad:
+        raise err
+    skipped.add(err)
+
+
+def _count_and_fingerprint(source: Source) -> tuple[int | None, dict]:
+    """Rows (None: unknown before reading) and the content fingerprint; a JSONL file read once for both."""
+    if source.kind == "jsonl":
+        num_lines, sha256 = scan_file(source.path)
+        return num_lines, source.fingerprint(sha256)
+    return source.count(), source.fingerprint()
+
+
 def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None = None,
                   overlong: str = "truncate", skip_bad: bool = False, overwrite: bool = False,
-                  progress: bool = True, flag: str = "--output") -> PrepareSummary:
-    """Tokenize a JSONL file of conversations into a token store at `output_dir`.
+                  progress: bool = True, flag: str = "--output", messages_field: str | None = None,
+                  num_proc: int | None = None) -> PrepareSummary:
+    """Tokenize the conversations at `input_path` (any format of `dflash.data.sources`: JSONL,
+    JSON, parquet, Arrow, a folder of parquet shards or a `save_to_disk` folder) into a token
+    store at `output_dir`.
 
     `tokenizer` is a loaded tokenizer or a path. Samples longer than `max_length` are truncated,
-    dropped or refused as `overlong` says, and counted in the summary. The store is written to
-    a temporary folder beside `output_dir` and renamed into place, so a failed run leaves nothing.
-    An existing `output_dir` is replaced (with `overwrite`) only if it is empty or a token store.
-    `flag` names `output_dir` in errors.
+    dropped or refused as `overlong` says, and counted in the summary. `num_proc` processes
+    tokenize (default: `default_num_proc`); the store is the same for any number. The store is
+    written to a temporary folder beside `output_dir` and renamed into place, so a failed run
+    leaves nothing. An existing `output_dir` is replaced (with `overwrite`) only if it is empty or
+    a token store. `flag` names `output_dir` in errors; `messages_field` the conversation column
+    of a tabular input (default: `messages` or `conversations`).
     """
     import datasets
     from tqdm.auto import tqdm
 
-    datasets.disable_progress_bars()  # ours counts lines; theirs would repeat it per stage
+    datasets.disable_progress_bars()  # ours counts rows; theirs would repeat it per stage
 
     input_path, output_dir = Path(input_path), Path(output_dir)
-    _check_arguments(input_path, max_length, overlong)
+    _check_arguments(max_length, overlong, num_proc)
+    source = open_source(input_path, messages_field=messages_field)
     check_replaceable(output_dir, input_path, overwrite, flag)
     tok_path = None
     if isinstance(tokenizer, (str, Path)):
         tok_path, tokenizer = str(tokenizer), load_tokenizer(tokenizer)
+    num_proc = num_proc or default_num_proc(source)
 
-    summary = PrepareSummary(input=str(input_path), output=str(output_dir))
+    summary = PrepareSummary(input=str(input_path), output=str(output_dir), unit=source.unit)
     skipped = SkipCounter()
     vocab = len(tokenizer)
     t0 = time.perf_counter()
-    num_lines, sha256 = scan_file(input_path)
-    fingerprint = file_fingerprint(input_path, sha256)
+    num_lines, fingerprint = _count_and_fingerprint(source)
+    # JSONL lines count from 1, rows from 0: the bar shows how many were read
+    seen = (lambda index: index) if source.unit == "line" else (lambda index: index + 1)
+    unit = f" {source.unit}s"
 
     def samples():
-        with tqdm(total=num_lines, unit=" lines", desc="tokenizing", disable=not progress) as bar:
-            for lineno, messages, _ in read_conversations(input_path, skip_bad=skip_bad, skipped=skipped):
-                bar.update(lineno - bar.n)
-                where = f"{input_path}:{lineno}"
-                try:
-                    ids, mask = tokenize_conversation(tokenizer, messages, where)
-                except BadSample as err:
-                    if not skip_bad:
-                        raise
-                    skipped.add(err)
+        with tqdm(total=num_lines, unit=unit, desc=f"tokenizing [{num_proc} process(es)]", disable=not progress,
+                  smoothing=0.05) as bar:
+            rows = source.rows(skip_bad=skip_bad, skipped=skipped)
+            for index, where, result in tokenized(rows, tokenizer, num_proc):
+                bar.update(seen(index) - bar.n)
+                if len(result) == 3:  # the chat template refused it
+                    _refused(BadSample(*result), skip_bad, skipped)
                     continue
-                sample = _fit(ids, mask, where, vocab=vocab, max_length=max_length, overlong=overlong,
+                sample = _fit(*result, where, vocab=vocab, max_length=max_length, overlong=overlong,
                               summary=summary)
                 if sample is None:
                     continue
@@ -280,14 +374,15 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
                 summary.assistant_tokens += int(mask.sum())
                 summary.samples += 1
                 yield {"input_ids": ids, "loss_mask": mask, "length": int(ids.size), "supervised": int(mask.sum()),
-                       "source_line": lineno}
-            bar.update(bar.total - bar.n)
-        summary.lines_read = bar.total
+                       "source_line": index}
+            total = num_lines if num_lines is not None else source.rows_read
+            bar.update(total - bar.n)
+        summary.lines_read = total
         if summary.samples == 0:
             # before `datasets` sees an empty generator (it would fail with no word of why)
             raise UserError(
-                f"{input_path}: no usable sample in {num_lines:,} line(s) ({summary.dropped_overlong} over-long "
-                f"dropped, {summary.dropped_no_loss} with no supervised token left); {skipped.summary()}")
+                f"{input_path}: no usable sample in {total:,} {source.unit}(s) ({summary.dropped_overlong} "
+                f"over-long dropped, {summary.dropped_no_loss} with no supervised token left); {skipped.summary()}")
 
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int32")),
@@ -316,7 +411,8 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
             "tokenizer": tok_path or getattr(tokenizer, "name_or_path", None),
             "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
             "input_fingerprint": fingerprint,
-            "settings": settings_of(max_length, overlong, skip_bad),
+            "input_format": source.kind,
+            "settings": settings_of(max_length, overlong, skip_bad, messages_field),
             "vocab_size": vocab,
             "max_length": max_length,
             "overlong": overlong,
@@ -338,12 +434,14 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
 
 
 def ensure_store(input_path: Path, tokenizer, store_dir: Path, *, max_length: int, refuse_changes: bool = False,
-                 progress: bool = True, say=print) -> None:
-    """The token store of a run at `store_dir`, prepared from `input_path` unless the one there
-    was made of the same input content, tokenizer and settings. With `refuse_changes` (a resumed
-    run) a store of other data is an error instead of being rebuilt, so nothing is replaced."""
-    settings = settings_of(max_length, "truncate", False)
-    diffs = store_differences(store_dir, input_path, tokenizer, settings) if store_dir.exists() else ["none yet"]
+                 progress: bool = True, say=print, messages_field: str | None = None) -> None:
+    """The token store of a run at `store_dir`, prepared from `input_path` (any format of
+    `dflash.data.sources`) unless the one there was made of the same input content, tokenizer and
+    settings. With `refuse_changes` (a resumed run) a store of other data is an error instead of
+    being rebuilt, so nothing is replaced."""
+    source = open_source(input_path, messages_field=messages_field, flag="--data")
+    settings = settings_of(max_length, "truncate", False, messages_field)
+    diffs = store_differences(store_dir, source, tokenizer, settings) if store_dir.exists() else ["none yet"]
     if not diffs:
         return
     if refuse_changes and store_dir.exists():
@@ -354,5 +452,6 @@ def ensure_store(input_path: Path, tokenizer, store_dir: Path, *, max_length: in
         say(f"rebuilding {store_dir}: " + "; ".join(diffs))
     say(f"preparing {input_path} -> {store_dir}")
     summary = prepare_jsonl(input_path, tokenizer, store_dir, max_length=max_length, overlong="truncate",
-                            overwrite=True, progress=progress, flag="the run's token store")
+                            overwrite=True, progress=progress, flag="the run's token store",
+                            messages_field=messages_field)
     say(summary.text())

@@ -61,12 +61,13 @@ class TrainConfig:
     )
     data: str = _opt(
         str(demo.DATA),
-        "token store folder, or a JSONL file of conversations prepared on the fly with the target's tokenizer "
+        "token store folder, or conversations (a JSONL, JSON, parquet or Arrow file, a folder of parquet shards, a "
+        "datasets save_to_disk folder) prepared on the fly with the target's tokenizer "
         "(default: the demo data); random or random:SAMPLES: synthetic samples with seed-like lengths and random "
         "token ids, made in memory (default with a random target; 10,000 samples)",
     )
     output_dir: str = _opt("runs/demo", "run folder: metrics, TensorBoard, checkpoints, exported drafter")
-    max_length: int = _opt(0, "when --data is JSONL: truncate samples to this many tokens (0: the token budget)")
+    max_length: int = _opt(0, "when --data is not a store: truncate samples to this many tokens (0: the token budget)")
     eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")
     subset_tokens: int = _opt(
         0,

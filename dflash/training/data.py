@@ -14,6 +14,7 @@ import numpy as np
 from dflash.data.cost import CostModel, drafter_rows
 from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
+from dflash.data.sources import is_token_store
 from dflash.data.supervision import min_supervised, trainable
 from dflash.data.synthetic import SyntheticStore, is_synthetic, open_store, synthetic_store
 from dflash.data.token_store import TokenStore
@@ -40,39 +41,46 @@ def token_subset(indices: np.ndarray, lengths: np.ndarray, tokens: int, seed: in
 
 
 def store_path(data: Path, output_dir: Path) -> Path:
-    """Where a run's token store is: `--data` itself when it is a store folder, else the store the run
-    prepared from the JSONL file, `<output_dir>/data`."""
-    return data if data.is_dir() else output_dir / "data"
+    """Where a run's token store is: `--data` itself when it is a store folder (its dflash_store.json),
+    else the store the run prepared from the conversations (any format), `<output_dir>/data`."""
+    return data if is_token_store(data) else output_dir / "data"
 
 
 def source_file(store: TokenStore, data: Path) -> Path:
-    """The JSONL file the token store was prepared from (the data themselves when a file)."""
-    return data if data.is_file() else Path(store.meta.get("summary", {}).get("input", ""))
+    """The conversations the token store was prepared from (the data themselves when not a store)."""
+    return Path(store.meta.get("summary", {}).get("input", "")) if is_token_store(data) else data
+
+
+def _regenerated_jsonl(store: TokenStore, data: Path) -> Path | None:
+    """The source when it is a JSONL file: what regenerate writes, with the `meta` read below."""
+    source = source_file(store, data)
+    return source if source.is_file() and store.meta.get("input_format", "jsonl") == "jsonl" else None
 
 
 def turn_limit(store: TokenStore, data: Path) -> int | None:
     """The per-turn token limit the data were regenerated with (their `meta`), if they say: eval
     walks and decoding stop there, as the regeneration did."""
-    source = source_file(store, data)
-    return regeneration_limit(source) if source.is_file() else None
+    source = _regenerated_jsonl(store, data)
+    return regeneration_limit(source) if source else None
 
 
 def data_temperature(store: TokenStore, data: Path) -> float | None:
     """The temperature the data were regenerated at (their `meta`; 0: greedy), if they say: the eval
     walk at that temperature is exact in expectation."""
-    source = source_file(store, data)
-    return regeneration_temperature(source) if source.is_file() else None
+    source = _regenerated_jsonl(store, data)
+    return regeneration_temperature(source) if source else None
 
 
 def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticStore:
-    """A token store folder as is, or a JSONL file prepared (by rank 0) into the run folder, reused
+    """A token store folder as is, or conversations (JSONL, JSON, parquet, Arrow, a folder of parquet
+    shards or a save_to_disk folder) prepared (by rank 0) into the run folder, reused
     while its fingerprints match (a resume refuses one of other data); `random[:SAMPLES]`: synthetic
     samples in memory (`dflash.data.synthetic`), the same on every rank."""
     if is_synthetic(cfg.data):
         return synthetic_store(cfg.data, tokenizer, seed=cfg.seed, max_length=cfg.max_length)
     data = Path(cfg.data)
     path = store_path(data, Path(cfg.output_dir))
-    if data.is_dir():
+    if is_token_store(data):
         return path
     from dflash.data.prepare import ensure_store
 
@@ -87,7 +95,8 @@ def _sample_name(store, path):
     if isinstance(store, SyntheticStore):
         return lambda i: f"--data {path}: sample {i}"
     source = store.meta.get("summary", {}).get("input", "the source file")
-    return lambda i: f"--data {path}: sample {i} (line {store.dataset[i]['source_line']} of {source})"
+    unit = store.meta.get("summary", {}).get("unit", "line")
+    return lambda i: f"--data {path}: sample {i} ({unit} {store.dataset[i]['source_line']} of {source})"
 
 
 class TrainingData:

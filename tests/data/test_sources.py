@@ -1,0 +1,232 @@
+"""Every input format, written by `datasets` itself, prepares to the JSONL path's store, token for token."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dflash.data import TokenStore, prepare_jsonl
+from dflash.data.prepare import ensure_store, settings_of, store_differences
+from dflash.errors import UserError
+
+from ..conftest import ROOT, make_chat_tokenizer
+
+MESSAGES = [
+    {"messages": [{"role": "system", "content": "the answer"}, {"role": "user", "content": "hello world"},
+                  {"role": "assistant", "content": "w1 w2 w3"}, {"role": "user", "content": "w4"},
+                  {"role": "assistant", "content": "w5 is the answer"}], "id": 0},
+    {"messages": [{"role": "user", "content": "w6 w7"}, {"role": "assistant", "content": "w8 w9 w10 w11"}], "id": 1},
+    {"messages": [{"role": "user", "content": "hello"},
+                  {"role": "assistant", "content": " ".join(f"w{i % 50}" for i in range(40))}], "id": 2},
+    {"messages": [{"role": "user", "content": "w12"}, {"role": "assistant", "content": "w13 w14"}], "id": 3},
+]
+ROLE_OF = {"user": "human", "assistant": "gpt", "system": "system"}
+SHAREGPT = [{"conversations": [{"from": ROLE_OF[t["role"]], "value": t["content"]} for t in r["messages"]],
+             "id": r["id"]} for r in MESSAGES]
+STORE_COLUMNS = ("input_ids", "loss_mask", "length", "supervised")
+
+
+@pytest.fixture
+def tokenizer():
+    return make_chat_tokenizer()
+
+
+def dataset(rows):
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets.Dataset.from_list(rows)
+
+
+def write_format(kind, rows, tmp_path):
+    """`rows` written as `kind` by `datasets` (pyarrow for an Arrow IPC file), under a name that does
+    not give the format away where the format allows it."""
+    import pyarrow as pa
+
+    ds, out = dataset(rows), tmp_path / kind
+    if kind == "jsonl":
+        ds.to_json(out, lines=True)
+    elif kind == "json":
+        ds.to_json(out, lines=False)
+    elif kind == "parquet":
+        ds.to_parquet(out)
+    elif kind == "parquet shards":
+        for i in range(3):
+            (out / "data").mkdir(parents=True, exist_ok=True)
+            ds.shard(3, i, contiguous=True).to_parquet(out / "data" / f"train-{i:05d}-of-00003.parquet")
+    elif kind == "save_to_disk":
+        ds.save_to_disk(out)
+    elif kind == "arrow stream":  # what the datasets cache and save_to_disk hold
+        saved = tmp_path / "saved"
+        ds.save_to_disk(saved)
+        shutil.copy(next(saved.glob("*.arrow")), out)
+    elif kind == "arrow file":
+        with pa.OSFile(str(out), "wb") as f, pa.ipc.new_file(f, ds.data.table.schema) as writer:
+            writer.write_table(ds.data.table)
+    return out
+
+
+def columns(path):
+    store = TokenStore(path)
+    table = store.dataset.data.table
+    return {c: table.column(c).to_pylist() for c in (*STORE_COLUMNS, "source_line")}
+
+
+FORMATS = ["json", "parquet", "parquet shards", "save_to_disk", "arrow stream", "arrow file"]
+
+
+@pytest.mark.parametrize("rows", [MESSAGES, SHAREGPT], ids=["messages", "sharegpt"])
+@pytest.mark.parametrize("kind", FORMATS)
+def test_every_format_prepares_to_the_jsonl_store_token_for_token(kind, rows, tmp_path, tokenizer):
+    want = columns(prepare_jsonl(write_format("jsonl", MESSAGES, tmp_path), tokenizer, tmp_path / "want",
+                                 progress=False).output)
+    summary = prepare_jsonl(write_format(kind, rows, tmp_path), tokenizer, tmp_path / "got", progress=False)
+    got = columns(tmp_path / "got")
+    for c in STORE_COLUMNS:
+        assert got[c] == want[c], c
+    assert got["source_line"] == [line - 1 for line in want["source_line"]]  # rows from 0, lines from 1
+    assert summary.unit == "row" and summary.lines_read == len(rows)
+    assert sum(want["supervised"]) > 0 and any(0 in m for m in want["loss_mask"])  # the mask is assistant-only
+
+
+def test_tokenizing_processes_make_the_same_store(tmp_path, tokenizer):
+    src = write_format("parquet", MESSAGES * 40, tmp_path)
+    prepare_jsonl(src, tokenizer, tmp_path / "one", num_proc=1, progress=False)
+    prepare_jsonl(src, tokenizer, tmp_path / "two", num_proc=2, progress=False)
+    assert columns(tmp_path / "one") == columns(tmp_path / "two")
+
+
+def test_messages_field_names_the_turns_column(tmp_path, tokenizer):
+    want = columns(prepare_jsonl(write_format("jsonl", MESSAGES, tmp_path), tokenizer, tmp_path / "want",
+                                 progress=False).output)
+    for rows, name in ((MESSAGES, "m"), (SHAREGPT, "s")):
+        renamed = [{"dialog": r.get("messages", r.get("conversations")), "id": r["id"]} for r in rows]
+        src = write_format("parquet", renamed, tmp_path)
+        with pytest.raises(UserError, match=r"no 'messages' or 'conversations' column \(columns: dialog, id\)"):
+            prepare_jsonl(src, tokenizer, tmp_path / name, progress=False)
+        prepare_jsonl(src, tokenizer, tmp_path / name, messages_field="dialog", progress=False)
+        assert {c: v for c, v in columns(tmp_path / name).items() if c != "source_line"} == \
+            {c: want[c] for c in STORE_COLUMNS}
+
+
+def test_unknown_formats_and_missing_columns_are_one_line_naming_file_formats_and_columns(tmp_path, tokenizer):
+    junk = tmp_path / "data.parquet"  # the name says parquet, the content does not
+    junk.write_bytes(b"\x00\x01binary junk")
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(junk, tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value) == (f"{junk}: not a data format dflash reads (it starts with b'\\x00\\x01binary'); "
+                              "accepted: JSONL, JSON (an array of objects), parquet, Arrow (IPC file or stream), a "
+                              "folder of parquet shards, a datasets save_to_disk folder")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"--input .*empty: a folder with neither parquet files nor a datasets "
+                                        r"save_to_disk dataset \(state.json, dataset_info.json\); accepted: JSONL"):
+        prepare_jsonl(tmp_path / "empty", tokenizer, tmp_path / "s", progress=False)
+    text = write_format("save_to_disk", [{"text": "hi", "id": 1}], tmp_path)
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(text, tokenizer, tmp_path / "s", messages_field="turns", progress=False)
+    assert str(err.value) == f"{text}: no column 'turns' (--messages-field); columns: text, id"
+    # the command line: one line, status 2, before anything is tokenized
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "prepare_data.py"), "--input", str(text),
+                           "--tokenizer", str(tmp_path), "--output", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr == (f"error: {text}: no 'messages' or 'conversations' column (columns: text, id); accepted "
+                           "layouts: 'messages' [{role, content}], ShareGPT 'conversations' [{from, value}], or "
+                           "--messages-field COLUMN\n")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_bad_row_is_named_by_file_and_row_also_when_skipped(tmp_path, tokenizer):
+    rows = [dict(r) for r in MESSAGES]
+    rows[2] = {"messages": [{"role": "robot", "content": "x"}], "id": 2}
+    shards = write_format("parquet shards", rows, tmp_path)
+    shard = shards / "data" / "train-00001-of-00003.parquet"  # row 2 of 4 (3 shards of 2, 1, 1)
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(shards, tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value).startswith(f"{shard}: row 0: turn 0 has unknown role 'robot'")
+    summary = prepare_jsonl(shards, tokenizer, tmp_path / "s", skip_bad=True, progress=False)
+    assert summary.samples == 3 and summary.skipped == {"unknown role": 1}
+    assert columns(tmp_path / "s")["source_line"] == [0, 1, 3]
+
+
+def test_a_changed_folder_is_prepared_again_and_a_resume_refuses_it(tmp_path, tokenizer):
+    shards = write_format("parquet shards", MESSAGES, tmp_path)
+    store, said = tmp_path / "run" / "data", []
+    ensure_store(shards, tokenizer, store, max_length=64, progress=False, say=said.append)
+    same = settings_of(64, "truncate", False)
+    assert store_differences(store, shards, tokenizer, same) == []
+    first = shards / "data" / "train-00000-of-00003.parquet"
+    os.utime(first)  # touched, not changed: still the same content
+    assert store_differences(store, shards, tokenizer, same) == []
+    dataset(MESSAGES[1:4]).to_parquet(first)  # three conversations where there were two
+    assert store_differences(store, shards, tokenizer, same) == [f"input: {shards} changed since the store was made"]
+    with pytest.raises(UserError, match="--resume: the run's token store .* was made of other data"):
+        ensure_store(shards, tokenizer, store, max_length=64, refuse_changes=True, progress=False, say=said.append)
+    ensure_store(shards, tokenizer, store, max_length=64, progress=False, say=said.append)
+    assert said[-3].startswith(f"rebuilding {store}: input: {shards} changed")
+    assert len(TokenStore(store)) == len(MESSAGES) + 1
+    (shards / "data" / "train-00002-of-00003.parquet").unlink()  # a shard less
+    assert store_differences(store, shards, tokenizer, same) == [f"input: {shards} changed since the store was made"]
+
+
+def test_a_token_store_folder_is_no_conversation_input(tmp_path, tokenizer):
+    from dflash.data.sources import is_token_store
+    from dflash.training.data import store_path
+
+    src = write_format("jsonl", MESSAGES, tmp_path)
+    prepare_jsonl(src, tokenizer, tmp_path / "store", progress=False)
+    saved = write_format("save_to_disk", MESSAGES, tmp_path)
+    assert is_token_store(tmp_path / "store") and not is_token_store(saved)
+    assert store_path(tmp_path / "store", tmp_path / "run") == tmp_path / "store"
+    assert store_path(saved, tmp_path / "run") == tmp_path / "run" / "data"
+    with pytest.raises(UserError, match=r"is a dflash token store \(prepared data\), not conversations"):
+        prepare_jsonl(tmp_path / "store", tokenizer, tmp_path / "again", progress=False)
+
+
+def test_regenerate_reads_a_parquet_input_as_its_jsonl_and_resumes_it(tmp_path):
+    import torch
+
+    from dflash.demo import PROMPTS, TARGET
+    from dflash.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate
+
+    torch.set_num_threads(1)
+    tok = load_tokenizer(str(TARGET))
+    backend = HFBackend(str(TARGET), tok, "float32")
+    rows = [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines()[:3]]
+    outputs = {}
+    for kind in ("jsonl", "parquet"):
+        out = tmp_path / f"{kind}.out.jsonl"
+        cfg = RegenerateConfig(target=str(TARGET), input=str(write_format(kind, rows, tmp_path)), output=str(out),
+                               max_new_tokens=6, batch_size=2, dtype="float32")
+        regenerate(cfg, backend=backend, tokenizer=tok, progress=False, say=lambda *_: None)
+        outputs[kind] = [json.loads(x) for x in out.read_text().splitlines()]
+        stats = regenerate(cfg, backend=backend, tokenizer=tok, progress=False, say=lambda *_: None)
+        assert stats["resumed"] == 3 and stats["written"] == 0
+    assert [x["meta"]["source_line"] for x in outputs["parquet"]] == [0, 1, 2]
+    assert [x["messages"] for x in outputs["parquet"]] == [x["messages"] for x in outputs["jsonl"]]
+
+
+def test_train_py_trains_on_a_parquet_file(tmp_path):
+    """`python launch/train.py --data conv.parquet`: prepared into the run folder and trained."""
+    from ..training.conftest import make_conversations, make_tiny_target
+
+    target, data = make_tiny_target(tmp_path / "target"), make_conversations(tmp_path / "data.jsonl")
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    src = tmp_path / "conv.parquet"
+    dataset(rows).to_parquet(src)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "--target", str(target), "--data", str(src),
+         "--output-dir", str(tmp_path / "run"), "--token-budget", "1024", "--step-tokens", "1500",
+         "--num-anchors", "8", "--draft-layers", "1", "--num-target-features", "2", "--max-steps", "1",
+         "--no-progress", "--num-workers", "0", "--dtype", "fp32", "--no-export", "--eval-every", "0",
+         "--speculate-turns", "0"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    store = TokenStore(tmp_path / "run" / "data")
+    assert store.meta["input_format"] == "parquet" and len(store) == len(rows)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1]
