@@ -36,7 +36,7 @@ from dflash.data.conversations import (
     read_conversations,
     render_chat,
 )
-from dflash.data.generation import generation_eos, stop_ids
+from dflash.data.generation import stop_ids
 from dflash.errors import UserError, disk_full, os_reason
 from dflash.partial import replace_file, try_lock
 
@@ -194,8 +194,10 @@ class VLLMBackend:
     def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
         from vllm import LLM
 
+        from dflash.models.target_spec import load_target_spec
+
         self.llm = LLM(model=target, dtype=dtype, seed=seed or 0)
-        self.stops = stop_ids(tokenizer, generation_eos(target))
+        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
 
     def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
         from vllm import SamplingParams
@@ -219,8 +221,10 @@ class SGLangBackend:
     def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
         import sglang
 
+        from dflash.models.target_spec import load_target_spec
+
         self.engine = sglang.Engine(model_path=target, dtype=dtype, random_seed=seed or 0, log_level="error")
-        self.stops = stop_ids(tokenizer, generation_eos(target))
+        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
 
     def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
         params = [

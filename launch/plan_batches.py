@@ -53,7 +53,8 @@ from dflash.data.planner import (
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.errors import UserError, exit_on_user_error
 from dflash.models.config import default_target_layer_ids
-from dflash.models.flops import PRESETS, flop_cost_model, load_target_config
+from dflash.models.flops import flop_cost_model, load_target_config
+from dflash.models.target_spec import PRESETS
 from dflash.options import parse_list
 
 DEFAULT_ROW_BUDGET = 327_680  # 20 x 16,384: caps the seed-like worst case (553K) at 0.6x for < 3% more micro-batches

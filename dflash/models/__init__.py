@@ -18,7 +18,8 @@ from dflash.models.config import (
 from dflash.models.drafter import DFlashDrafter, DrafterCache, DrafterOutput
 from dflash.models.flops import measure_flops, target_forward_flops
 from dflash.models.loss import acceptance_stats, chunked_weighted_ce, slot_weights
-from dflash.models.target import TARGET_FAMILIES, SharedWeights, TargetModel, load_language_model
+from dflash.models.target import SharedWeights, TargetModel, load_language_model
+from dflash.models.target_spec import TARGET_FAMILIES, TargetSpec, load_target_spec
 
 __all__ = [
     "Anchors",
@@ -32,6 +33,7 @@ __all__ = [
     "SharedWeights",
     "TARGET_FAMILIES",
     "TargetModel",
+    "TargetSpec",
     "acceptance_stats",
     "block_tensors",
     "check_target_layer_ids",
@@ -40,6 +42,7 @@ __all__ = [
     "default_target_layer_ids",
     "ensure_mask_token",
     "load_language_model",
+    "load_target_spec",
     "measure_flops",
     "sample_anchors",
     "slot_weights",
