@@ -182,7 +182,8 @@ def test_plan_memory_refuses_a_config_without_sizes_naming_the_keys(tmp_path):
 def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_path):
     from transformers import GPT2Config
 
-    GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path / "gpt2")
+    gpt2 = GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    gpt2.save_pretrained(tmp_path / "gpt2")
     refusal = ("model_type 'gpt2' is not a target dflash supports (supported: qwen3, qwen2, llama, mistral, "
                "qwen3_moe, qwen3_5_text, qwen3_5_moe_text, gpt_oss, deepseek_v3)")
     proc = _plan_memory("--model", tmp_path / "gpt2")
