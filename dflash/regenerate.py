@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash.data.conversations import BadSample, SkipCounter, parse_conversation, render_chat
-from dflash.data.generation import generation_eos, stop_ids
+from dflash.data.generation import stop_ids
 from dflash.data.sources import Source, open_source
 from dflash.errors import UserError, disk_full, os_reason
 from dflash.partial import replace_file, try_lock
@@ -189,8 +189,10 @@ class VLLMBackend:
     def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
         from vllm import LLM
 
+        from dflash.models.target_spec import load_target_spec
+
         self.llm = LLM(model=target, dtype=dtype, seed=seed or 0)
-        self.stops = stop_ids(tokenizer, generation_eos(target))
+        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
 
     def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
         from vllm import SamplingParams
@@ -214,8 +216,10 @@ class SGLangBackend:
     def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
         import sglang
 
+        from dflash.models.target_spec import load_target_spec
+
         self.engine = sglang.Engine(model_path=target, dtype=dtype, random_seed=seed or 0, log_level="error")
-        self.stops = stop_ids(tokenizer, generation_eos(target))
+        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
 
     def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
         params = [

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash.data.batch import PackedBatch
 from dflash.data.seed_lengths import SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.models import TargetModel, default_target_layer_ids, measure_flops, target_forward_flops
-from dflash.models.flops import PRESETS
+from dflash.models.target_spec import load_target_spec
 from dflash.options import number
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     order = np.random.default_rng(args.seed).permutation(len(lengths))[: args.samples]
     shuffled = lengths[order].tolist()
 
-    config = Qwen3Config(**PRESETS["qwen3-8b"])
+    config = load_target_spec("qwen3-8b", bare_presets=True).config
     taps = default_target_layer_ids(config.num_hidden_layers)
     layers = max(taps) + 1
     print(f"lengths: {source}; {len(shuffled)} samples in a full shuffle; budget {args.budget} tokens")

@@ -46,6 +46,7 @@ def main(argv=None):
     import torch.distributed as dist
 
     from dflash.devices import resolve_dtype
+    from dflash.models.target_spec import load_target_spec
     from dflash.training.models import load_train_target
     from dflash.training.partition import target_bytes
     from dflash.training.trainer import Trainer, init_distributed
@@ -53,7 +54,7 @@ def main(argv=None):
     init_distributed()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    target = load_train_target(cfg, device, resolve_dtype(cfg.dtype, device))
+    target = load_train_target(cfg, load_target_spec(cfg.target), device, resolve_dtype(cfg.dtype, device))
     loaded = target_bytes(target.model)
     seen = []
 

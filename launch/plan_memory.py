@@ -20,16 +20,15 @@ import os
 import sys
 
 from dflash.errors import UserError, exit_on_user_error
+from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.options import number
 from dflash.training.memory import (
     GIB,
-    MODEL_PRESETS,
     RESERVE_BYTES,
     RESERVE_FRACTION,
     MemoryPlan,
     MemorySetup,
     gib,
-    load_model_config,
     plan_for,
 )
 
@@ -40,7 +39,7 @@ VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_pa
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b",
-                   help=f"target: a preset ({', '.join(MODEL_PRESETS)}), a config.json or a model folder "
+                   help=f"target: a preset ({', '.join(PRESETS)}), a config.json or a model folder "
                    "(default %(default)s)")
     p.add_argument("--world-size", type=number(int, minimum=1), default=8,
                    help="ranks (GPUs) in all (default %(default)s)")
@@ -113,13 +112,13 @@ def main(argv=None):
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not args.gpu_memory_gib > 0:
         raise UserError(f"--gpu-memory-gib must be positive, got {args.gpu_memory_gib}")
-    config = load_model_config(args.model)
+    spec = load_target_spec(args.model, "--model", bare_presets=True)
     ds_config = _ds_config(args.deepspeed_config, args.world_size)
     memory = int(args.gpu_memory_gib * GIB)
     base = dict(world_size=args.world_size, dtype_bytes=2 if args.dtype == "bf16" else 4,
                 activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
                 num_anchors=args.num_anchors)
-    plans = {name: plan_for(config, MemorySetup.from_ds_config(ds_config, **base, **variant),
+    plans = {name: plan_for(spec, MemorySetup.from_ds_config(ds_config, **base, **variant),
                             draft_layers=args.draft_layers, features=args.num_target_features)
              for name, variant in VARIANTS.items()}
     rows = max(args.row_budget, args.block_size * args.num_anchors)

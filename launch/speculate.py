@@ -157,15 +157,15 @@ def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
     import torch
 
     from dflash.devices import resolve_dtype
-    from dflash.models import DFlashDrafter
+    from dflash.models import DFlashDrafter, load_target_spec
     from dflash.training.models import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype_option, device)
     try:
         drafter = DFlashDrafter.from_pretrained(drafter_dir)
-        target = load_target(target_path, device, dtype, target_layer_ids=drafter.config.target_layer_ids,
-                             mask_token=False)
+        target = load_target(load_target_spec(str(target_path)), device, dtype,
+                             target_layer_ids=drafter.config.target_layer_ids, mask_token=False)
         drafter.attach(target.model.shared_weights())
     except ValueError as e:
         raise UserError(f"--drafter {drafter_dir} with --target {target_path}: {e}") from None
@@ -226,7 +226,7 @@ def main(argv=None):
     args = parse_args(argv)
     sampling, seed = sampling_options(args)
 
-    from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
+    from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
     from dflash.demo import TARGET
     from dflash.models.speculate import (
         DEFAULT_MAX_NEW_TOKENS,
@@ -260,7 +260,7 @@ def main(argv=None):
     check_target_folder(target_path)
     drafter, target, device, dtype = load_models(drafter_dir, target_path, args.dtype)
     tokenizer, hf = target.tokenizer, target.hf
-    stops = stop_ids(tokenizer, generation_eos(str(target_path)))
+    stops = stop_ids(tokenizer, target.spec.generation_eos())
     if args.prompts:
         prompts = prompts_from_conversations(args.prompts, tokenizer)
         # the walk needs every turn decoded: not with --max-turns

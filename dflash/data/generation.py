@@ -7,25 +7,12 @@ from pathlib import Path
 
 
 def stop_ids(tokenizer, model_eos) -> list[int]:
-    """End-of-turn tokens: the tokenizer's eos plus the generation config's (e.g. Qwen3 lists both
-    `<|im_end|>` and `<|endoftext|>`)."""
+    """End-of-turn tokens: the tokenizer's eos plus the generation config's (`TargetSpec.generation_eos`;
+    e.g. Qwen3 lists both `<|im_end|>` and `<|endoftext|>`)."""
     ids = [] if model_eos is None else ([model_eos] if isinstance(model_eos, int) else list(model_eos))
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))
-
-
-def generation_eos(target: str):
-    """The eos id(s) of the model's generation config (or its config), without loading weights;
-    None for a target that is no folder (`random:...`: its tokenizer's eos ends turns)."""
-    from transformers import GenerationConfig
-
-    if not Path(target).is_dir():
-        return None
-    try:
-        return GenerationConfig.from_pretrained(target).eos_token_id
-    except OSError:
-        return json.loads((Path(target) / "config.json").read_text()).get("eos_token_id")
 
 
 def _shared_meta(path: str | Path, key: str):

@@ -21,7 +21,8 @@ from dflash.models.config import (
 from dflash.models.drafter import DFlashDrafter, DrafterCache
 from dflash.models.flops import measure_flops, target_forward_flops
 from dflash.models.loss import BlockLoss, LossOutput, acceptance_stats, chunked_weighted_ce, slot_weights
-from dflash.models.target import TARGET_FAMILIES, SharedWeights, TargetModel, load_language_model
+from dflash.models.target import SharedWeights, TargetModel, load_language_model
+from dflash.models.target_spec import TARGET_FAMILIES, TargetSpec, load_target_spec
 
 __all__ = [
     "Anchors",
@@ -37,6 +38,7 @@ __all__ = [
     "SharedWeights",
     "TARGET_FAMILIES",
     "TargetModel",
+    "TargetSpec",
     "acceptance_stats",
     "block_tensors",
     "check_target_layer_ids",
@@ -46,6 +48,7 @@ __all__ = [
     "draw_blocks",
     "ensure_mask_token",
     "load_language_model",
+    "load_target_spec",
     "measure_flops",
     "sample_anchors",
     "slot_weights",

@@ -8,38 +8,28 @@ Norms, RoPE, softmax and activations are not matmuls and are not counted.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
 from dflash.errors import UserError
 from dflash.models.config import drafter_intermediate_size
-
-# Sizes of named targets for the cost model (their Hugging Face config.json fields).
-PRESETS = {
-    "qwen3-8b": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                 "intermediate_size": 12288, "num_hidden_layers": 36, "vocab_size": 151936},
-}
+from dflash.models.target_spec import PRESETS, load_target_spec, missing_sizes, read_config_json
 
 
-def load_target_config(model: str) -> SimpleNamespace:
-    """A named preset (e.g. "qwen3-8b") or the path of a target's config.json (or its folder)."""
+def load_target_config(model: str):
+    """The sizes the cost model prices: a preset of `dflash.models.target_spec.PRESETS` (e.g.
+    "qwen3-8b") or the path of a target's config.json (or its folder); only the sizes are read,
+    so a config of any model_type will do."""
     if model in PRESETS:
-        return SimpleNamespace(**PRESETS[model])
+        return load_target_spec(model, "--model", bare_presets=True).config
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise UserError(f"--model {model}: neither a preset ({', '.join(PRESETS)}) nor a config.json")
-    try:
-        fields = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot read a JSON config ({e})") from None
-    fields = fields.get("text_config", fields)  # multimodal configs nest the language model's
-    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size") if k not in fields]
-    if not any(k in fields for k in ("intermediate_size", "moe_intermediate_size")):
-        missing.append("intermediate_size")
+    fields = read_config_json(path)
+    missing = missing_sizes(fields)
     if missing:
         raise UserError(f"{path}: missing {', '.join(missing)}; the cost model needs the model's sizes")
     return SimpleNamespace(**fields)

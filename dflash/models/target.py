@@ -29,20 +29,7 @@ from torch import nn
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import UserError
 from dflash.models.config import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
-
-# model_type -> what the packed path does beyond dense attention (the "Targets" table of docs/GUIDE.md)
-TARGET_FAMILIES = {
-    "qwen3": "dense",
-    "qwen2": "dense (q/k/v biases; sliding-window layers where configured)",
-    "llama": "dense",
-    "mistral": "dense (sliding window where configured)",
-    "qwen3_moe": "MoE (Qwen3-Coder-30B-A3B, Qwen3-235B-A22B)",
-    "qwen3_5_text": "hybrid: Gated DeltaNet + gated full attention (Qwen3.5 / 3.6 dense)",
-    "qwen3_5_moe_text": "hybrid + MoE (Qwen3.5 / 3.6 MoE)",
-    "gpt_oss": "sliding window + attention sinks, MoE (gpt-oss-20b / 120b)",
-    "deepseek_v3": "MLA (q/k head dim 192, v 128) + MoE (DeepSeek-V3, Kimi-K2.5)",
-}
-SUPPORTED_MODEL_TYPES = tuple(TARGET_FAMILIES)
+from dflash.models.target_spec import SUPPORTED_MODEL_TYPES
 
 
 @dataclass(frozen=True)

@@ -295,7 +295,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
     """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
-    from dflash.models.random_target import is_random_target
+    from dflash.models.target_spec import is_random_target
 
     args = build_parser(description).parse_args(argv)
     values = {}
@@ -313,28 +313,19 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
     return resolve(TrainConfig(**values))
 
 
-def init_drafter_config(folder: str, target: str):
-    """The DrafterConfig of --init-drafter `folder`, checked against the target's config.json
-    (raises UserError naming the field that disagrees). Reads config files and the weights' header only."""
-    from transformers import AutoConfig
-
+def init_drafter_config(folder: str, spec):
+    """The DrafterConfig of --init-drafter `folder`, checked against the target (its `TargetSpec`;
+    raises UserError naming the field that disagrees). Reads config files and the weights' header only."""
     from dflash.models.config import DrafterConfig, check_fits_target
     from dflash.models.folders import check_drafter_folder
-    from dflash.models.random_target import is_random_target, random_target_config
 
     path = Path(folder)
 
     def fits_target(drafter, raw):
         try:
-            target_config = random_target_config(target) if is_random_target(target) else \
-                AutoConfig.from_pretrained(target)
-        except (OSError, ValueError) as e:
-            raise UserError(f"--target {target}: cannot read its config.json ({e})") from None
-        try:
-            check_fits_target(drafter, target_config,
-                              num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+            check_fits_target(drafter, spec.config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
         except ValueError as e:
-            raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {target}: {e}") from None
+            raise UserError(f"--init-drafter {path / 'config.json'} does not fit --target {spec.name}: {e}") from None
 
     # its files there, its config fitting the target, then its weights whole and the config's
     return check_drafter_folder(path, "--init-drafter", fits_target)
@@ -346,7 +337,9 @@ def _from_init_drafter(values: dict, explicit: set) -> dict:
     if values.get("mask_token"):
         raise UserError(f"--mask-token {values['mask_token']!r} contradicts --init-drafter {values['init_drafter']}: "
                         "the drafter's dflash_config.mask_token_id is its mask token (leave --mask-token out)")
-    c = init_drafter_config(values["init_drafter"], values.get("target", TrainConfig.target))
+    from dflash.models.target_spec import load_target_spec
+
+    c = init_drafter_config(values["init_drafter"], load_target_spec(values.get("target", TrainConfig.target)))
     taken = {
         "block_size": c.block_size, "draft_layers": c.num_hidden_layers,
         "target_layer_ids": tuple(c.target_layer_ids), "num_target_features": c.num_target_features,
@@ -497,12 +490,12 @@ def _validate_relations(c: TrainConfig) -> None:
 def _validate_synthetic(c: TrainConfig) -> None:
     """A random target's shape is known before anything loads, and it has no text to tokenize data with."""
     from dflash.data.synthetic import is_synthetic, parse_samples
-    from dflash.models.random_target import is_random_target, random_target_config
+    from dflash.models.target_spec import is_random_target, load_target_spec
 
     if is_synthetic(c.data):
         parse_samples(c.data)
     if is_random_target(c.target):
-        random_target_config(c.target)
+        load_target_spec(c.target)
         if c.target_partition != "none":
             _bad("target_partition", f"--target {c.target} is built whole in memory; a model folder's checkpoint "
                                      "loads into partitions")

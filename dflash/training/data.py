@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.data.cost import CostModel, drafter_rows
-from dflash.data.generation import generation_eos, regeneration_limit, regeneration_temperature, stop_ids
+from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
 from dflash.data.sources import is_token_store
 from dflash.data.supervision import min_supervised, trainable
@@ -111,7 +111,7 @@ class TrainingData:
     (what the data were regenerated at, when their `meta` says).
     """
 
-    def __init__(self, cfg: TrainConfig, path: Path | SyntheticStore, *, tokenizer, target_config, target_layer_ids,
+    def __init__(self, cfg: TrainConfig, path: Path | SyntheticStore, *, tokenizer, target_spec, target_layer_ids,
                  vocab_rows: int, mask_token_id: int, gamma: float, world_size: int):
         self.store_path = path
         self.store = store = open_store(path)
@@ -130,12 +130,12 @@ class TrainingData:
             self.train_idx = token_subset(self.train_idx, store.lengths, cfg.subset_tokens, cfg.seed)
         self.turn_limit = turn_limit(store, Path(cfg.data))
         self.data_temperature = data_temperature(store, Path(cfg.data))
-        self.stop_ids = stop_ids(tokenizer, generation_eos(cfg.target))
+        self.stop_ids = stop_ids(tokenizer, target_spec.generation_eos())
         self.lengths = store.lengths[self.train_idx]
         # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes
         from dflash.models.flops import flop_cost_model
 
-        self.flop_model = flop_cost_model(target_config, num_target_layers=max(target_layer_ids) + 1,
+        self.flop_model = flop_cost_model(target_spec.config, num_target_layers=max(target_layer_ids) + 1,
                                           drafter_layers=cfg.draft_layers, num_features=len(target_layer_ids),
                                           block_size=cfg.block_size)
         rows = costs = None

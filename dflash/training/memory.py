@@ -22,51 +22,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.models.flops import PRESETS as FLOP_PRESETS
+from dflash.models.target_spec import TargetSpec
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffers
 RESERVE_FRACTION = 0.05  # allocator fragmentation
 CE_CHUNK_ROWS = 1024  # dflash.models.loss.DEFAULT_CHUNK_ROWS (not imported: that pulls in torch models)
-
-# Public config.json sizes of targets docs/GUIDE.md plans for (the language model's text config).
-MODEL_PRESETS = {
-    "qwen3-8b": dict(model_type="qwen3", tie_word_embeddings=False, **FLOP_PRESETS["qwen3-8b"]),
-    "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-                        tie_word_embeddings=False, full_attention_interval=4, attn_output_gate=True,
-                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                        linear_value_head_dim=128, linear_conv_kernel_dim=4),
-    "qwen3.5-122b-a10b": dict(model_type="qwen3_5_moe_text", hidden_size=3072, num_hidden_layers=48,
-                              num_attention_heads=32, num_key_value_heads=2, head_dim=256, vocab_size=248320,
-                              tie_word_embeddings=False, full_attention_interval=4, attn_output_gate=True,
-                              linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
-                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
-                              num_experts_per_tok=8, moe_intermediate_size=1024, shared_expert_intermediate_size=1024),
-}
-
-
-def load_model_config(model: str | Path, flag: str = "--model"):
-    """The language model's config: a preset name, a config.json, or a Hugging Face folder."""
-    from transformers import AutoConfig
-
-    name = str(model)
-    if name in MODEL_PRESETS:
-        return AutoConfig.for_model(**MODEL_PRESETS[name])
-    path = Path(name)
-    if path.is_file():
-        path = path.parent if path.name == "config.json" else path
-    if not (path / "config.json").is_file():
-        raise UserError(f"{flag} {name}: neither a preset ({', '.join(MODEL_PRESETS)}) nor a config.json or a "
-                        "Hugging Face model folder")
-    try:
-        return AutoConfig.from_pretrained(str(path)).get_text_config(decoder=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"{path / 'config.json'}: not a config transformers can read ({e})") from None
-
 
 @dataclass(frozen=True)
 class TargetSizes:
@@ -367,7 +330,8 @@ class MemoryPlan:
         return MemoryPlan(self.target, self.drafter, replace(self.setup, target_partition="zero3"))
 
 
-def plan_for(config, setup: MemorySetup, *, draft_layers: int, features: int) -> MemoryPlan:
+def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, features: int) -> MemoryPlan:
+    config = spec.config
     return MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=draft_layers, features=features),
                       setup)
 
@@ -395,22 +359,14 @@ def accelerator_memory(device, memory_gib: float) -> int | None:
     return None
 
 
-def run_plan(cfg, ds_config: dict, *, dtype_bytes: int, world_size: int) -> MemoryPlan:
-    """The plan of a training run (`TrainConfig`), from the target's config.json alone."""
-    from dflash.models.random_target import is_random_target, random_target_config
-
-    if is_random_target(cfg.target):
-        config = random_target_config(cfg.target)
-    elif (Path(cfg.target) / "config.json").is_file():
-        config = load_model_config(cfg.target, flag="--target")
-    else:
-        raise UserError(f"--target {cfg.target}: not a Hugging Face model folder (no config.json)")
+def run_plan(cfg, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int) -> MemoryPlan:
+    """The plan of a training run (`TrainConfig`) on the target `spec`, from its config alone."""
     features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_target_features
     setup = MemorySetup.from_ds_config(
         ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=cfg.target_partition,
         target_offload=cfg.target_offload, activation_checkpointing=cfg.activation_checkpointing,
         block_size=cfg.block_size, num_anchors=cfg.num_anchors)
-    return plan_for(config, setup, draft_layers=cfg.draft_layers, features=features)
+    return plan_for(spec, setup, draft_layers=cfg.draft_layers, features=features)
 
 
 def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:

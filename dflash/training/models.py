@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from dflash.errors import NonFiniteWeights, UserError
+from dflash.models.target_spec import TargetSpec
 from dflash.training.config import TrainConfig
 from dflash.training.ranks import on_rank0
 
@@ -20,12 +21,13 @@ class LoadedTarget(NamedTuple):
     hf: object  # the Hugging Face model (its config sizes the drafter)
     model: object  # the TargetModel feature extractor
     mask_id: int | None  # the DFlash mask token's id (None: not asked for)
+    spec: TargetSpec  # what it was loaded from
 
 
-def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_features: int = 5,
+def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_features: int = 5,
                 attention_backend: str = "auto", mask_token: bool = True, mask_text: str = "",
                 chat_data: str | None = None, partition: str = "none", offload: bool = False) -> LoadedTarget:
-    """Tokenizer and frozen target of a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
+    """Tokenizer and frozen target of `spec`: a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
     weights of that shape and a synthetic tokenizer, `dflash.models.random_target`), tapped at
     `target_layer_ids` (default: the official rule with `num_features` taps); with `mask_token`, the
     DFlash mask token (`mask_text`, default MASK_TOKEN) is added to the tokenizer in a spare
@@ -40,14 +42,14 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
     from dflash.models import TargetModel, load_language_model
     from dflash.models.folders import check_target_folder
-    from dflash.models.random_target import is_random_target, random_target
+    from dflash.models.random_target import random_target
 
     mask_text = mask_text or MASK_TOKEN
-    if is_random_target(path):
-        target_path = str(path)
-        tokenizer, hf = random_target(target_path, device, dtype)
+    if spec.random:
+        target_path = spec.name
+        tokenizer, hf = random_target(spec, device, dtype)
     else:
-        target_path = Path(path)
+        target_path = spec.folder
         check_target_folder(target_path)  # config.json there, each weight file whole
         check_tokenizer_files(target_path, "--target")
         tokenizer = AutoTokenizer.from_pretrained(str(target_path))
@@ -55,16 +57,15 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
             raise UserError(f"--target {target_path}: its tokenizer has no chat template, which renders the "
                             f"conversations of --data {chat_data}; give the chat (instruct) model's folder, or add "
                             "its template there (chat_template.jinja)")
-        rows = _embedding_rows(target_path) if mask_token else None
         try:
-            if rows is not None:
-                check_mask_token(tokenizer, rows, mask_text)
+            if mask_token:
+                check_mask_token(tokenizer, spec.embedding_rows, mask_text)
         except ValueError as e:
             raise UserError(f"--target {target_path}: {e}") from None
         if partition == "zero3":
             from dflash.training import partition as zero3
 
-            with zero3.zero3_loading(zero3.target_zero3_config(target_path, dtype, offload=offload, device=device)):
+            with zero3.zero3_loading(zero3.target_zero3_config(spec, dtype, offload=offload, device=device)):
                 hf = load_language_model(target_path, dtype)  # straight into the partitions
         else:
             hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
@@ -72,64 +73,17 @@ def load_target(path: str | Path, device, dtype, *, target_layer_ids=None, num_f
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
         if partition == "zero3":
-            model = zero3.PartitionedTarget(model, zero3.target_zero3_config(target_path, dtype, offload=offload,
+            model = zero3.PartitionedTarget(model, zero3.target_zero3_config(spec, dtype, offload=offload,
                                                                              device=device, hf=hf))
         mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows, mask_text) if mask_token else None
     except ValueError as e:
         raise UserError(f"--target {target_path}: {e}") from None
-    return LoadedTarget(tokenizer, hf, model, mask_id)
-
-
-def _embedding_rows(path: Path) -> int | None:
-    """The rows of the target's input embedding, as its config says (None: it does not say)."""
-    from transformers import AutoConfig
-
-    try:
-        return int(AutoConfig.from_pretrained(str(path)).get_text_config().vocab_size)
-    except (OSError, ValueError, AttributeError, TypeError):
-        return None
-
-
-def target_fingerprint(path: str | Path) -> dict:
-    """The target's folder and a hash of what tells one model from another without reading the
-    weights: config.json, and the name, size and first 64 KiB (the safetensors header) of every
-    weight file. A moved folder keeps its hash; a `random:` target is its name."""
-    import hashlib
-
-    from dflash.models.random_target import is_random_target
-
-    if is_random_target(path):
-        return {"path": str(path)}
-    folder = Path(path)
-    h = hashlib.sha256()
-    for f in [folder / "config.json", *sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]:
-        with f.open("rb") as data:
-            h.update(f"{f.name}:{f.stat().st_size}:".encode() + data.read(1 << 16))
-    return {"path": str(folder.resolve()), "sha256": h.hexdigest()}
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def target_layers(path: str | Path) -> int | None:
-    """The target's number of layers, from its config (None: not a model folder; loading it says so)."""
-    from transformers import AutoConfig
-
-    from dflash.models.random_target import is_random_target, random_target_config
-
-    try:
-        if is_random_target(path):
-            return random_target_config(str(path)).num_hidden_layers
-        if not (Path(path) / "config.json").is_file():
-            return None
-        return AutoConfig.from_pretrained(str(path)).get_text_config().num_hidden_layers
-    except (OSError, ValueError, UserError):
-        return None
+    return LoadedTarget(tokenizer, hf, model, mask_id, spec)
 
 
 def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     """What shapes the drafter's weights and what they learn, by option, as a checkpoint records it
-    and `--resume` compares it (with the target, `target_fingerprint`): the taps (resolved by the
+    and `--resume` compares it (with the target, `TargetSpec.fingerprint`): the taps (resolved by the
     official rule for a target of `num_target_layers` when not given), the drafter's size, block,
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN
@@ -175,10 +129,10 @@ def drafter_differences(before: dict, now: dict) -> list[str]:
     return diffs
 
 
-def load_train_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
+def load_train_target(cfg: TrainConfig, spec: TargetSpec, device, dtype) -> LoadedTarget:
     """The run's target; with --init-drafter, the mask token id is the drafter's (what the engines
     feed its mask slots: nothing is added to the tokenizer), checked against the embedding's rows."""
-    target = load_target(cfg.target, device, dtype, target_layer_ids=cfg.target_layer_ids,
+    target = load_target(spec, device, dtype, target_layer_ids=cfg.target_layer_ids,
                          num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
                          mask_token=not cfg.init_drafter, mask_text=cfg.mask_token,
                          chat_data=cfg.data if Path(cfg.data).is_file() else None,
@@ -188,7 +142,7 @@ def load_train_target(cfg: TrainConfig, device, dtype) -> LoadedTarget:
     from dflash.models.config import check_fits_target
     from dflash.training.config import init_drafter_config
 
-    drafter = init_drafter_config(cfg.init_drafter, cfg.target)
+    drafter = init_drafter_config(cfg.init_drafter, spec)
     try:  # its layer count was checked with the options; now against the embedding's rows
         check_fits_target(drafter, target.hf.config, target.model.num_embedding_rows, num_target_layers_given=False)
     except ValueError as e:

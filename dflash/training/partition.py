@@ -17,17 +17,18 @@ collective); the trainer's micro-steps do, and the evaluator pads its walk to eq
 from __future__ import annotations
 
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from dflash.models.target import SharedWeights, TargetModel
+from dflash.models.target_spec import TargetSpec
+from dflash.training.memory import gib
 
 _MEASURED_CALLS = 3  # feature forwards whose gathered bytes are measured (the 1st records the trace, then prefetch)
 
 
-def target_zero3_config(path: str | Path, dtype: torch.dtype, *, offload: bool, device, hf=None) -> dict:
+def target_zero3_config(spec: TargetSpec, dtype: torch.dtype, *, offload: bool, device, hf=None) -> dict:
     """DeepSpeed config of the frozen target: ZeRO-3 over all ranks, no optimizer.
 
     Parameters up to hidden-size elements (norms, biases) stay gathered after their first use.
@@ -36,10 +37,8 @@ def target_zero3_config(path: str | Path, dtype: torch.dtype, *, offload: bool, 
     limit): the running one and the next.
     """
     import torch.distributed as dist
-    from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(str(path)).get_text_config()
-    zero = {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": int(text.hidden_size)}
+    zero = {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": spec.hidden_size}
     if hf is not None:
         layer = largest_layer_numel(hf)
         zero.update(stage3_prefetch_bucket_size=layer, stage3_max_live_parameters=2 * layer)
@@ -182,10 +181,6 @@ def target_bytes(model) -> dict:
         return {"full": full, "resident": model.resident_bytes(), "shared": model.shared_bytes(),
                 "gathered": model.gathered_peak_bytes()}
     return {"full": full, "resident": full, "shared": 0, "gathered": 0}
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
 def target_summary(memory: dict, cfg, world_size: int) -> str:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dflash.data.synthetic import is_synthetic
 from dflash.errors import DiskFull, UserError
-from dflash.models.random_target import is_random_target
+from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig, speculate_turns
@@ -35,8 +35,6 @@ from dflash.training.models import (
     drafter_differences,
     drafter_settings,
     load_train_target,
-    target_fingerprint,
-    target_layers,
 )
 from dflash.training.partition import target_bytes, target_summary
 from dflash.training.phases import PhaseTimer
@@ -116,7 +114,7 @@ def init_distributed() -> None:
 def input_paths(cfg: TrainConfig) -> dict[str, Path]:
     """The files every rank reads, by flag (a random target and synthetic data are made in memory)."""
     paths = {"--target": cfg.target, "--data": cfg.data, "--deepspeed_config": resolve_ds_config(cfg.deepspeed_config)}
-    made = {"--target": is_random_target(cfg.target), "--data": is_synthetic(cfg.data)}
+    made = {"--target": target_folder(cfg.target) is None, "--data": is_synthetic(cfg.data)}
     return {flag: Path(path) for flag, path in paths.items() if not made.get(flag)}
 
 
@@ -147,20 +145,20 @@ class Trainer:
                                                    world_size=self.world_size, grad_clip=cfg.grad_clip)
         if not is_synthetic(cfg.data) and not Path(cfg.data).exists():
             raise UserError(f"--data {cfg.data}: no such file or folder")
-        # the memory plan refuses a run that cannot fit, and sizes the row budget, from config.json alone
-        self.memory_plan = run_plan(cfg, ds_config, dtype_bytes=self.dtype.itemsize, world_size=self.world_size)
+        # the target, from its config alone: a family dflash lacks or a config without sizes is refused here
+        self.target_spec = spec = load_target_spec(cfg.target)
+        # the memory plan refuses a run that cannot fit, and sizes the row budget
+        self.memory_plan = run_plan(cfg, spec, ds_config, dtype_bytes=self.dtype.itemsize, world_size=self.world_size)
         row_budget, memory_line = size_run(self.memory_plan, accelerator_memory(self.device, cfg.memory_gib),
                                            token_budget=cfg.token_budget, row_budget=cfg.row_budget)
         self.cfg = cfg = dataclasses.replace(cfg, row_budget=row_budget)
         self.run_folder = RunFolder(self.output_dir)
         self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
-        self.drafter_settings = drafter_settings(cfg, target_layers(cfg.target))
-        if is_random_target(cfg.target) or (Path(cfg.target) / "config.json").is_file():
-            self.drafter_settings["--target"] = target_fingerprint(cfg.target)
+        self.drafter_settings = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
         self._recorded = None  # (checkpoint, its drafter settings) of a resume, on rank 0
         on_rank0(self._claim, "claiming the run folder")
 
-        target = target or load_train_target(cfg, self.device, self.dtype)
+        target = target or load_train_target(cfg, spec, self.device, self.dtype)
         # what the drafter was trained with, as values: the mask token's id (the drafter's with
         # --init-drafter, else the one the tokenizer gives --mask-token) and the embedding's rows
         self.drafter_settings.update({"mask token id": target.mask_id,
@@ -168,7 +166,7 @@ class Trainer:
         if cfg.resume:  # every rank: the checkpoint's record is read on rank 0
             on_rank0(self._refuse_another_drafter, "comparing the checkpoint's drafter with this run's")
         self.data = TrainingData(cfg, prepare_token_store(cfg, target.tokenizer, self._say),
-                                 tokenizer=target.tokenizer, target_config=target.hf.config,
+                                 tokenizer=target.tokenizer, target_spec=spec,
                                  target_layer_ids=target.model.target_layer_ids,
                                  vocab_rows=target.model.num_embedding_rows, mask_token_id=target.mask_id,
                                  gamma=cfg.gamma, world_size=self.world_size)
@@ -219,7 +217,7 @@ class Trainer:
         if recorded is None:  # a checkpoint of an older dflash: its options, and the target by its path
             known = {f.name for f in dataclasses.fields(TrainConfig)}
             old = dataclasses.replace(cfg, **{k: v for k, v in state.get("config", {}).items() if k in known})
-            recorded = {**drafter_settings(old, target_layers(cfg.target)),
+            recorded = {**drafter_settings(old, self.target_spec.num_layers),
                         "--target": {"path": str(Path(old.target).resolve())}}
         self._recorded = (state["checkpoint"], recorded)
         self._refuse_another_drafter()

@@ -60,14 +60,15 @@ def demo():
     """The demo target (fp32), its tokenizer, stop ids and the 8 turns of 5 demo conversations, regenerated."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.data.generation import generation_eos, stop_ids
+    from dflash.data.generation import stop_ids
     from dflash.demo import DATA, TARGET
+    from dflash.models.target_spec import load_target_spec
 
     tok = AutoTokenizer.from_pretrained(str(TARGET))
     hf = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32)
     target = TargetModel(hf, num_features=3)
     mask_id = ensure_mask_token(tok, target.num_embedding_rows)
-    stops = stop_ids(tok, generation_eos(str(TARGET)))
+    stops = stop_ids(tok, load_target_spec(str(TARGET)).generation_eos())
     with open(DATA) as f:
         conversations = [json.loads(next(f)) for _ in range(5)]
     prompts = []

@@ -14,6 +14,7 @@ target_path, store_path = args[0], args[1]
 
 from dflash.data.collate import collate_packed, collate_padded  # noqa: E402
 from dflash.data.token_store import TokenStore  # noqa: E402
+from dflash.models.target_spec import load_target_spec  # noqa: E402
 from dflash.training.models import load_target  # noqa: E402
 from dflash.training.partition import largest_layer_numel, target_bytes  # noqa: E402
 from dflash.training.trainer import init_distributed  # noqa: E402
@@ -22,11 +23,11 @@ init_distributed()
 store = TokenStore(store_path)
 batches = [collate_packed(store, [0, 1, 2, 3]), collate_padded(store, [4, 5, 6], pad_id=0), collate_packed(store, [7])]
 kwargs = dict(target_layer_ids=[1, 2], attention_backend="torch")
-replicated = load_target(target_path, "cpu", torch.float32, **kwargs)
+replicated = load_target(load_target_spec(target_path), "cpu", torch.float32, **kwargs)
 reference = [replicated.model.features(b) for b in batches]
 result = {"rank": dist.get_rank(), "equal": True}
 for name, extra in (("zero3", {}), ("offload", {"offload": True})):
-    loaded = load_target(target_path, "cpu", torch.float32, partition="zero3", **extra, **kwargs)
+    loaded = load_target(load_target_spec(target_path), "cpu", torch.float32, partition="zero3", **extra, **kwargs)
     model = loaded.model
     for _ in range(3):
         for batch, expected in zip(batches, reference, strict=True):

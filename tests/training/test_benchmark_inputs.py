@@ -4,12 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.data.generation import generation_eos
 from dflash.data.planner import PlannerConfig, plan_batches
 from dflash.data.seed_lengths import seed_like_lengths
 from dflash.errors import UserError
-from dflash.models.flops import PRESETS
-from dflash.models.random_target import random_target_config
+from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.training.config import load_config
 from dflash.training.data import token_subset
 from dflash.training.phases import PHASES, PhaseTimer
@@ -22,16 +20,16 @@ DEMO_TARGET = ROOT / "dflash" / "demo" / "assets" / "target"
 def test_the_qwen3_8b_preset_builds_the_real_model_shape():
     from transformers import AutoModelForCausalLM
 
-    config = random_target_config("random:qwen3-8b")
+    config = load_target_spec("random:qwen3-8b").config
     assert config.model_type == "qwen3"
     assert {k: getattr(config, k) for k in PRESETS["qwen3-8b"]} == PRESETS["qwen3-8b"]
     with torch.device("meta"):  # sizes only: no memory
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == 8_190_735_360  # Qwen3-8B
-    by_path = random_target_config(f"random:{DEMO_TARGET}")
+    by_path = load_target_spec(f"random:{DEMO_TARGET}").config
     assert (by_path.hidden_size, by_path.num_hidden_layers, by_path.vocab_size) == (128, 6, 512)
-    with pytest.raises(UserError, match=r"random:PRESET \(qwen3-8b\) or random:PATH"):
-        random_target_config("random:no-such-model")
+    with pytest.raises(UserError, match=r"random:PRESET \(qwen3-8b, .*\) or random:PATH"):
+        load_target_spec("random:no-such-model")
 
 
 def test_a_random_target_defaults_to_synthetic_data_and_refuses_text():
@@ -45,7 +43,7 @@ def test_a_random_target_defaults_to_synthetic_data_and_refuses_text():
         load_config(["--data", "random:0"])
     with pytest.raises(UserError, match="random:PRESET"):
         load_config(["--target", "random:llama-9000"])
-    assert generation_eos("random:qwen3-8b") is None  # no folder: the tokenizer's eos ends turns
+    assert load_target_spec("random:qwen3-8b").generation_eos() is None  # no folder: the tokenizer's eos ends turns
 
 
 def test_a_random_target_runs_features_on_synthetic_data():
@@ -53,7 +51,7 @@ def test_a_random_target_runs_features_on_synthetic_data():
     from dflash.data.synthetic import synthetic_store
     from dflash.training.models import load_target
 
-    target = load_target(f"random:{DEMO_TARGET}", "cpu", torch.float32, num_features=2)
+    target = load_target(load_target_spec(f"random:{DEMO_TARGET}"), "cpu", torch.float32, num_features=2)
     assert target.mask_id == len(target.tokenizer) - 1 < target.model.num_embedding_rows
     store = synthetic_store("random:20", target.tokenizer, seed=0, max_length=64)
     batch = collate_packed(store, [0, 1, 2])

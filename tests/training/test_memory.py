@@ -13,12 +13,12 @@ from dflash.data.batch import PackedBatch
 from dflash.errors import UserError
 from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
 from dflash.models.flops import measure_peak_tensor_bytes
+from dflash.models.target_spec import load_target_spec
 from dflash.training.memory import (
     GIB,
     DrafterSizes,
     MemoryPlan,
     MemorySetup,
-    load_model_config,
     plan_for,
     size_run,
     target_sizes,
@@ -30,7 +30,7 @@ from .conftest import run_deepspeed, tiny_train_args
 
 def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
     target, _ = tiny_run_inputs
-    sizes = target_sizes(load_model_config(target))
+    sizes = target_sizes(load_target_spec(target, bare_presets=True).config)
     hf = AutoModelForCausalLM.from_pretrained(target)
     assert sizes.params == sum(p.numel() for p in hf.parameters())
     assert sizes.largest_layer == max(sum(p.numel() for p in layer.parameters()) for layer in hf.model.layers)
@@ -40,7 +40,7 @@ def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
 
 
 def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
-    config = load_model_config(tiny_run_inputs[0])
+    config = load_target_spec(tiny_run_inputs[0], bare_presets=True).config
     drafter = DFlashDrafter(DrafterConfig.from_target(config, mask_token_id=0, num_draft_layers=3,
                                                       target_layer_ids=[0, 1, 2]))
     sizes = DrafterSizes.from_target(config, layers=3, features=3)
@@ -49,7 +49,7 @@ def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
 
 
 def test_presets_have_their_public_sizes():
-    billions = {name: target_sizes(load_model_config(name)).params / 1e9
+    billions = {name: target_sizes(load_target_spec(name, bare_presets=True).config).params / 1e9
                 for name in ("qwen3-8b", "qwen3.5-27b", "qwen3.5-122b-a10b")}
     assert billions == pytest.approx({"qwen3-8b": 8.19, "qwen3.5-27b": 26.90, "qwen3.5-122b-a10b": 122.11}, abs=0.01)
 
@@ -88,7 +88,7 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
 def qwen_plan(name, partition="none", stage=2, world_size=8):
     setup = MemorySetup(world_size=world_size, dtype_bytes=2, zero_stage=stage, bucket_elements=10**8,
                         target_partition=partition)
-    return plan_for(load_model_config(name), setup, draft_layers=5, features=5)
+    return plan_for(load_target_spec(name, bare_presets=True), setup, draft_layers=5, features=5)
 
 
 def test_the_row_budget_is_the_most_rows_that_fit():
@@ -157,3 +157,44 @@ def test_partitioned_target_gives_the_replicated_features_bitwise_with_half_the_
             assert placed["full"] == full and 0 < kept < 0.02 * full
             assert 2 * placed["layer"] < placed["gathered"] <= 2 * placed["layer"] + placed["tensor"] + kept
             assert placed["shared"] > 0
+
+
+def _plan_memory(*args):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "plan_memory.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_plan_memory_refuses_a_config_without_sizes_naming_the_keys(tmp_path):
+    """transformers fills a config.json's missing sizes with its defaults (hidden 4096, a 12B model):
+    planning that model would answer for a target nobody has."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "qwen3"}')
+    proc = _plan_memory("--model", config)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {config}: missing hidden_size, num_attention_heads, num_hidden_layers, vocab_size, "
+        "intermediate_size; a target's config.json gives the model's sizes (transformers' defaults would plan a "
+        "model nobody has)"]
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_path):
+    from transformers import GPT2Config
+
+    gpt2 = GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    refusal = ("model_type 'gpt2' is not a target dflash supports (supported: qwen3, qwen2, llama, mistral, "
+               "qwen3_moe, qwen3_5_text, qwen3_5_moe_text, gpt_oss, deepseek_v3)")
+    proc = _plan_memory("--model", tmp_path / "gpt2")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: --model {tmp_path / 'gpt2'}: {refusal}"], proc.stderr[-2000:]
+    out = tmp_path / "run"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"),
+                           *tiny_train_args(tmp_path / "gpt2", tiny_run_inputs[1], out)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: --target {tmp_path / 'gpt2'}: {refusal}" in proc.stderr.splitlines()
+    assert "Traceback" not in proc.stderr and not out.exists()

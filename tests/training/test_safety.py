@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.errors import UserError
+from dflash.models.target_spec import load_target_spec
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
 from dflash.training.ranks import free_port
@@ -375,5 +376,5 @@ def test_a_target_that_cannot_serve_the_run_is_refused_before_its_weights_load(t
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
     cfg = load_config(["--target", str(bad), "--data", str(data)])
     with pytest.raises(UserError) as err:
-        load_train_target(cfg, torch.device("cpu"), torch.float32)
+        load_train_target(cfg, load_target_spec(cfg.target), torch.device("cpu"), torch.float32)
     assert str(err.value).startswith(message)

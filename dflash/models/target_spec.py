@@ -1,0 +1,206 @@
+"""The target, resolved once from `--target` before anything loads: `TargetSpec`.
+
+`--target` is a Hugging Face model folder, `random:PRESET` (a row of `PRESETS`) or `random:PATH`
+(the shape of the model whose config.json is at PATH, random weights); the sizing tools
+(`launch/plan_memory.py`, `launch/plan_batches.py`) also take a bare preset name or a config.json.
+Everything decided before loading reads the spec: the memory plan, the drafter settings and
+`--init-drafter`'s check, the tapped layers, the mask token's embedding row, the loader, the
+partition, the FLOP model, the end-of-turn tokens and the fingerprint `--resume` compares.
+
+Resolution refuses, in one line naming the flag or the file, a family dflash has no feature
+path for and a config.json that leaves a size to transformers' defaults (which would plan and
+build a model nobody has).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import UserError
+
+RANDOM_PREFIX = "random:"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+# model_type -> what the packed path does beyond dense attention (the README "Targets" table)
+TARGET_FAMILIES = {
+    "qwen3": "dense",
+    "qwen2": "dense (q/k/v biases; sliding-window layers where configured)",
+    "llama": "dense",
+    "mistral": "dense (sliding window where configured)",
+    "qwen3_moe": "MoE (Qwen3-Coder-30B-A3B, Qwen3-235B-A22B)",
+    "qwen3_5_text": "hybrid: Gated DeltaNet + gated full attention (Qwen3.5 / 3.6 dense)",
+    "qwen3_5_moe_text": "hybrid + MoE (Qwen3.5 / 3.6 MoE)",
+    "gpt_oss": "sliding window + attention sinks, MoE (gpt-oss-20b / 120b)",
+    "deepseek_v3": "MLA (q/k head dim 192, v 128) + MoE (DeepSeek-V3, Kimi-K2.5)",
+}
+SUPPORTED_MODEL_TYPES = tuple(TARGET_FAMILIES)
+
+# Public config.json fields of named targets (the language model's text config): the README plans
+# them, `random:NAME` builds them, the cost model prices them.
+PRESETS = {
+    "qwen3-8b": dict(model_type="qwen3", tie_word_embeddings=False, hidden_size=4096, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, num_hidden_layers=36,
+                     vocab_size=151936),
+    "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                        tie_word_embeddings=False, full_attention_interval=4, attn_output_gate=True,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    "qwen3.5-122b-a10b": dict(model_type="qwen3_5_moe_text", hidden_size=3072, num_hidden_layers=48,
+                              num_attention_heads=32, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                              tie_word_embeddings=False, full_attention_interval=4, attn_output_gate=True,
+                              linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+                              num_experts_per_tok=8, moe_intermediate_size=1024, shared_expert_intermediate_size=1024),
+}
+
+SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
+def is_random_target(target: str) -> bool:
+    return str(target).startswith(RANDOM_PREFIX)
+
+
+def target_folder(target: str) -> Path | None:
+    """The folder `--target` is read from; None for a random target (made in memory)."""
+    return None if is_random_target(target) else Path(target)
+
+
+def missing_sizes(fields: dict) -> list[str]:
+    """The sizes a config.json (its text config's fields) does not give."""
+    missing = [k for k in SIZE_KEYS if k not in fields]
+    if not any(k in fields for k in ("intermediate_size", "moe_intermediate_size")):
+        missing.append("intermediate_size")
+    return missing
+
+
+def read_config_json(path: Path) -> dict:
+    """The text config's fields of a config.json (multimodal configs nest the language model's)."""
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read a JSON config ({e})") from None
+    if not isinstance(fields, dict):
+        raise UserError(f"{path}: not a JSON object")
+    nested = fields.get("text_config")
+    return nested if isinstance(nested, dict) else fields
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What is known of the target before its weights load."""
+
+    name: str  # as given (e.g. "random:qwen3-8b", a folder)
+    config: Any  # the language model's transformers config (the text config of an image-text model)
+    folder: Path | None  # the model folder; None for a preset or a random target
+    random: bool  # random weights and a synthetic tokenizer, built in memory
+
+    @property
+    def family(self) -> str:
+        return self.config.model_type
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def embedding_rows(self) -> int:
+        """The rows of the input embedding, as the config says."""
+        return int(self.config.vocab_size)
+
+    def default_layer_ids(self, num_features: int) -> list[int]:
+        """The official tap rule for this target's depth."""
+        from dflash.models.config import default_target_layer_ids
+
+        return default_target_layer_ids(self.num_layers, num_features)
+
+    def generation_eos(self):
+        """The eos id(s) of the model's generation config (or its config), without loading weights;
+        None for a target with no folder (its tokenizer's eos ends turns)."""
+        if self.folder is None:
+            return None
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(str(self.folder)).eos_token_id
+        except OSError:
+            return json.loads((self.folder / "config.json").read_text()).get("eos_token_id")
+
+    def fingerprint(self) -> dict:
+        """The folder and a hash of what tells one model from another without reading the weights:
+        config.json, and the name, size and first 64 KiB (the safetensors header) of every weight
+        file. A moved folder keeps its hash; a `random:` target is its name."""
+        if self.folder is None:
+            return {"path": self.name}
+        h = hashlib.sha256()
+        files = [self.folder / "config.json",
+                 *sorted(p for p in self.folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]
+        for f in files:
+            with f.open("rb") as data:
+                h.update(f"{f.name}:{f.stat().st_size}:".encode() + data.read(1 << 16))
+        return {"path": str(self.folder.resolve()), "sha256": h.hexdigest()}
+
+
+def _preset_config(name: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**PRESETS[name])
+
+
+def _folder_config(path: Path, flag: str, name: str):
+    """The text config of the model whose config.json is at `path` (a folder or the file), refused
+    when unreadable, of a family dflash does not support, or missing a size."""
+    from transformers import AutoConfig
+
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    file = path / "config.json"
+    try:
+        config = AutoConfig.from_pretrained(str(path)).get_text_config(decoder=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{flag} {name}: cannot read {file} as a transformers config ({e})") from None
+    check_family(config.model_type, f"{flag} {name}")
+    missing = missing_sizes(read_config_json(file))
+    if missing:
+        raise UserError(f"{file}: missing {', '.join(missing)}; a target's config.json gives the model's sizes "
+                        "(transformers' defaults would plan a model nobody has)")
+    return config
+
+
+def check_family(model_type: str, where: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"{where}: model_type {model_type!r} is not a target dflash supports (supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def load_target_spec(target: str | Path, flag: str = "--target", *, bare_presets: bool = False) -> TargetSpec:
+    """The spec of `target`: a model folder, `random:PRESET` or `random:PATH`; with `bare_presets`
+    (the sizing tools) also a preset name or a config.json. Refused (UserError) before any heavy work."""
+    name = str(target)
+    if is_random_target(name):
+        shape = name[len(RANDOM_PREFIX):]
+        if shape in PRESETS:
+            return TargetSpec(name, _preset_config(shape), None, True)
+        path = Path(shape)
+        if not ((path / "config.json").is_file() or (path.is_file() and path.name == "config.json")):
+            raise UserError(f"{flag} {name}: expected random:PRESET ({', '.join(PRESETS)}) or random:PATH with a "
+                            f"config.json at PATH")
+        return TargetSpec(name, _folder_config(path, flag, name), None, True)
+    if bare_presets and name in PRESETS:
+        return TargetSpec(name, _preset_config(name), None, False)
+    path = Path(name)
+    if bare_presets and path.is_file() and path.name == "config.json":
+        return TargetSpec(name, _folder_config(path, flag, name), None, False)
+    if not (path / "config.json").is_file():
+        if bare_presets:
+            raise UserError(f"{flag} {name}: neither a preset ({', '.join(PRESETS)}) nor a config.json or a "
+                            "Hugging Face model folder")
+        raise UserError(f"{flag} {name}: not a Hugging Face model folder (no config.json)")
+    return TargetSpec(name, _folder_config(path, flag, name), path, False)
