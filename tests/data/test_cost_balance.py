@@ -85,11 +85,34 @@ def test_fit_recovers_a_known_model_and_reports_r2():
         fit(x[:2], seconds[:2])
 
 
+def _can_merge(groups: list, merges: int, fits) -> bool:
+    """Whether `merges` merges of the micro-batches `groups`, each into a union that `fits`, exist:
+    an exhaustive search over merge sequences (a union that fits can be built pair by pair, since
+    every part of it fits too), each reached set of merged unions searched once."""
+    seen = set()
+
+    def search(groups, merges):
+        if merges == 0:
+            return True
+        key = frozenset(g for g in groups if len(g) > 1)
+        if key in seen:
+            return False
+        seen.add(key)
+        for a, b in itertools.combinations(groups, 2):
+            if fits(a | b) and search([g for g in groups if g is not a and g is not b] + [a | b], merges - 1):
+                return True
+        return False
+
+    return search([frozenset(g.tolist()) for g in groups], merges)
+
+
 @pytest.mark.parametrize("order,layout", MODES)
 @settings(max_examples=25, deadline=None)
 @given(items=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 40)), min_size=1, max_size=300),
        world_size=st.integers(1, 5), seed=st.integers(0, 3), mix=st.integers(1, 5))
 @example(items=[(1, 26), (1, 39), (1, 39), (1, 39)], world_size=3, seed=0, mix=1)  # refused: no pair fits
+# refused: one pair fits (sample 5 with any), but 6 micro-batches need two merges for 4 ranks
+@example(items=[(1, 32), (1, 33), (1, 33), (1, 33), (1, 33), (2, 0)], world_size=4, seed=0, mix=1)
 def test_balanced_plans_keep_every_invariant_under_both_budgets(order, layout, items, world_size, seed, mix):
     lengths, rows = np.array([x for x, _ in items]), np.array([r for _, r in items])
     config = PlannerConfig(128, order, layout, seed=seed, world_size=world_size, row_budget=64, balance=True, mix=mix)
@@ -98,19 +121,23 @@ def test_balanced_plans_keep_every_invariant_under_both_budgets(order, layout, i
         with pytest.raises(UserError, match="same number of micro-batches"):
             plan_batches(lengths, config, **data)
         return
+
+    def fits(union):
+        union = np.fromiter(union, dtype=np.int64)
+        cost = len(union) * lengths[union].max() if layout == "padded" else lengths[union].sum()
+        return rows[union].sum() <= 64 and cost <= 128
+
     try:
         plan = plan_batches(lengths, config, **data)
     except UserError as err:
         # Refused only when it cannot be done: the packed micro-batches (one rank's plan, nothing
-        # re-dealt) do not divide by the ranks, too few hold 2+ samples to split, and no two fit together.
+        # re-dealt) do not divide by the ranks, too few hold 2+ samples to split, and no merges of
+        # them into unions that fit bring their count down to a multiple of the ranks.
         assert "no two of them fit together" in str(err)
         packed = plan_batches(lengths, dataclasses.replace(config, world_size=1, balance=False), **data)[0]
         splits = -len(packed) % world_size
         assert splits and sum(len(b) - 1 for b in packed) < splits
-        for a, b in itertools.combinations(packed, 2):
-            union = np.concatenate([a, b])
-            cost = len(union) * lengths[union].max() if layout == "padded" else lengths[union].sum()
-            assert rows[union].sum() > 64 or cost > 128, "a pair fits, so the plan was possible"
+        assert not _can_merge(packed, len(packed) % world_size, fits), "merges fit, so the plan was possible"
         return
     assert len({len(rank) for rank in plan}) == 1
     flat = np.concatenate([b for rank in plan for b in rank])
