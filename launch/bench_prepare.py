@@ -23,6 +23,7 @@ import numpy as np
 
 from dflash.demo import TARGET
 from dflash.errors import UserError, exit_on_user_error
+from dflash.options import number
 
 SEED_CONVERSATIONS = 902_000
 
@@ -30,11 +31,12 @@ SEED_CONVERSATIONS = 902_000
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default=str(TARGET), help="tokenizer folder with a chat template (default: demo)")
-    p.add_argument("--conversations", type=int, default=2000, help="synthetic conversations (default: 2000)")
-    p.add_argument("--num-proc", type=int, default=2, help="tokenizing processes (default: 2)")
+    p.add_argument("--conversations", type=number(int, minimum=1), default=2000,
+                   help="synthetic conversations (default: 2000)")
+    p.add_argument("--num-proc", type=number(int, minimum=1), default=2, help="tokenizing processes (default: 2)")
     p.add_argument("--format", choices=("parquet", "jsonl"), default="parquet", help="input format (default: parquet)")
     p.add_argument("--workdir", default=None, help="folder for the input and the store (default: a temporary one)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(int, minimum=0), default=0)
     return p.parse_args(argv)
 
 

@@ -26,7 +26,7 @@ def parse_args(argv=None):
                         "datasets save_to_disk folder")
     p.add_argument("--messages-field", default=None,
                    help="the column holding each conversation's turns (default: messages, else conversations)")
-    p.add_argument("--num-proc", type=int, default=None,
+    p.add_argument("--num-proc", type=number(int, minimum=1), default=None,
                    help="tokenizing processes (default: one per 16 MiB of input, up to the CPUs available)")
     p.add_argument("--tokenizer", required=True,
                    help="local Hugging Face tokenizer (or model) folder with a chat template")
