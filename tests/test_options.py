@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import importlib.util
 import inspect
+import os
 import sys
 
 import pytest
@@ -34,10 +35,17 @@ def own_parser(name, monkeypatch):
     monkeypatch.setattr(sys, "argv", [f"{name}.py"])
     spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    main = module.main
-    with pytest.raises(Captured) as got:
-        main([]) if inspect.signature(main).parameters else main()
+    # Some commands set or drop variables as they load (compile_kernels drops TRITON_INTERPRET):
+    # the rest of the session must not run without the interpreter.
+    env = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+        main = module.main
+        with pytest.raises(Captured) as got:
+            main([]) if inspect.signature(main).parameters else main()
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
     return got.value.parser
 
 

@@ -26,7 +26,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
     TorchCheckpointEngine,
 )
 
-from dflash.models.drafter import DFlashDrafter
+from dflash.models.loss import BlockLoss
 from dflash.training import checkpoint, trainer
 
 # the launcher puts --local_rank=N first; train.py takes it too
@@ -88,15 +88,15 @@ elif kind == "wait":
     wrap(trainer.Trainer, "train_step", before=wait)
 elif kind == "nan":
     first, last = map(int, where.split("-"))
-    forward = DFlashDrafter.forward
+    score = BlockLoss.__call__
 
     def poisoned(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
+        out = score(self, *args, **kwargs)
         if torch.is_grad_enabled() and first <= now["step"] <= last:
             out.loss_sum = out.loss_sum * float("nan")
         return out
 
-    DFlashDrafter.forward = poisoned
+    BlockLoss.__call__ = poisoned
 else:
     raise SystemExit(f"unknown fault {fault!r}")
 
