@@ -20,7 +20,15 @@ from dflash.models.config import (
 )
 from dflash.models.drafter import DFlashDrafter, DrafterCache
 from dflash.models.flops import measure_flops, target_forward_flops
-from dflash.models.loss import BlockLoss, LossOutput, acceptance_stats, chunked_weighted_ce, slot_weights
+from dflash.models.loss import (
+    BlockLoss,
+    LogitTerm,
+    LossOutput,
+    acceptance_stats,
+    chunked_loss,
+    chunked_weighted_ce,
+    slot_weights,
+)
 from dflash.models.target import SharedWeights, TargetModel, load_language_model
 from dflash.models.target_spec import TARGET_FAMILIES, TargetSpec, load_target_spec
 
@@ -33,6 +41,7 @@ __all__ = [
     "DFlashDrafter",
     "DrafterCache",
     "DrafterConfig",
+    "LogitTerm",
     "LossOutput",
     "MASK_TOKEN",
     "SharedWeights",
@@ -42,6 +51,7 @@ __all__ = [
     "acceptance_stats",
     "block_tensors",
     "check_target_layer_ids",
+    "chunked_loss",
     "chunked_weighted_ce",
     "default_gamma",
     "default_target_layer_ids",

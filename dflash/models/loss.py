@@ -1,4 +1,5 @@
-"""Weighted cross-entropy through the frozen lm_head in chunks, and the acceptance metrics.
+"""The loss room: weighted cross-entropy through the frozen lm_head in chunks, the terms that
+share its pass (`LogitTerm`), and the acceptance metrics.
 
 Full logits of all block tokens (anchors*B x vocab per sample: 8192 x 151936 floats is 5 GB)
 never exist: the forward walks the rows in chunks, keeps only the loss sum, the argmax and
@@ -11,7 +12,7 @@ optimizer step (all micro-batches, all ranks).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,12 +29,44 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
+class LogitTerm:
+    """One term of the objective besides the cross-entropy, evaluated on each chunk of the drafter's
+    logits inside the one chunked lm_head pass (so it never needs a rows x vocab buffer).
+
+    A term is built with its options (`weight` first), gets each micro-batch's `Blocks` and
+    `context` (named tensors the drafter or the target provide, e.g. target states) in `start`,
+    and returns per chunk the sum of its loss over the chunk's rows and that sum's gradient with
+    respect to the chunk's logits. The loss adds `weight` x the sum to `loss_sum` and reports the
+    unweighted sum in `LossOutput.parts[name]`.
+
+    Rows are the scored slots, block-major: row r is slot k = r % (B-1) + 1 of block r // (B-1),
+    labelled `blocks.labels.view(-1)[r]`, weighted `blocks.weights.view(-1)[r]` (0: not scored).
+    """
+
+    name = "term"
+    vocab_buffers = 1  # (chunk x vocab) float32 buffers it holds at once besides the logits (memory plan)
+
+    def __init__(self, weight: float = 1.0):
+        if not weight >= 0:
+            raise ValueError(f"the weight of the {self.name} term must be >= 0, got {weight}")
+        self.weight = float(weight)
+
+    def start(self, blocks: Blocks, context: dict) -> None:
+        """Before the chunks of one micro-batch."""
+
+    def chunk(self, logits: torch.Tensor, lo: int, hi: int,
+              need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits (hi - lo, V) float32 of rows lo..hi, read-only -> (loss sum, d sum / d logits or None)."""
+        raise NotImplementedError
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows, temperatures):
+    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows, temperatures, ce_weight, terms):
         need_grad = ctx.needs_input_grad[0]
         n = hidden.shape[0]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        parts = torch.zeros(1 + len(terms), dtype=torch.float32, device=hidden.device)  # unweighted: ce, terms
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         label_logprobs = torch.empty(n, len(temperatures), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
@@ -41,33 +74,66 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for lo in range(0, n, chunk_rows):
             hi = min(lo + chunk_rows, n)
             labels_c, w = labels[lo:hi], row_weights[lo:hi].float()
-            logits = (hidden[lo:hi] @ weight.t()).float()  # (c, V): the only vocab-wide buffer
+            logits = (hidden[lo:hi] @ weight.t()).float()  # (c, V): the only vocab-wide buffer of the CE
             preds[lo:hi] = logits.argmax(dim=-1)
             tgt = logits.gather(1, labels_c[:, None]).squeeze(1)
             for i, t in enumerate(temperatures):  # log softmax(logits / t)[label], before the in-place softmax
                 label_logprobs[lo:hi, i] = tgt / t - torch.logsumexp(logits / t, dim=-1)
+            extra = None  # the other terms' weighted gradient, before the CE overwrites the logits
+            for i, term in enumerate(terms):
+                part, grad = term.chunk(logits, lo, hi, need_grad)
+                parts[1 + i] += part
+                loss_sum += term.weight * part
+                if need_grad and grad is not None and term.weight:
+                    extra = grad.mul_(term.weight) if extra is None else extra.add_(grad, alpha=term.weight)
+                del grad
             # Softmax in place on the logits, so a chunk never holds a second (c, V) buffer.
             top = logits.amax(dim=-1, keepdim=True)
             probs = logits.sub_(top).exp_()
             total = probs.sum(dim=-1, keepdim=True)
             lse = (total.log() + top).squeeze(1)
-            loss_sum += ((lse - tgt) * w).sum()
+            ce = ((lse - tgt) * w).sum()
+            parts[0] += ce
+            loss_sum += ce_weight * ce
             if need_grad:
                 # d(w * CE)/dlogits = w * (softmax - onehot)
                 probs.div_(total)
                 probs[rows[: hi - lo], labels_c] -= 1.0
-                probs.mul_(w[:, None])
+                probs.mul_(w[:, None] * ce_weight)
+                if extra is not None:
+                    probs.add_(extra)
                 grad_hidden[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-            del logits, probs  # free this chunk before the next one is allocated
-        ctx.mark_non_differentiable(preds, label_logprobs)
+            del logits, probs, extra  # free this chunk before the next one is allocated
+        ctx.mark_non_differentiable(preds, label_logprobs, parts)
         if need_grad:
             ctx.save_for_backward(grad_hidden)
-        return loss_sum, preds, label_logprobs
+        return loss_sum, preds, label_logprobs, parts
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_preds, _grad_label_logprobs):
+    def backward(ctx, grad_loss, _grad_preds, _grad_label_logprobs, _grad_parts):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None
+
+
+def chunked_loss(hidden, lm_head_weight, labels, row_weights, chunk_rows=None, temperatures=(), *, ce_weight=1.0,
+                 terms=()):
+    """The objective's one chunked lm_head pass: ce_weight x weighted cross-entropy plus each term's
+    weight x its sum (see `chunked_weighted_ce` for the arguments).
+
+    Returns (loss_sum, preds, label_logprobs, parts): parts (1 + len(terms),) float32, the unweighted
+    sums of the cross-entropy and of each term.
+    """
+    chunk_rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else chunk_rows
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if lm_head_weight.requires_grad:
+        raise ValueError("the lm_head is frozen in DFlash training; pass a weight with requires_grad=False")
+    if any(not t > 0 for t in temperatures):
+        raise ValueError(f"temperatures must be > 0, got {tuple(temperatures)}")
+    if not ce_weight >= 0:
+        raise ValueError(f"the cross-entropy weight must be >= 0, got {ce_weight}")
+    return _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, row_weights, chunk_rows, tuple(temperatures),
+                                  float(ce_weight), tuple(terms))
 
 
 def chunked_weighted_ce(
@@ -94,13 +160,9 @@ def chunked_weighted_ce(
         preds: (N,) int64 argmax of the logits (no gradient), for accuracy and tau.
         label_logprobs: (N, len(temperatures)) float32 (no gradient), log softmax(logits / t)[label].
     """
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    if lm_head_weight.requires_grad:
-        raise ValueError("the lm_head is frozen in DFlash training; pass a weight with requires_grad=False")
-    if any(not t > 0 for t in temperatures):
-        raise ValueError(f"temperatures must be > 0, got {tuple(temperatures)}")
-    return _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, row_weights, chunk_rows, tuple(temperatures))
+    loss_sum, preds, label_logprobs, _ = chunked_loss(hidden, lm_head_weight, labels, row_weights, chunk_rows,
+                                                      temperatures)
+    return loss_sum, preds, label_logprobs
 
 
 def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,6 +203,8 @@ class LossOutput:
     hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
     num_blocks: int
     num_skipped: int  # samples skipped for too few supervised tokens
+    # unweighted sums of each part of the objective ("ce" and every term's name), detached scalars
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
     # (NB, B-1, len(temperatures)) float32, when the loss was given temperatures: log q_t(label) of slot k of
     # block j at each temperature t (the eval walk at temperature), -inf where the label is not valid
     label_logq: torch.Tensor | None = None
@@ -148,28 +212,42 @@ class LossOutput:
 
 class BlockLoss:
     """The DFlash objective: slot-weighted cross-entropy of every block's slots 1..B-1 through the
-    frozen lm_head (chunked: no rows x vocab buffer), with the acceptance metrics of the same pass.
+    frozen lm_head (chunked: no rows x vocab buffer), plus any `LogitTerm`s evaluated on the same
+    chunks, with the acceptance metrics of the same pass.
 
-    A new loss term reads the same inputs (the drafter's hidden states, the `Blocks` with their
-    labels, validity and weights, the lm_head) and adds its sum to `loss_sum`.
+    loss_sum = ce_weight x sum of w_k CE + sum over terms of weight x its sum. A new term is a
+    `LogitTerm` subclass (its options are its constructor's arguments); nothing else changes.
 
     Example:
         out = BlockLoss()(drafter(batch, features, blocks), blocks, drafter.lm_head)
         engine.backward(out.loss_sum / step_weight_total)
     """
 
-    def __init__(self, chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        self.chunk_rows = chunk_rows
+    def __init__(self, chunk_rows: int = DEFAULT_CHUNK_ROWS, *, ce_weight: float = 1.0, terms=()):
+        self.chunk_rows, self.ce_weight, self.terms = chunk_rows, float(ce_weight), tuple(terms)
+        names = ["ce"] + [t.name for t in self.terms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"loss parts must have distinct names, got {names}")
+        if not self.ce_weight and not any(t.weight for t in self.terms):
+            raise ValueError("the objective is empty: the cross-entropy weight is 0 and no term weighs anything")
+
+    @property
+    def vocab_buffers(self) -> int:
+        """(chunk x vocab) float32 buffers of one chunk at once: the logits and each term's."""
+        return 1 + sum(t.vocab_buffers for t in self.terms)
 
     def __call__(self, hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor,
-                 temperatures: tuple[float, ...] = ()) -> LossOutput:
+                 temperatures: tuple[float, ...] = (), context: dict | None = None) -> LossOutput:
         """hidden (NB*B, H) final-normed drafter states of `blocks`; temperatures: also each label's
-        log-probability under the drafter's softmax at these temperatures (> 0), `label_logq`."""
+        log-probability under the drafter's softmax at these temperatures (> 0), `label_logq`;
+        context: named tensors the terms read (see each term)."""
         B, H, n = blocks.block_size, hidden.shape[-1], blocks.num_blocks
+        for term in self.terms:
+            term.start(blocks, context or {})
         scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
-        loss_sum, preds, logq = chunked_weighted_ce(
+        loss_sum, preds, logq, parts = chunked_loss(
             scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), blocks.weights.reshape(-1), self.chunk_rows,
-            temperatures,
+            temperatures, ce_weight=self.ce_weight, terms=self.terms,
         )
         correct = preds.view_as(blocks.labels) == blocks.labels
         valid = blocks.valid
@@ -186,4 +264,5 @@ class BlockLoss:
             num_skipped=blocks.num_skipped,
             label_logq=logq.view(-1, B - 1, len(temperatures))[:n].masked_fill(
                 ~valid[:n, :, None], float("-inf")) if temperatures else None,
+            parts=dict(zip(["ce"] + [t.name for t in self.terms], parts.unbind(), strict=True)),
         )

@@ -85,3 +85,50 @@ def test_acceptance_stats():
     assert float(tau_sum) == (2 + 1) + (2 + 1) + (0 + 1) + (4 + 1)  # an invalid slot stops acceptance
     assert slot_correct.tolist() == [3, 4, 2, 3]
     assert slot_count.tolist() == [4, 4, 3, 3]
+
+
+class _SquaredLSE:
+    """A test term: the sum over scored rows of weight_r x logsumexp(logits_r)^2 (z-loss's shape)."""
+
+    name, vocab_buffers = "zsq", 1
+
+    def __init__(self, weight, row_weights):
+        self.weight, self.row_weights = weight, row_weights
+
+    def start(self, blocks, context):
+        pass
+
+    def chunk(self, logits, lo, hi, need_grad):
+        w = self.row_weights[lo:hi]
+        lse = torch.logsumexp(logits, dim=-1)
+        grad = (2 * w * lse)[:, None] * torch.softmax(logits, dim=-1) if need_grad else None
+        return (w * lse**2).sum(), grad
+
+
+@pytest.mark.parametrize("ce_weight", [1.0, 0.3, 0.0])
+def test_terms_share_the_chunked_pass_with_their_weights_and_gradients(ce_weight):
+    from dflash.models import chunked_loss
+
+    h, weight, labels, w = inputs(37, 300, 16)
+    term = _SquaredLSE(0.7, w)
+    loss, preds, _, parts = chunked_loss(h, weight, labels, w, 7, ce_weight=ce_weight, terms=(term,))
+    (grad,) = torch.autograd.grad(2.0 * loss, h)
+    logits = h @ weight.t()
+    ce = (F.cross_entropy(logits, labels, reduction="none") * w).sum()
+    zsq = (w * torch.logsumexp(logits, -1) ** 2).sum()
+    ref = ce_weight * ce + 0.7 * zsq
+    (ref_grad,) = torch.autograd.grad(2.0 * ref, h)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(parts, torch.stack([ce, zsq]).detach(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(preds, logits.argmax(-1))
+
+
+def test_block_loss_names_its_parts_and_refuses_an_empty_objective():
+    from dflash.models import BlockLoss
+
+    with pytest.raises(ValueError, match="empty"):
+        BlockLoss(ce_weight=0.0)
+    with pytest.raises(ValueError, match="distinct"):
+        BlockLoss(terms=(_SquaredLSE(1.0, None), _SquaredLSE(1.0, None)))
+    assert BlockLoss(terms=(_SquaredLSE(1.0, None),)).vocab_buffers == 2
