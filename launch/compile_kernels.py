@@ -54,7 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--first-only", action="store_true", help="only the first config of each kernel (a quick check)")
     p.add_argument("--causal-only", action="store_true", help="varlen: only the causal kernels (the target's)")
     p.add_argument("--sliding-only", action="store_true",
-                   help="block: only the sliding-layer variants (HAS_WINDOW, CAUSAL: a drafter's sliding_attention)")
+                   help="block: only the sliding-layer variants (HAS_WINDOW, causal or not: a drafter's "
+                        "sliding_attention, DFlash2's all bidirectional)")
+    p.add_argument("--kernel", nargs="+", metavar="NAME",
+                   help="only these kernels (e.g. _fwd_kernel: the block forward, or varlen's, with --op)")
     p.add_argument("--jobs", type=number(int, minimum=1), default=min(4, os.cpu_count() or 1),
                    help="compiler processes")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout)")
@@ -98,6 +101,8 @@ def tasks(args):
                             continue
                         if op == "block" and args.sliding_only and not constexprs.get("HAS_WINDOW"):
                             continue
+                        if args.kernel and tuner.fn.__name__ not in args.kernel:
+                            continue
                         out += [(op, index, config_index, arch, head_dim, dtype, args.heads, args.kv_heads)
                                 for config_index in range(1 if args.first_only else len(tuner.configs))]
     return out
@@ -132,7 +137,8 @@ def table(records) -> str:
             " (deterministic)" if "FUSED_DQ" in r["constexprs"] else "")
         causal = {True: " causal", False: " full"}.get(r["constexprs"].get("CAUSAL"), "")
         if "HAS_WINDOW" in r["constexprs"]:  # block attention: a drafter's sliding or full layers
-            causal = " sliding" if r["constexprs"]["HAS_WINDOW"] else " full"
+            causal = ((" sliding causal" if r["constexprs"]["CAUSAL"] else " sliding bidirectional")
+                      if r["constexprs"]["HAS_WINDOW"] else " full")
         tile = ",".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in ("BLOCK_M", "BLOCK_N", "OWN_M"))
         key = (r["op"], f"`{r['kernel']}`{causal}{variant}", r["arch"], f"d{r['head_dim']} {r['dtype']}", tile)
         groups.setdefault(key, []).append(r)

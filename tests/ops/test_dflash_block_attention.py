@@ -142,6 +142,9 @@ SLIDING_CASES = [
     pytest.param([50, 6], 3, 6, 2, 2, 32, torch.float32, None, 3, True, id="fp32-block6-w3"),
     pytest.param([1, 40, 2], 0, 4, 2, 1, 32, torch.float32, EDGES, 5, True, id="edges-w5"),
     pytest.param([45, 9], 3, 4, 2, 1, 32, torch.float32, None, 7, False, id="bidirectional-w7"),
+    # DFlash2's layers (sliding, not causal) in bf16; head dim 16: one forward accumulator (16-row groups)
+    pytest.param([50, 37], 4, 4, 4, 2, 32, torch.bfloat16, None, 21, False, id="bf16-d32-w21-bidirectional"),
+    pytest.param([45, 9], 3, 4, 2, 1, 16, torch.float32, None, 7, False, id="d16-bidirectional-w7"),
     pytest.param([45, 9], 3, 4, 2, 1, 32, torch.float32, None, None, True, id="full-causal"),
 ]
 

@@ -84,13 +84,17 @@ def test_first_varlen_call_after_autotuning_matches_the_reference(monkeypatch, c
         check_close(name, got, want)
 
 
-def test_first_block_call_after_autotuning_matches_the_reference(monkeypatch, check_close):
-    """As for varlen: the block dK/dV kernel adds the context's dQ into DQ_ACC (error 4.6 before)."""
+@pytest.mark.parametrize("window,causal", [(None, False), (6, True), (6, False)],
+                         ids=["full", "sliding-causal", "sliding-bidirectional"])
+def test_first_block_call_after_autotuning_matches_the_reference(monkeypatch, check_close, window, causal):
+    """As for varlen: the block dK/dV kernel adds the context's dQ into DQ_ACC (error 4.6 before);
+    also for a drafter's sliding layers (DFlash2's: sliding, not causal), each variant tuned anew."""
     calls = _simulate_gpu_tuning(monkeypatch, BLOCK, [2.0, 1.0])
     inputs, do, cu, seq, anchor = _batch([40, 1, 23], 3, 4, 2, 1, 32, torch.float32)
-    out, grads = _run_block(inputs, do, cu, seq, anchor, 4, "triton", deterministic=False)
-    assert calls[bk._bwd_ctx_kernel] == 2
-    ref, ref_grads = _run_block(inputs, do, cu, seq, anchor, 4, "torch", torch.float64)
+    out, grads = _run_block(inputs, do, cu, seq, anchor, 4, "triton", deterministic=False, window=window,
+                            causal=causal)
+    assert calls[bk._bwd_ctx_kernel] == 2 and calls[bk._fwd_kernel] == 2
+    ref, ref_grads = _run_block(inputs, do, cu, seq, anchor, 4, "torch", torch.float64, window=window, causal=causal)
     for name, got, want in zip(("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), (out, *grads),
                                (ref, *ref_grads), strict=True):
         check_close(name, got, want)
@@ -130,7 +134,7 @@ def test_pinned_config_is_the_fastest_expected():
 
 # Constexprs a tuning key need not hold: the tuned tiles, and tiles fixed by head_dim, dtype and B
 # (in the key) on a given GPU.
-_DERIVED = {"BLOCK_M", "BLOCK_N", "BPG", "OWN_M", "PER_PART", "BLOCK"}
+_DERIVED = {"BLOCK_M", "BLOCK_N", "BPG", "OWN_M", "PER_PART", "BLOCK", "SPLIT_D"}
 
 
 @pytest.mark.parametrize("tuner", VARLEN + BLOCK,

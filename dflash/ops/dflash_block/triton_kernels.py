@@ -113,37 +113,55 @@ def _sees_own(same, slot_q, slot_k, window, HAS_WINDOW: tl.constexpr, CAUSAL: tl
 
 
 @triton.jit
-def _fwd_ctx(q, kc_base, vc_base, n_lo, n_hi, amax, anchor, first, m_i, l_i, acc, qk_scale,
+def _masked_load(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _add_pv(acc, acc_hi, alpha, p, v_ptrs, v_mask, MASKED: tl.constexpr, DH: tl.constexpr, SPLIT_D: tl.constexpr):
+    """acc * alpha + p @ v, v's columns [0, DH) into acc and, with SPLIT_D, [DH, 2 DH) into acc_hi."""
+    acc = acc * alpha[:, None] + tl.dot(p, _masked_load(v_ptrs, v_mask, MASKED))
+    if SPLIT_D:
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, _masked_load(v_ptrs + DH, v_mask, MASKED))
+    return acc, acc_hi
+
+
+@triton.jit
+def _fwd_ctx(q, kc_base, vc_base, n_lo, n_hi, amax, anchor, first, m_i, l_i, acc, acc_hi, qk_scale,
              HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, MASKED: tl.constexpr,
-             HAS_WINDOW: tl.constexpr):
+             HAS_WINDOW: tl.constexpr, SPLIT_D: tl.constexpr):
     """Online softmax over the context tiles [n_lo, n_hi): every column seen by every row, or
     (MASKED) as _sees_context says, with columns past amax not loaded."""
+    DH: tl.constexpr = D // 2 if SPLIT_D else D
     offs_d = tl.arange(0, D)
+    offs_dh = tl.arange(0, DH)
     offs_n = tl.arange(0, BLOCK_N)
     if OFFS64:
         offs_n = offs_n.to(tl.int64)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + offs_n
+        v_ptrs = vc_base + cols[:, None] * (HKV * D) + offs_dh[None, :]
+        col_ok = cols < amax  # (MASKED only)
         if MASKED:
-            col_ok = cols < amax
             kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-            v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             s = tl.dot(q, kT)  # scaled inside exp2 below: one FMA per score
             s = tl.where(_sees_context(cols, anchor, first, HAS_WINDOW), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
         else:
             kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None])
-            v = tl.load(vc_base + cols[:, None] * (HKV * D) + offs_d[None, :])
             s = tl.dot(q, kT)
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_safe = m_new
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc, acc_hi = _add_pv(acc, acc_hi, alpha, p.to(kT.dtype), v_ptrs, col_ok[:, None], MASKED, DH,
+                              SPLIT_D)
         m_i = m_new
-    return m_i, l_i, acc
+    return m_i, l_i, acc, acc_hi
 
 
 @triton.jit
@@ -178,7 +196,7 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
                 grp_order, qk_scale, n_window, n_bucket, n_rows,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                CAUSAL: tl.constexpr):
+                CAUSAL: tl.constexpr, SPLIT_D: tl.constexpr):
     pid = tl.program_id(0)
     i_g = tl.load(grp_order + pid // HQ)
     i_h = pid % HQ
@@ -196,20 +214,21 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     kc_base = KC + bos * (HKV * D) + i_kh * D
     vc_base = VC + bos * (HKV * D) + i_kh * D
 
+    DH: tl.constexpr = D // 2 if SPLIT_D else D
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, DH], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, DH], tl.float32)  # columns [DH, D) with SPLIT_D, else unused
     first, lo, full_lo, full_hi = _window_start(anchor, amin, amax, n_window, B, BLOCK_M, BLOCK_N, HAS_WINDOW)
-    m_i, l_i, acc = _fwd_ctx(q, kc_base, vc_base, full_lo, full_hi, amax, anchor, first, m_i, l_i, acc, qk_scale,
-                             HKV, D, BLOCK_N, OFFS64, False, HAS_WINDOW)
-    m_i, l_i, acc = _fwd_ctx(q, kc_base, vc_base, lo, full_lo, amax, anchor, first, m_i, l_i, acc, qk_scale,
-                             HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW)
-    m_i, l_i, acc = _fwd_ctx(q, kc_base, vc_base, full_hi, amax, amax, anchor, first, m_i, l_i, acc, qk_scale,
-                             HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW)
+    m_i, l_i, acc, acc_hi = _fwd_ctx(q, kc_base, vc_base, full_lo, full_hi, amax, anchor, first, m_i, l_i, acc,
+                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, False, HAS_WINDOW, SPLIT_D)
+    m_i, l_i, acc, acc_hi = _fwd_ctx(q, kc_base, vc_base, lo, full_lo, amax, anchor, first, m_i, l_i, acc,
+                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW, SPLIT_D)
+    m_i, l_i, acc, acc_hi = _fwd_ctx(q, kc_base, vc_base, full_hi, amax, amax, anchor, first, m_i, l_i, acc,
+                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW, SPLIT_D)
     # The group's own blocks: each row sees the rows of its block that the layer's rule allows.
     kb_off = rows[None, :] * (HKV * D) + i_kh * D + offs_d[:, None]
     kbT = tl.load(KB + kb_off, mask=ok[None, :], other=0.0)  # (D, BLOCK_M)
-    vb = tl.load(VB + rows[:, None] * (HKV * D) + i_kh * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     s = tl.dot(q, kbT)  # scaled inside exp2 below: one FMA per score
     in_block = tl.arange(0, BLOCK_M) % B
     own = _sees_own((slot[:, None] == slot[None, :]) & ok[None, :], in_block, in_block, n_window, HAS_WINDOW, CAUSAL)
@@ -219,16 +238,23 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+    offs_dh = tl.arange(0, DH)
+    vb_ptrs = VB + rows[:, None] * (HKV * D) + i_kh * D + offs_dh[None, :]
+    acc, acc_hi = _add_pv(acc, acc_hi, alpha, p.to(kbT.dtype), vb_ptrs, ok[:, None], True, DH, SPLIT_D)
     m_i = m_new
 
     l_i = tl.where(ok, l_i, 1.0)  # padding rows (never stored) would divide 0 by 0
-    tl.store(OUT + q_off, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
+    out_ptrs = OUT + rows[:, None] * (HQ * D) + i_h * D + offs_dh[None, :]
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
+    if SPLIT_D:
+        tl.store(out_ptrs + DH, (acc_hi / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
     tl.store(LSE + i_h * n_rows + rows, m_i + tl.math.log2(l_i), mask=ok)
 
 
 # dQ is accumulated into DQ_ACC: the autotuner must zero it after timing the configs on the live buffers.
-@autotune({"num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY + ["FUSED_DQ"], BLOCK_FALLBACK,
+# Each kernel's first config fits every GPU of compile_check.MAX_SHARED (the gate's --first-only):
+# on sm_120a 4 warps spill here, 1 stage in the dQ kernel.
+@autotune({"num_warps": [8, 4], "num_stages": [1, 2, 3]}, _KEY + ["FUSED_DQ"], BLOCK_FALLBACK,
           reset_to_zero=["DQ_ACC"])
 @triton.jit(do_not_specialize=["n_bucket", "n_rows", "n_window"])
 def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, block_anchor, grp_blocks, tiles, ranges,
@@ -291,7 +317,7 @@ def _bwd_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DKC, DVC, DQ_ACC, cu_seqlens, blo
     tl.store(DVC + kv_base + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok[:, None])
 
 
-@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
+@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [2, 3, 1]}, _KEY, BLOCK_FALLBACK)
 @triton.jit(do_not_specialize=["n_bucket", "n_rows", "n_window"])
 def _bwd_dq_ctx_kernel(Q, KC, VC, DO, LSE, DELTA, DQ_ACC, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin,
                        grp_amax, grp_order, qk_scale, n_window, n_bucket, n_rows,
@@ -378,14 +404,23 @@ def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_ancho
     tl.store(DVB + kb_off, dvb.to(DVB.dtype.element_ty), mask=ok[:, None])
 
 
+def _split_d(head_dim: int, block_m: int) -> bool:
+    """Whether the forward keeps its output in two accumulators of half the head dim: Triton lays the
+    warps of chained dots out along the longer side of the P @ V tile, so with head_dim > BLOCK_M
+    every warp held all of q's rows (all 18 configs of the sliding forward spilled on sm_120a at
+    head dim 128, bf16); two halves put the warps on the rows."""
+    return head_dim > block_m
+
+
 def _own_tile(block_m: int, block_size: int) -> tuple[int, int]:
     """(rows, blocks) of one _bwd_own_kernel program: half a group where a block fits in half."""
     own_m = max(triton.next_power_of_2(block_size), block_m // 2)
     return own_m, own_m // block_size
 
 
-# (HAS_WINDOW, CAUSAL) of the layer types: full attention, and a drafter's sliding layers.
-VARIANTS = ((False, False), (True, True))
+# (HAS_WINDOW, CAUSAL) of the layer types: full attention, a drafter's sliding layers, and the
+# sliding layers of a drafter with `is_causal: false` (every layer of the released DFlash2 drafters).
+VARIANTS = ((False, False), (True, True), (True, False))
 
 
 def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16,
@@ -400,9 +435,9 @@ def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, 
         ctx = {**common, "BLOCK_N": tile_rows(CTX_BLOCK_N, head_dim, dtype, CTX_ROW_BYTES)}
         own_m, per_part = _own_tile(block_m, block_size)
         own = {**{k: v for k, v in common.items() if k != "BLOCK_M"}, "OWN_M": own_m, "PER_PART": per_part}
-        cases += [(_fwd_kernel, common), (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": True}),
-                  (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}), (_bwd_dq_ctx_kernel, common),
-                  (_bwd_own_kernel, own)]
+        cases += [(_fwd_kernel, {**common, "SPLIT_D": _split_d(head_dim, block_m)}),
+                  (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": True}), (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}),
+                  (_bwd_dq_ctx_kernel, common), (_bwd_own_kernel, own)]
     return cases
 
 
@@ -466,7 +501,7 @@ def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sc
            (q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, sched.blocks, sched.seq, sched.amin,
             sched.amax, sched.order, scale * LOG2E, window or 0, size_bucket(q.shape[0]), q.shape[0]),
            dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, BLOCK_M=sched.block_m, OFFS64=offs64,
-                HAS_WINDOW=window is not None, CAUSAL=causal),
+                HAS_WINDOW=window is not None, CAUSAL=causal, SPLIT_D=_split_d(D, sched.block_m)),
            pinned=deterministic)
     return o, lse
 
