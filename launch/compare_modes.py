@@ -102,7 +102,7 @@ def main(argv=None):
 
     import torch.distributed as dist
 
-    from dflash.training import compare
+    from dflash.training import compare, compare_report
 
     modes = compare.parse_modes(args.modes)
     out = Path(cfg.output_dir)
@@ -114,10 +114,10 @@ def main(argv=None):
     if args.convergence:
         result = compare.measure_convergence(cfg, modes, out, steps=steps, repeats=args.repeats,
                                              eval_every=args.eval_interval, say=say)
-        name, table, plot = "convergence", compare.convergence_table(result), compare.plot_convergence
+        name, table, plot = "convergence", compare_report.convergence_table(result), compare_report.plot_convergence
     else:
         result = compare.measure_throughput(cfg, modes, out, steps=steps, warmup=args.warmup, say=say)
-        name, table, plot = "throughput", compare.throughput_table(result), compare.plot_throughput
+        name, table, plot = "throughput", compare_report.throughput_table(result), compare_report.plot_throughput
     if dist.get_rank() == 0:
         title = (f"{name}: {dist.get_world_size()} rank(s), budget {cfg.token_budget:,}, "
                  f"{cfg.step_tokens:,} tokens/rank/step, {cfg.deepspeed_config}")

@@ -264,6 +264,7 @@ def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
     import torch
 
     from dflash.training import compare
+    from dflash.training.compare_report import throughput_table
     from dflash.training.config import load_config
     from dflash.training.ranks import single_process_env
 
@@ -280,7 +281,7 @@ def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
 
     def record(result):
         report.update(results=result)
-        print(compare.throughput_table(result), flush=True)
+        print(throughput_table(result), flush=True)
 
     try:
         result = compare.measure_sequentially(train_cfg, list(E2E_MODES), runs, steps=steps, warmup=1,

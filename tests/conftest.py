@@ -1,4 +1,5 @@
 import functools
+import importlib.util
 import os
 from pathlib import Path
 
@@ -12,6 +13,15 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def launch_script(name: str):
+    """launch/NAME.py as a module, loaded from its file (launch/ is a folder of scripts, not a
+    package, and putting it on sys.path would let its names shadow installed modules)."""
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

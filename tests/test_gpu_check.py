@@ -11,22 +11,13 @@ import zipfile
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, launch_script
 
 
 def _env():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return env
-
-
-def _gpu_check_module():
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
-    return gpu_check
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -79,7 +70,7 @@ def check_e2e(e2e):
 
 
 def test_stages_before_the_end_to_end_one_leave_it_its_time(tmp_path):
-    gpu_check = _gpu_check_module()
+    gpu_check = launch_script("gpu_check")
     stages = ["correctness", "kernels", "e2e"]
     assert [gpu_check.stage_deadline(s, stages, 450.0, 200.0) for s in stages] == [250.0, 250.0, 450.0]
     assert gpu_check.stage_deadline("kernels", ["kernels"], 450.0, 200.0) == 450.0
@@ -107,7 +98,7 @@ def test_gpu_check_refuses_unknown_stages(tmp_path):
 def test_carried_wheels_go_on_the_path(tmp_path, monkeypatch):
     """What the machine lacks (DeepSpeed for the end-to-end stage) comes as wheels in wheels/, first
     on the path (the carried set was resolved together)."""
-    gpu_check = _gpu_check_module()
+    gpu_check = launch_script("gpu_check")
     for name, answer in (("carried_pkg-1.0-py3-none-any.whl", 42), ("carried_pkg-2.0-cp27-cp27mu-win32.whl", 0)):
         with zipfile.ZipFile(tmp_path / name, "w") as z:
             z.writestr("carried_pkg/__init__.py", f"ANSWER = {answer}\n")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import inspect
 import os
 import sys
@@ -15,7 +14,7 @@ import pytest
 from dflash.errors import UserError
 from dflash.training.config import TrainConfig, _flag, _kind, load_config
 
-from .conftest import ROOT
+from .conftest import ROOT, launch_script
 
 COMMANDS = sorted(p.stem for p in (ROOT / "launch").glob("*.py"))
 TRAIN_FLAGS = {_flag(f.name) for f in dataclasses.fields(TrainConfig)} | {"--deepspeed_config"}
@@ -33,14 +32,11 @@ def own_parser(name, monkeypatch):
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
     monkeypatch.setattr(sys, "argv", [f"{name}.py"])
-    spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
     # Some commands set or drop variables as they load (compile_kernels drops TRITON_INTERPRET):
     # the rest of the session must not run without the interpreter.
     env = dict(os.environ)
     try:
-        spec.loader.exec_module(module)
-        main = module.main
+        main = launch_script(name).main
         with pytest.raises(Captured) as got:
             main([]) if inspect.signature(main).parameters else main()
     finally:

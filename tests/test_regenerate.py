@@ -4,7 +4,6 @@ Uses the bundled demo target (a 1.3M-parameter Qwen3) on a handful of bundled pr
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -16,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
-from dflash.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
+
+from .conftest import launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "launch" / "regenerate.py"
@@ -44,11 +45,8 @@ def write_prompts(path: Path, n: int, start: int = 0) -> Path:
 
 
 def cli_main():
-    """`main` of launch/regenerate.py, imported from its file (launch/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("launch_regenerate", CLI)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    """`main` of launch/regenerate.py."""
+    return launch_script("regenerate").main
 
 
 def run_cli(*args, **popen):

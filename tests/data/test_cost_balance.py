@@ -17,6 +17,8 @@ from dflash.data.supervision import ragged_candidates
 from dflash.errors import UserError
 from dflash.models.flops import flop_cost_model, load_target_config
 
+from ..conftest import launch_script
+
 MODES = [pytest.param(o, lay, id=f"{o}-{lay}") for o in ORDERS for lay in LAYOUTS]
 BLOCK, ANCHORS = 4, 8
 MODEL = CostModel(per_token=1.0, per_pair=0.002, per_row=6.0)
@@ -208,14 +210,7 @@ def test_balanced_planner_resumes_exactly_and_fingerprints_its_settings(data):
 
 
 def _plan_cli():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "launch" / "plan_batches.py"
-    spec = importlib.util.spec_from_file_location("plan_batches_cli", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return launch_script("plan_batches")
 
 
 def test_plan_batches_saves_every_mode_as_dealt(tmp_path, data, capsys):

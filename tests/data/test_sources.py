@@ -188,8 +188,8 @@ def test_a_token_store_folder_is_no_conversation_input(tmp_path, tokenizer):
 def test_regenerate_reads_a_parquet_input_as_its_jsonl_and_resumes_it(tmp_path):
     import torch
 
+    from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate
     from dflash.demo import PROMPTS, TARGET
-    from dflash.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate
 
     torch.set_num_threads(1)
     tok = load_tokenizer(str(TARGET))

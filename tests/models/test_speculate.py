@@ -322,18 +322,14 @@ def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
 def test_speculate_cli_saves_the_runs_heldout_conversations(demo, tmp_path, capsys):
     """--save-heldout writes the lines of the run's data that its held-out split holds (a sample a blank
     line before it moves to another line number, so the source lines, not the store order, are used)."""
-    import importlib.util
-
     from dflash.data.prepare import ensure_store, tokenize_conversation
     from dflash.data.token_store import TokenStore
     from dflash.demo import DATA
     from dflash.training.data import held_out_split
 
-    from ..conftest import ROOT
+    from ..conftest import launch_script
 
-    spec = importlib.util.spec_from_file_location("speculate_cli", ROOT / "launch" / "speculate.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = launch_script("speculate")
     with open(DATA) as f:
         lines = [next(f) for _ in range(12)]
     data, run = tmp_path / "data.jsonl", tmp_path / "run"
@@ -375,15 +371,11 @@ def test_every_anchor_covers_short_samples_in_chunks():
 
 
 def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
-    import importlib.util
-
     from dflash.demo import DATA, TARGET
 
-    from ..conftest import ROOT
+    from ..conftest import launch_script
 
-    spec = importlib.util.spec_from_file_location("speculate_cli", ROOT / "launch" / "speculate.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = launch_script("speculate")
     make_drafter(demo).save_pretrained(tmp_path / "drafter")
     result = cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(DATA), "--target", str(TARGET),
                        "--max-turns", "2", "--max-new-tokens", "6", "--json", "--no-progress"])

@@ -3,7 +3,6 @@ file: a drafter folder lost, cut or not what its config describes is one line, f
 (train.py) and for --drafter (speculate.py)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -13,7 +12,7 @@ from safetensors.torch import save_file
 from dflash.errors import UserError
 from dflash.training.config import load_config
 
-from ..conftest import ROOT
+from ..conftest import launch_script
 from .test_init_drafter import released_drafter
 
 
@@ -65,9 +64,7 @@ def test_a_drafter_folder_lost_cut_or_not_its_config_is_one_line(tmp_path, capsy
         load_config(["--init-drafter", str(folder)])
     assert str(err.value).startswith(message.format(flag="--init-drafter", folder=folder))
 
-    spec = importlib.util.spec_from_file_location("speculate_cli", ROOT / "launch" / "speculate.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = launch_script("speculate")
     with pytest.raises(SystemExit) as e:
         cli.main(["--drafter", str(folder)])
     assert e.value.code == 2

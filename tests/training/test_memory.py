@@ -24,7 +24,7 @@ from dflash.training.memory import (
     target_sizes,
 )
 
-from ..conftest import ROOT
+from ..conftest import ROOT, launch_script
 from .conftest import run_deepspeed, tiny_train_args
 
 
@@ -129,11 +129,7 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading_anything(tiny_run_in
 
 
 def test_plan_memory_compares_the_target_replicated_and_partitioned(capsys):
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        import plan_memory
-    finally:
-        sys.path.pop(0)
+    plan_memory = launch_script("plan_memory")
     plan_memory.main(["--model", "qwen3.5-122b-a10b", "--world-size", "8", "--gpu-memory-gib", "80", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert not result["replicated"]["fits"] and result["zero3"]["fits"] and result["zero3+offload"]["fits"]

@@ -16,7 +16,7 @@ from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
 from dflash.training.ranks import free_port
 
-from ..conftest import ROOT
+from ..conftest import ROOT, launch_script
 from ..models.test_checkpoint import make_drafter
 
 
@@ -142,11 +142,7 @@ def test_export_is_all_or_nothing_and_replaces_only_a_drafter(tmp_path, monkeypa
 
 
 def test_tuner_names_its_own_flag_for_a_bad_base(tmp_path, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tune_cli", ROOT / "launch" / "tune_ds_config.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = launch_script("tune_ds_config")
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"zero_optimization": {"stage": 2}, "wibble": 1}))
     with pytest.raises(SystemExit) as exit_info:

@@ -1,0 +1,169 @@
+"""The generation engines: a batch of token-id prompts in, one `Generation` per prompt out (Hugging
+Face `generate`, vLLM or SGLang offline engines), and the tokenizer they are fed through.
+
+They run the target, so they load it through `dflash.models` (imported on first use; the one
+place the data side reaches into the models package: regeneration comes before the token store).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash.data.generation import stop_ids
+from dflash.data.regenerate.config import RegenerateConfig
+from dflash.errors import UserError
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens, without the stop token
+    hit_limit: bool  # stopped by max_new_tokens, not by an end-of-turn token
+
+
+def _cut(tokens: list[int], stops: list[int], max_new_tokens: int) -> Generation:
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return Generation(tokens[:i], False)
+    return Generation(tokens, len(tokens) >= max_new_tokens)
+
+
+class HFBackend:
+    """Hugging Face `generate` on left-padded batches (GPU when there is one, else the CPU)."""
+
+    name = "hf"
+
+    def __init__(self, target: str, tokenizer, dtype: str):
+        import torch
+        from transformers import GenerationConfig
+
+        from dflash.models.target import load_language_model
+
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device == "cuda" else "float32"
+        # any TargetModel family; an image-text checkpoint: its language model only
+        self.model = load_language_model(target, getattr(torch, dtype), self.device)
+        self.model.eval()
+        self.stops = stop_ids(tokenizer, self.model.generation_config.eos_token_id)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+        # `generate` fills every unset option from the model's generation config (Qwen3 ships
+        # top_k/top_p/temperature); a bare one makes greedy plain argmax and sampling plain
+        # temperature sampling.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.stops, pad_token_id=self.pad)
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 seeds: list[int] | None) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=self.stops, pad_token_id=self.pad,
+            **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}),
+        )
+        if seeds is not None:
+            # `generate` draws from the global generator: one seed per batch is all it can take
+            torch.manual_seed(seeds[0])
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config
+            )
+        new = out[:, width:].tolist()
+        return [_cut(row, self.stops, max_new_tokens) for row in new]
+
+
+class VLLMBackend:
+    """vLLM offline engine, fed token ids (so it sees exactly the rendered chat template)."""
+
+    name = "vllm"
+
+    def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
+        from vllm import LLM
+
+        from dflash.models.target_spec import load_target_spec
+
+        self.llm = LLM(model=target, dtype=dtype, seed=seed or 0)
+        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
+
+    def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, seed=None if seeds is None else seeds[i],
+                stop_token_ids=self.stops, skip_special_tokens=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [_cut(list(o.outputs[0].token_ids), self.stops, max_new_tokens) for o in outs]
+
+
+class SGLangBackend:
+    """SGLang offline engine, fed token ids."""
+
+    name = "sglang"
+
+    def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
+        import sglang
+
+        from dflash.models.target_spec import load_target_spec
+
+        self.engine = sglang.Engine(model_path=target, dtype=dtype, random_seed=seed or 0, log_level="error")
+        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
+
+    def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
+        params = [
+            {
+                "temperature": temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens,
+                "stop_token_ids": self.stops, "skip_special_tokens": False,
+                **({} if seeds is None else {"sampling_seed": seeds[i]}),
+            }
+            for i in range(len(prompts))
+        ]
+        outs = self.engine.generate(input_ids=prompts, sampling_params=params)
+        return [
+            Generation(_cut(list(o["output_ids"]), self.stops, max_new_tokens).token_ids,
+                       o["meta_info"]["finish_reason"]["type"] == "length")
+            for o in outs
+        ]
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def choose_backend(name: str) -> str:
+    """`auto`: vLLM when it is installed and a GPU is present, otherwise Hugging Face."""
+    if name == "auto":
+        import torch
+
+        return "vllm" if _importable("vllm") and torch.cuda.is_available() else "hf"
+    if name in ("vllm", "sglang") and not _importable(name):
+        raise UserError(f"--backend {name}: {name} is not installed (use --backend hf or auto)")
+    return name
+
+
+def load_backend(cfg: RegenerateConfig, tokenizer):
+    name = choose_backend(cfg.backend)
+    if name == "hf":
+        return HFBackend(cfg.target, tokenizer, cfg.dtype)
+    dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
+    cls = VLLMBackend if name == "vllm" else SGLangBackend
+    return cls(cfg.target, tokenizer, dtype, cfg.sampling_seed)
+
+
+def load_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if not tokenizer.chat_template:
+        raise UserError(f"--target {target}: the tokenizer has no chat template")
+    return tokenizer
