@@ -1,8 +1,9 @@
 """The offline compile gate: Triton's compiler and ptxas for a GPU this machine need not have.
 
-Compiling is slow (seconds per config), so CI covers the main case only: the target's causal
-varlen kernels and the delta preprocess, first config, bfloat16, head dim 128 (Qwen3-8B), sm_90a. Every case is
-`python launch/compile_kernels.py` (table in docs/BENCHMARKS.md)."""
+Compiling is slow (seconds per config), so CI covers the main cases only, first config, bfloat16, head dim 128
+(Qwen3-8B): the target's causal varlen kernels and the delta preprocess on sm_90a, and the drafter's sliding block
+forward and own-block backward on sm_120a. Every case is `python launch/compile_kernels.py` (tables in
+docs/BENCHMARKS.md)."""
 import json
 import os
 import subprocess
