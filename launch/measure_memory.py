@@ -36,7 +36,7 @@ def _take(argv: list[str], flag: str, default: int) -> tuple[list[str], int]:
 
 @exit_on_user_error
 def main(argv=None):
-    from dflash.models.flops import measure_peak_tensor_bytes
+    from dflash.training.memory_probe import PhaseMemory, TensorBytes
 
     argv, steps = _take(list(sys.argv[1:] if argv is None else argv), "--measure-steps", 3)
     cfg = load_config([*argv, "--overwrite", "--no-export", "--speculate-turns", "0", "--max-steps", str(steps),
@@ -57,22 +57,22 @@ def main(argv=None):
     target = load_train_target(cfg, load_target_spec(cfg.target), device, resolve_dtype(cfg.dtype, device))
     loaded = target_bytes(target.model)
     seen = []
-
-    def run():
+    with TensorBytes() as counter:
         trainer = Trainer(cfg, target=target)
+        trainer.phases = PhaseMemory(trainer.device, trainer.models.drafter, counter)
         while trainer.step < steps:
             trainer.train_step()
             seen.extend(trainer.micro_batch_shapes)
-        return trainer
-
-    peak, trainer = measure_peak_tensor_bytes(run)
-    measured = peak + loaded["resident"] + loaded["shared"]
+    measured = counter.peak + loaded["resident"] + loaded["shared"]
     plan = trainer.memory_plan
-    tokens, rows = max(seen, key=lambda tr: plan.peak(*tr)["total"])
-    items = plan.peak(tokens, rows)
+    tokens, rows, row_keys = max(seen, key=lambda shape: plan.peak(*shape)["total"])
+    items = plan.peak(tokens, rows, row_keys)
     # the reserve is not tensors: the CPU check compares tensor bytes alone
     record = {"rank": dist.get_rank(), "measured": measured, "estimate": items["total"],
-              "error": items["total"] / measured - 1, "tokens": tokens, "rows": rows, "items": items}
+              "error": items["total"] / measured - 1, "tokens": tokens, "rows": rows, "row_keys": row_keys,
+              "items": items,
+              "phases": {k: v + loaded["resident"] + loaded["shared"] for k, v in trainer.phases.peaks.items()},
+              "shapes": seen}
     print(json.dumps(record), flush=True)
     return record
 

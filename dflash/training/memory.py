@@ -135,6 +135,9 @@ class MemorySetup:
     activation_checkpointing: bool = False
     block_size: int = 16
     num_anchors: int = 512
+    # the drafter's block attention: "kernel" (Triton or FlexAttention: output and log-sum-exp saved) or
+    # "reference" (dflash.ops' per-sample torch reference, the CPU's: its scores saved, per row and key)
+    attention: str = "kernel"
 
     @classmethod
     def from_ds_config(cls, ds_config: dict, **kwargs) -> MemorySetup:
@@ -252,6 +255,18 @@ class MemoryPlan:
         scored = (s.block_size - 1) / s.block_size
         return int(layers + (4 + b) * d.hidden + 4 + scored * d.hidden * b + 2 * d.head_dim * b + 48)
 
+    def reference_layer(self, rows: int, row_keys: int) -> int:
+        """What the per-sample torch reference of the block attention saves in one layer beyond the
+        kernels' output and log-sum-exp (0 with the kernels): per (row, context key) pair and head its
+        fp32 softmax and one copy of it at the training dtype (the value einsum's operand), per pair the
+        visibility mask; per row the same for its B block keys, and the copies of q, k and v its
+        per-sample gather makes. `row_keys`: the sum over samples of rows x length."""
+        if self.setup.attention != "reference":
+            return 0
+        d, b, B = self.drafter, self.setup.dtype_bytes, self.setup.block_size
+        per_pair = d.heads * (4 + b)
+        return row_keys * (per_pair + 1) + rows * (B * per_pair + (d.heads + 2 * d.kv_heads) * d.head_dim * b)
+
     def transient(self, tokens: int, rows: int) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, and
         one lm_head chunk (logits, their fp32 softmax, the chunk's input gradient); the backward
@@ -269,13 +284,17 @@ class MemoryPlan:
             + tokens * ((4 + 5 * b) * kv + 4 * d.kv_heads + b * d.hidden)
         return max(loss, layer)
 
-    def drafter_phase(self, tokens: int, rows: int) -> int:
-        return tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows)
+    def drafter_phase(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
+        """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be)."""
+        row_keys = rows * tokens if row_keys is None else row_keys
+        reference = self.reference_layer(rows, row_keys)
+        layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
+        return tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows) + layers * reference
 
-    def peak(self, tokens: int, rows: int) -> dict:
-        """Bytes at the peak of a micro-batch, by item; "total" sums them."""
+    def peak(self, tokens: int, rows: int, row_keys: int | None = None) -> dict:
+        """Bytes at the peak of a micro-batch, by item; "total" sums them. `row_keys`: see drafter_phase."""
         items = dict(self.static())
-        target, drafter = self.target_phase(tokens), self.drafter_phase(tokens, rows)
+        target, drafter = self.target_phase(tokens), self.drafter_phase(tokens, rows, row_keys)
         if target > drafter:
             items[f"target features forward of {tokens:,} tokens"] = target
         else:
@@ -359,13 +378,63 @@ def accelerator_memory(device, memory_gib: float) -> int | None:
     return None
 
 
-def run_plan(cfg, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int) -> MemoryPlan:
-    """The plan of a training run (`TrainConfig`) on the target `spec`, from its config alone."""
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE = "expandable_segments:True"
+_SET_HERE: list[str] = []  # the setting this process made (so a second call still says whose it is)
+
+
+def cuda_allocator(environ, device) -> str | None:
+    """On CUDA, PyTorch's allocator with expandable segments (late-run fragmentation is what runs out of
+    memory after hours with a plan that fits), unless the user set their own (PYTORCH_CUDA_ALLOC_CONF or
+    torch's newer PYTORCH_ALLOC_CONF); the run header's line on it. None elsewhere."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    if not _SET_HERE:
+        for name in ("PYTORCH_ALLOC_CONF", ALLOC_CONF):
+            if environ.get(name):
+                return f"CUDA allocator: {name}={environ[name]} (yours, kept)"
+        environ[ALLOC_CONF] = EXPANDABLE
+        _SET_HERE.append(EXPANDABLE)
+        if torch.cuda.is_initialized():  # the allocator may have read its settings already
+            torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+    return (f"CUDA allocator: {ALLOC_CONF}={EXPANDABLE} (set by dflash against fragmentation late in a run; "
+            f"set {ALLOC_CONF} yourself to choose another)")
+
+
+def out_of_memory(plan: MemoryPlan, memory: int | None, *, step: int, shape: tuple[int, int, int] | None,
+                  row_budget: int, token_budget: int, checkpoint: str | None) -> str:
+    """The one line a run stops with when a step runs out of memory: where, what the plan said, what to
+    lower, and the checkpoint to resume from. `shape`: (tokens, rows, row_keys) of the micro-batch that
+    ran out, None for the optimizer step."""
+    where = "in the optimizer step" if shape is None else \
+        f"in a micro-batch of {shape[0]:,} tokens and {shape[1]:,} drafter rows"
+    if shape is None:
+        planned = ""
+    else:
+        limit = f" of {gib(plan.usable(memory))} usable" if memory else ""
+        planned = f" (the memory plan: {gib(plan.peak(*shape)['total'])} per rank{limit})"
+    flag = f"lower --row-budget (now {row_budget:,})" if row_budget else \
+        f"give a --row-budget below {shape[1]:,}" if shape else "use --deepspeed_config ds_configs/zero3.json"
+    resume = f"the last checkpoint, {checkpoint}, is intact: rerun with --resume" if checkpoint else \
+        "no checkpoint was written yet"
+    return (f"step {step}: out of memory {where}{planned}; {flag} or --token-budget (now {token_budget:,}), or add "
+            f"--activation-checkpointing; {resume}")
+
+
+def run_plan(cfg, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int, device) -> MemoryPlan:
+    """The plan of a training run (`TrainConfig`) on the target `spec` and `device`, from its config alone."""
+    import torch
+
+    from dflash.ops.common.backend import resolve_backend
+
     features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_target_features
+    reference = resolve_backend(cfg.attention_backend, torch.device(device), op="block") == "torch"
     setup = MemorySetup.from_ds_config(
         ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=cfg.target_partition,
         target_offload=cfg.target_offload, activation_checkpointing=cfg.activation_checkpointing,
-        block_size=cfg.block_size, num_anchors=cfg.num_anchors)
+        block_size=cfg.block_size, num_anchors=cfg.num_anchors, attention="reference" if reference else "kernel")
     return plan_for(spec, setup, draft_layers=cfg.draft_layers, features=features)
 
 

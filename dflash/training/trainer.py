@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash.data.cost import FEATURES
 from dflash.data.synthetic import is_synthetic
 from dflash.errors import DiskFull, UserError
 from dflash.models.target_spec import load_target_spec, target_folder
@@ -27,7 +28,7 @@ from dflash.training.config import TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, prepare_token_store
 from dflash.training.ds_config import resolve_ds_config, training_ds_config
 from dflash.training.evaluator import Evaluator
-from dflash.training.memory import accelerator_memory, run_plan, size_run
+from dflash.training.memory import accelerator_memory, cuda_allocator, out_of_memory, run_plan, size_run
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
 from dflash.training.models import (
     LoadedTarget,
@@ -42,6 +43,26 @@ from dflash.training.ranks import on_rank0
 from dflash.training.run_folder import RunFolder
 from dflash.training.shared_fs import check_shared_paths
 from dflash.training.steps import micro_batches
+
+ROW_KEYS = FEATURES.index("row_keys")
+
+
+def shape(micro_batch, block_size: int) -> tuple[int, int, int]:
+    """(computed tokens, drafter rows, rows x sample length summed): what the memory plan prices."""
+    m = micro_batch
+    return m.computed_tokens, m.blocks.num_blocks * block_size, int(m.cost_features[ROW_KEYS])
+
+
+class _Walked(list):
+    """A step's micro-batches; `current` is the one the latest walk over them reached (the one that
+    ran out of memory, when a step does)."""
+
+    current = None
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.current = item
+            yield item
 
 
 def accumulate_gradients(engine, target, loss, micro: list, device, block_size: int, timings: list | None = None,
@@ -139,6 +160,7 @@ class Trainer:
         check_shared_paths(self.output_dir, input_paths(cfg))
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
+        self._allocator_line = cuda_allocator(os.environ, self.device)  # before anything is allocated
 
         # everything that can be refused is refused before the target loads
         ds_config, self.dtype = training_ds_config(cfg.deepspeed_config, cfg.dtype, device=self.device,
@@ -148,7 +170,8 @@ class Trainer:
         # the target, from its config alone: a family dflash lacks or a config without sizes is refused here
         self.target_spec = spec = load_target_spec(cfg.target)
         # the memory plan refuses a run that cannot fit, and sizes the row budget
-        self.memory_plan = run_plan(cfg, spec, ds_config, dtype_bytes=self.dtype.itemsize, world_size=self.world_size)
+        self.memory_plan = run_plan(cfg, spec, ds_config, dtype_bytes=self.dtype.itemsize, world_size=self.world_size,
+                                    device=self.device)
         row_budget, memory_line = size_run(self.memory_plan, accelerator_memory(self.device, cfg.memory_gib),
                                            token_budget=cfg.token_budget, row_budget=cfg.row_budget)
         self.cfg = cfg = dataclasses.replace(cfg, row_budget=row_budget)
@@ -175,7 +198,7 @@ class Trainer:
         self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
 
         self.step = 0
-        self.micro_batch_shapes: list[tuple[int, int]] = []  # of the last step, this rank's
+        self.micro_batch_shapes: list[tuple[int, int, int]] = []  # of the last step, this rank's
         self.nonfinite_in_row = self.nonfinite_total = 0
         d = self.data
         self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, "
@@ -188,6 +211,8 @@ class Trainer:
         self.target_bytes = target_bytes(target.model)
         self._say(target_summary(self.target_bytes, cfg, self.world_size))
         self._say(memory_line)
+        if self._allocator_line:
+            self._say(self._allocator_line)
         if cfg.resume:
             self._resume()
         if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
@@ -382,11 +407,15 @@ class Trainer:
         if self.phases:
             self.phases.start()
         epoch, first, micro = next(self._stream)  # waiting for data is part of the step
-        # (computed tokens, drafter rows) of this rank's micro-batches: what the memory plan prices
-        self.micro_batch_shapes = [(m.computed_tokens, m.blocks.num_blocks * cfg.block_size) for m in micro]
+        # this rank's micro-batches, as the memory plan prices them
+        self.micro_batch_shapes = [shape(m, cfg.block_size) for m in micro]
         timings = [] if cfg.time_micro_batches else None
-        sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, self.models.loss, micro,
-                                                   self.device, cfg.block_size, timings, self.phases)
+        walked = _Walked(micro)
+        try:
+            sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, self.models.loss, walked,
+                                                       self.device, cfg.block_size, timings, self.phases)
+        except torch.OutOfMemoryError:
+            raise self._out_of_memory(shape(walked.current, cfg.block_size)) from None
         busy = waited = float("nan")
         if self.step % cfg.log_every == 0 or self.step + 1 >= self.data.total_steps:
             # A step that will be logged: the ranks meet before the step's collectives, and time spent
@@ -399,7 +428,10 @@ class Trainer:
             waited = time.perf_counter() - t0 - busy
         if self.phases:
             self.phases.mark("other")
-        engine.step()
+        try:
+            engine.step()
+        except torch.OutOfMemoryError:
+            raise self._out_of_memory(None) from None
         if self.phases:
             self.phases.mark("optimizer")
         # The ZeRO optimizers skip the update when the global gradient norm is not finite.
@@ -464,6 +496,14 @@ class Trainer:
             record["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.metrics.write("train", self.step, record)
         return record
+
+    def _out_of_memory(self, micro_batch_shape) -> UserError:
+        """A step ran out of memory: stop in one line (the checkpoints on disk stay as they are)."""
+        complete = self.checkpointer.complete()
+        return UserError(out_of_memory(self.memory_plan, accelerator_memory(self.device, self.cfg.memory_gib),
+                                       step=self.step + 1, shape=micro_batch_shape, row_budget=self.cfg.row_budget,
+                                       token_budget=self.cfg.token_budget,
+                                       checkpoint=str(complete[-1]) if complete else None))
 
     def _stop_after_nonfinite_steps(self) -> None:
         first = self.step - self.nonfinite_in_row + 1

@@ -2,6 +2,7 @@
 peak of a training micro-step, its refusal; and the partitioned target's features on two ranks."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -194,3 +195,30 @@ def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_p
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"error: --target {tmp_path / 'gpt2'}: {refusal}" in proc.stderr.splitlines()
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_a_step_stops_in_one_line_and_the_last_checkpoint_resumes(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    args = tiny_train_args(target, data, out, "--max-steps", 3, "--checkpoint-every", 2, "--eval-every", 100,
+                           "--no-export")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "training" / "oom_script.py"), "3", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    checkpoint = out / "checkpoints" / "step-00000002"
+    line = proc.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"error: step 3: out of memory in a micro-batch of ([\d,]+) tokens and ([\d,]+) drafter rows "
+                         r"\(the memory plan: [\d.]+ [MG]iB per rank\); give a --row-budget below \2 or --token-budget "
+                         r"\(now 1,024\), or add --activation-checkpointing; the last checkpoint, (.*), is intact: "
+                         r"rerun with --resume", line)
+    assert match, line
+    assert 0 < int(match[1].replace(",", "")) <= 1024 and match[3] == str(checkpoint)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step-00000002"]
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args, "--resume"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {checkpoint} at step 2" in proc.stdout
+    assert (out / "checkpoints" / "step-00000003").is_dir()

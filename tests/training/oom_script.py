@@ -1,0 +1,39 @@
+"""`launch/train.py` whose drafter runs out of memory in every training forward of one step.
+
+  python tests/training/oom_script.py STEP [train.py options]
+
+The failure is PyTorch's own exception (torch.OutOfMemoryError, what a CUDA allocation that
+fails raises), injected on the CPU where memory does not run out.
+"""
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from dflash.models.drafter import DFlashDrafter  # noqa: E402
+from dflash.training import trainer  # noqa: E402
+
+at, argv = int(sys.argv[1]), sys.argv[2:]
+now = {"step": 0}
+train_step, forward = trainer.Trainer.train_step, DFlashDrafter.forward
+
+
+def counted(self):
+    now["step"] = self.step + 1
+    return train_step(self)
+
+
+def forward_or_oom(self, *args, **kwargs):
+    if torch.is_grad_enabled() and now["step"] == at:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+    return forward(self, *args, **kwargs)
+
+
+trainer.Trainer.train_step, DFlashDrafter.forward = counted, forward_or_oom
+sys.argv = ["train.py", *argv]
+runpy.run_path(str(Path(__file__).resolve().parents[2] / "launch" / "train.py"), run_name="__main__")
