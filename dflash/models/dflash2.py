@@ -40,7 +40,7 @@ from torch import nn
 from dflash.models.blocks import Blocks
 from dflash.models.config import DFlash2Settings, DrafterConfig
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.loss import LogitTerm
+from dflash.models.loss import Finished, LogitTerm
 from dflash.models.target import SharedWeights
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
@@ -211,7 +211,7 @@ class SelectorTerm(LogitTerm):
         self._gold[lo:hi] = logits.gather(1, self._labels[lo:hi, None]).squeeze(1)
         return logits.new_zeros(()), None
 
-    def finish(self, hidden, blocks):
+    def finish(self, hidden, blocks, temperatures):
         B, K = blocks.block_size, self.selector.top_k
         gold = self._labels
         anchors = blocks.input_ids.view(-1, B)[:, :1]
@@ -230,4 +230,11 @@ class SelectorTerm(LogitTerm):
         correct = found & (scores.argmax(dim=1) == target)
         metrics = {"selector_rows": scored.sum().float(), "selector_recall": (found & scored).sum().float(),
                    "selector_correct": (correct & scored).sum().float()}
-        return (ce * w).sum(), {k: v.detach() for k, v in metrics.items()}
+        # the eval walk follows the selector's path: where the drafts before a slot are the labels, its
+        # draft is the label when the selector picks it, and q_t(label) is its softmax over the K candidates
+        scores = scores.detach()
+        logq = torch.stack([torch.log_softmax(scores / t, dim=1).gather(1, target[:, None]).squeeze(1)
+                            for t in temperatures], dim=1) if temperatures else None
+        if logq is not None:
+            logq = logq.masked_fill(~found[:, None], float("-inf"))
+        return Finished((ce * w).sum(), {k: v.detach() for k, v in metrics.items()}, correct, logq)

@@ -13,7 +13,7 @@ optimizer step (all micro-batches, all ranks).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -62,11 +62,22 @@ class LogitTerm:
         """logits (hi - lo, V) float32 of rows lo..hi, read-only -> (loss sum, d sum / d logits or None)."""
         raise NotImplementedError
 
-    def finish(self, hidden: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """After the chunks: hidden (rows, H) the scored drafter states (differentiable) -> (a loss sum
-        added to the chunks' sums, differentiable; named detached sums for `LossOutput.metrics`). Modules
-        it calls are called through their forward (so ZeRO-3 gathers their parameters)."""
-        return hidden.new_zeros((), dtype=torch.float32), {}
+    def finish(self, hidden: torch.Tensor, blocks: Blocks, temperatures: tuple[float, ...]) -> Finished:
+        """After the chunks: hidden (rows, H) the scored drafter states (differentiable) -> `Finished`.
+        Modules it calls are called through their forward (so ZeRO-3 gathers their parameters)."""
+        return Finished(hidden.new_zeros((), dtype=torch.float32))
+
+
+class Finished(NamedTuple):
+    """What a term adds after the lm_head pass (`LogitTerm.finish`)."""
+
+    loss_sum: torch.Tensor  # scalar float32, differentiable: added to the chunks' sums of the term
+    metrics: dict[str, torch.Tensor] = {}  # named detached sums for `LossOutput.metrics`
+    # When the term's module chooses the drafts (a DFlash2 drafter's selector), what the acceptance
+    # metrics read instead of the lm_head's argmax and softmax: per row whether its draft is the label
+    # given the labels before it (rows,) bool, and log q_t(label) (rows, len(temperatures)).
+    correct: torch.Tensor | None = None
+    label_logq: torch.Tensor | None = None
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -278,13 +289,16 @@ class BlockLoss:
             temperatures, ce_weight=self.ce_weight, terms=self.terms, logit_scale=self.logit_scale,
             softcap=self.softcap,
         )
-        metrics, parts = {}, parts.clone()
+        metrics, parts, correct = {}, parts.clone(), preds.view_as(blocks.labels) == blocks.labels
         for i, term in enumerate(self.terms):  # the parts outside the lm_head pass
-            part, term_metrics = term.finish(scored, blocks)
-            loss_sum = loss_sum + term.weight * part
-            parts[1 + i] += part.detach()
-            metrics.update(term_metrics)
-        correct = preds.view_as(blocks.labels) == blocks.labels
+            done = term.finish(scored, blocks, tuple(temperatures))
+            loss_sum = loss_sum + term.weight * done.loss_sum
+            parts[1 + i] += done.loss_sum.detach()
+            metrics.update(done.metrics)
+            if done.correct is not None:
+                correct = done.correct.view_as(blocks.labels)
+            if done.label_logq is not None:
+                logq = done.label_logq
         valid = blocks.valid
         # [:n] leaves out the zero-weight stand-in block of an empty micro-batch.
         tau_sum, slot_correct, slot_count = acceptance_stats(correct[:n], valid[:n])

@@ -252,3 +252,75 @@ def test_a_dflash2_config_the_engines_would_serve_otherwise_is_refused_naming_th
     d["architectures"] = ["DFlashDraftModel"]
     with pytest.raises(ValueError, match="dflash_config.* which this drafter does not implement"):
         DrafterConfig.from_json_dict(d)
+
+
+def test_the_walk_reads_the_selectors_path():
+    """The loss's hits are the greedy selector path's, walked from each block's anchor: the accepted
+    prefix of `propose` against the labels equals the leading hits; log q_t(label) is the selector's
+    softmax over the candidates along the labels."""
+    target = tiny_target(9)
+    drafter = tiny_dflash2(target, seed=9, settings=DFlash2Settings(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=40))
+    with torch.no_grad():  # a selector that often overrules the unary argmax
+        drafter.candidate_selector.hidden_projection.weight.mul_(20)
+    batch = make_batch([12, 18], seed=9)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=8, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+    loss = BlockLoss(terms=[SelectorTerm(drafter.candidate_selector)])
+    with torch.no_grad():
+        hidden = drafter(batch, feats, blocks)
+        out = loss(hidden, blocks, drafter.lm_head, temperatures=(0.5,))
+        states = hidden.view(-1, B, hidden.shape[-1])
+        overruled = 0
+        for j in range(blocks.num_blocks):
+            path, cands, _ = drafter.propose(states[j, 1:], int(blocks.input_ids[j * B]))
+            ok = (path == blocks.labels[j]) & blocks.valid[j]
+            assert int(ok.long().cumprod(0).sum()) == int(out.hits[j].long().cumprod(0).sum())
+            overruled += int((path != drafter.logits(states[j, 1:]).argmax(-1)).sum())
+            # slot 1: q over the candidates after the anchor
+            _, _, q = drafter.propose(states[j, 1:2], int(blocks.input_ids[j * B]), 0.5, torch.Generator())
+            label = blocks.labels[j, 0]
+            want = torch.log(q[0][cands[0] == label].sum()) if blocks.valid[j, 0] else torch.tensor(float("-inf"))
+            torch.testing.assert_close(out.label_logq[j, 0, 0], want.float())
+        assert overruled > 0  # the path is the selector's, not the argmax
+
+
+def test_the_official_dflash2_class_loads_the_export_strictly_with_the_same_outputs_and_path(tmp_path):
+    """z-lab's DFlash2DraftModel (the PyPI wheel's dflash/model.py) loads our export with no missing or
+    unexpected tensor and computes the same block states (each block alone after its context, as its
+    decoding loop runs it) and the same greedy selector path."""
+    from .official import official_dflash
+
+    official = official_dflash()
+    target = tiny_target(10)
+    drafter = tiny_dflash2(target, seed=10)
+    drafter.save_pretrained(tmp_path)
+    model, info = official.DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.float32,
+                                                             output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model.eval()
+    embed, lm_head = target.shared_weights().embed, target.shared_weights().lm_head
+    head = torch.nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False)
+    head.weight.data = lm_head
+    T, anchors = 21, [0, 5, 13, 20]
+    g = torch.Generator().manual_seed(10)
+    feats = torch.randn(T, len(TAPS) * drafter.config.hidden_size, generator=g)
+    tokens = torch.randint(0, MASK_ID, (T,), generator=g)
+    blocks = Anchors(torch.zeros(len(anchors), dtype=torch.int32), torch.tensor(anchors, dtype=torch.int32), B, 0)
+    ids = torch.full((len(anchors), B), MASK_ID)
+    ids[:, 0] = tokens[anchors]
+    pos = torch.tensor(anchors)[:, None] + torch.arange(B)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    scale = drafter.config.dflash2.input_embedding_scale
+    with torch.no_grad():
+        ours = drafter.block_hidden(feats, ids.reshape(-1), pos.reshape(-1), torch.arange(T), (cu, cu), blocks)
+        ours = ours.view(-1, B, ours.shape[-1])
+        for j, a in enumerate(anchors):
+            theirs = model(position_ids=torch.arange(a + B)[None], noise_embedding=embed[ids[j]][None] * scale,
+                           target_hidden=feats[:a][None])[0]
+            torch.testing.assert_close(ours[j], theirs, rtol=1e-5, atol=1e-5, msg=f"anchor {a}")
+            path, _, _ = model.propose(theirs[None, 1:], ids[j, :1], head, 0.0)
+            torch.testing.assert_close(drafter.logits(ours[j, 1:]), model.compute_logits(theirs[1:], head),
+                                       rtol=1e-5, atol=1e-5)
+            assert drafter.propose(ours[j, 1:], int(ids[j, 0]))[0].tolist() == path[0].tolist()

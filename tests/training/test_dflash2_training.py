@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -68,11 +69,12 @@ def test_a_dflash2_run_from_scratch_trains_and_exports_the_released_format(tiny_
     assert isinstance(DFlashDrafter.from_pretrained(out / "drafter"), DFlash2Drafter)
 
 
+@pytest.mark.slow
 def test_a_released_dflash2_drafter_continues_training(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     hf = json.loads((target / "config.json").read_text())
     folder, weights = released_dflash2(tmp_path / "released", hf)
-    c = load_config(["--target", str(target), "--data", str(data), "--init-drafter", str(folder)])
+    c = load_config(["--target", str(target), "--data", str(data), "--init-drafter", str(folder), "--gamma", "2"])
     assert (c.drafter_kind, c.block_size, c.draft_layers, c.sliding_window) == ("dflash2", 4, 2, 64)
     out = tmp_path / "run"
     args = tiny_train_args(target, data, out, "--init-drafter", folder, "--max-steps", 2, "--lr", 1e-9, "--gamma", 2)
