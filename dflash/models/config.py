@@ -60,6 +60,11 @@ CONFIG_KEYS = frozenset(
 OPTIONAL_CONFIG_KEYS = frozenset({"is_causal"})
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+
+DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
+ARCHITECTURES = (DFLASH, DFLASH2)
+# The released DFlash2 drafters' attention: every layer sliding over this many positions, is_causal false.
+DFLASH2_SLIDING_WINDOW = 2048
 LAYER_TYPES = (FULL, SLIDING)
 
 # Config entries that change the drafter's computation in vLLM, SGLang or the official class and
@@ -78,6 +83,77 @@ _UNSUPPORTED = (
     ("dflash_config", "conv_kernel_size", 0),
     ("dflash_config", "selector_rank", 0),
 )
+# What a DFlash2DraftModel computes besides a DFlash drafter (`DFlash2Settings`), read from dflash_config first.
+_DFLASH2_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping", "conv_kernel_size",
+                 "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass
+class DFlash2Settings:
+    """What a DFlash2 drafter adds (`dflash.models.dflash2`): grouped dynamic causal convolutions of
+    `conv_kernel_size` taps, one dynamic weight per `conv_group_size` channels, around each attention
+    and MLP sublayer; a candidate selector over the top-`selector_top_k` unary logits with codebooks
+    of `selector_rank`; unary logits = softcap(output_multiplier x lm_head(h)); noise embeddings x
+    input_embedding_scale. Written to config.json's dflash_config, as the release keeps them."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None  # None: no softcap (0 reads as None, as the official class does)
+    input_embedding_scale: float = 1.0
+
+    def check(self, hidden_size: int, vocab_size: int) -> None:
+        """Raise ValueError naming the dflash_config key that the official class and SGLang would not
+        serve as this drafter computes it."""
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"dflash_config.{key} must be an integer >= 1 in a DFlash2 drafter, got {value!r}")
+        if hidden_size % self.conv_group_size:
+            raise ValueError(f"dflash_config.conv_group_size {self.conv_group_size} does not divide hidden_size "
+                             f"{hidden_size} (the convolution's dynamic weights are per group of channels)")
+        if self.selector_top_k > vocab_size:
+            raise ValueError(f"dflash_config.selector_top_k {self.selector_top_k} exceeds the {vocab_size} "
+                             "vocabulary rows")
+        if not self.output_multiplier > 0:
+            raise ValueError(f"dflash_config.output_multiplier must be > 0 (the selector's top-K and greedy drafts "
+                             f"read the scaled logits), got {self.output_multiplier!r}")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ValueError(f"dflash_config.final_logit_softcapping must be > 0 or absent, got "
+                             f"{self.final_logit_softcapping!r}")
+        if not self.input_embedding_scale > 0:
+            raise ValueError(f"dflash_config.input_embedding_scale must be > 0, got {self.input_embedding_scale!r}")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                              "selector_top_k", "output_multiplier")}
+        if self.final_logit_softcapping is not None:
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.input_embedding_scale != 1.0:  # the release leaves it out (1.0 in the official loop)
+            out["input_embedding_scale"] = self.input_embedding_scale
+        return out
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> DFlash2Settings:
+        """From a DFlash2 config.json (dflash_config first, then the top level, as the official class reads)."""
+        dflash = d.get("dflash_config") or {}
+
+        def pick(name, default=None):
+            return dflash.get(name, d.get(name, default))
+
+        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                   if pick(k) is None]
+        if missing:
+            raise ValueError(f"config.json of a DFlash2DraftModel lacks dflash_config.{missing[0]} (the official class "
+                             "requires it)")
+        softcap = pick("final_logit_softcapping")
+        return cls(conv_kernel_size=pick("conv_kernel_size"), conv_group_size=pick("conv_group_size"),
+                   selector_rank=pick("selector_rank"), selector_top_k=pick("selector_top_k"),
+                   output_multiplier=float(pick("output_multiplier", 1.0)),
+                   final_logit_softcapping=float(softcap) if softcap else None,
+                   input_embedding_scale=float(pick("input_embedding_scale", 1.0)))
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -154,6 +230,7 @@ class DrafterConfig:
     layer_types: list[str] | None = None  # one of LAYER_TYPES per layer; None: all full_attention
     sliding_window: int | None = None  # positions a sliding layer sees, the query's own included
     is_causal: bool | None = None  # overrides every layer's causality (engines' top-level is_causal)
+    dflash2: DFlash2Settings | None = None  # a DFlash2 drafter's extra parts (None: a DFlash drafter)
 
     def __post_init__(self) -> None:
         try:
@@ -175,6 +252,8 @@ class DrafterConfig:
             raise ValueError(f"the DFlash drafter uses a SwiGLU MLP (hidden_act 'silu'), got {self.hidden_act!r}")
         if "rope_theta" not in self.rope_parameters:
             raise ValueError("rope_parameters needs a rope_theta")
+        if self.dflash2 is not None:
+            self.dflash2.check(self.hidden_size, self.vocab_size)
 
     @property
     def num_target_features(self) -> int:
@@ -200,12 +279,15 @@ class DrafterConfig:
         vocab_size: int | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
+        dflash2: DFlash2Settings | None = None,
+        is_causal: bool | None = None,
     ) -> DrafterConfig:
         """Sizes from a Hugging Face target config (any family of `TargetModel`: its hidden size, heads,
         kv heads, head_dim; the MLP width of `drafter_intermediate_size`).
 
         vocab_size defaults to the config's; pass the embedding's row count if it differs.
         layer_types / sliding_window: the drafter's own layer types (default all full_attention).
+        dflash2: a DFlash2 drafter's settings; is_causal: the top-level override of every layer's causality.
         """
         L = target_config.num_hidden_layers
         if target_layer_ids is None:
@@ -236,6 +318,8 @@ class DrafterConfig:
             dtype=_DTYPE_NAMES.get(dtype, "bfloat16"),
             layer_types=None if layer_types is None else list(layer_types),
             sliding_window=sliding_window,
+            is_causal=is_causal,
+            dflash2=dflash2,
         )
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -287,6 +371,12 @@ class DrafterConfig:
         }
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
+        if self.dflash2 is not None:
+            # The release keeps every drafter setting in dflash_config (block_size included) and the
+            # official class reads it there first.
+            out["architectures"] = [DFLASH2]
+            out["dflash_config"] = {"block_size": out.pop("block_size"), **out["dflash_config"],
+                                    **self.dflash2.to_json_dict()}
         return out
 
     @staticmethod
@@ -356,6 +446,7 @@ class DrafterConfig:
             # Configs in the wild carry Qwen3Config's default window with no sliding layer.
             sliding_window=d.get("sliding_window") if sliding else None,
             is_causal=d.get("is_causal"),
+            dflash2=DFlash2Settings.from_json_dict(d) if d.get("architectures") == [DFLASH2] else None,
         )
 
     def to_qwen3_config(self):
@@ -445,10 +536,13 @@ def check_engine_agreement(d: dict[str, Any]) -> None:
 def check_supported(d: dict[str, Any]) -> None:
     """Refuse a config.json that asks for what this drafter does not compute (naming the key)."""
     architectures = d.get("architectures")
-    if architectures is not None and list(architectures) != ["DFlashDraftModel"]:
-        raise ValueError(f"architectures is {architectures}; this trains DFlashDraftModel drafters only")
+    if architectures is not None and list(architectures) not in ([a] for a in ARCHITECTURES):
+        raise ValueError(f"architectures is {architectures}; this trains {' and '.join(ARCHITECTURES)} drafters only")
     dflash = d.get("dflash_config") or {}
+    dflash2 = architectures is not None and list(architectures) == [DFLASH2]
     for where, key, off in _UNSUPPORTED:
+        if dflash2 and key in _DFLASH2_KEYS:
+            continue
         value = (dflash if where == "dflash_config" else d).get(key, off)
         if value != off and not (off is None and not value):
             name = f"dflash_config.{key}" if where == "dflash_config" else key

@@ -28,7 +28,7 @@ from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import DiskFull, NonFiniteWeights, UserError, disk_full, free_space
 from dflash.models.anchors import Anchors, to_packed
 from dflash.models.blocks import Blocks
-from dflash.models.config import DrafterConfig
+from dflash.models.config import ARCHITECTURES, DrafterConfig
 from dflash.models.target import SharedWeights
 
 CONFIG_NAME = "config.json"
@@ -155,15 +155,28 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config.to_qwen3_config())
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # A DFlash2 drafter wraps each sublayer in a convolution over the block (`dflash.models.dflash2`).
+        self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, anchors, cache=None) -> torch.Tensor:
         # The context enters un-normed here: it was normed once by hidden_norm, as in the official model.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, seqlens, anchors, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        B = anchors.block_size
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, ctx, rope_blk, rope_ctx, seqlens, anchors, cache)
+        else:
+            h, kernel = self.attention_conv(h, B)
+            x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_blk, rope_ctx, seqlens, anchors, cache),
+                                               kernel, B)
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return x + self.mlp(h)
+        h, kernel = self.mlp_conv(h, B)
+        return x + self.mlp_conv.finish(self.mlp(h), kernel, B)
 
 
 def is_drafter_folder(path: Path) -> bool:
-    """An empty folder, or one holding a DFlash drafter's config (and nothing but its files)."""
+    """An empty folder, or one holding a DFlash or DFlash2 drafter's config (and nothing but its files)."""
     names = {p.name for p in path.iterdir()} if path.is_dir() else {None}
     if not names:
         return True
@@ -171,7 +184,16 @@ def is_drafter_folder(path: Path) -> bool:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return names <= {CONFIG_NAME, WEIGHTS_NAME} and config.get("architectures") == ["DFlashDraftModel"]
+    return names <= {CONFIG_NAME, WEIGHTS_NAME} and config.get("architectures") in ([a] for a in ARCHITECTURES)
+
+
+def drafter_class(config: DrafterConfig) -> type[DFlashDrafter]:
+    """The drafter module a config builds: DFlash, or DFlash2 when it has `dflash2` settings."""
+    if config.dflash2 is None:
+        return DFlashDrafter
+    from dflash.models.dflash2 import DFlash2Drafter
+
+    return DFlash2Drafter
 
 
 class DFlashDrafter(nn.Module):
@@ -269,6 +291,8 @@ class DFlashDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         ctx = self.context(features)
         x = F.embedding(block_input_ids, shared.embed).to(dtype)
+        if self.config.dflash2 is not None and self.config.dflash2.input_embedding_scale != 1.0:
+            x = x * self.config.dflash2.input_embedding_scale
         rope_blk = self._rope(block_position_ids, dtype)
         rope_ctx = self._rope(ctx_position_ids, dtype)
         for i, layer in enumerate(self.layers):
@@ -285,6 +309,16 @@ class DFlashDrafter(nn.Module):
         """Speculative decoding: append the target features of the next context positions
         (cache.length ..) to the cache, then draft the block anchored right after them, as training
         scores it. Returns the logits of slots 1..B-1, (B-1, V)."""
+        return self.logits(self.draft_hidden(cache, features, anchor_token))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits (N, V) of final-normed states (N, H), through the target's lm_head."""
+        lm_head = self.lm_head
+        return hidden.to(lm_head.dtype) @ lm_head.t()
+
+    @torch.no_grad()
+    def draft_hidden(self, cache: DrafterCache, features: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """`draft`'s final-normed states of slots 1..B-1, (B-1, H)."""
         B, device = self.block_size, self.fc.weight.device
         start = cache.length + features.shape[0]
         ids = torch.full((B,), self.config.mask_token_id, dtype=torch.long, device=device)
@@ -294,8 +328,7 @@ class DFlashDrafter(nn.Module):
         hidden = self.block_hidden(features, ids, torch.arange(start, start + B, device=device),
                                    torch.arange(cache.length, start, device=device), (cu.to(device), cu),
                                    anchors.to(device), cache)
-        lm_head = self.lm_head
-        return hidden[1:].to(lm_head.dtype) @ lm_head.t()
+        return hidden[1:]
 
     def forward(self, batch: PackedBatch | PaddedBatch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         """Training forward of one micro-batch: the final-normed states of its blocks, (NB*B, H), for a
@@ -327,13 +360,14 @@ class DFlashDrafter(nn.Module):
         from dflash.partial import partial_folder
 
         directory = Path(directory)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.export_tensors().items()}
         bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise NonFiniteWeights(f"{directory}: not exported: {len(bad)} of {len(tensors)} weight tensors hold NaN "
                                    f"or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         if directory.exists() and not is_drafter_folder(directory):
-            raise UserError(f"{directory}: exists and is not a DFlash drafter folder; not replaced (move it away)")
+            raise UserError(f"{directory}: exists and is not a DFlash or DFlash2 drafter folder; not replaced "
+                            "(move it away)")
         config = self.config.to_json_dict()
         config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -357,11 +391,23 @@ class DFlashDrafter(nn.Module):
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of the checkpoint by their released names (the state_dict's here)."""
+        return self.state_dict()
+
+    @staticmethod
+    def checkpoint_names(tensors: dict) -> dict:
+        """A checkpoint's tensors (or shapes) by state_dict name: a uniform `model.` prefix removed."""
+        if tensors and all(k.startswith("model.") for k in tensors):
+            tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+        return tensors
+
     @classmethod
     def from_pretrained(
         cls, directory: str | os.PathLike, shared: SharedWeights | None = None, **kwargs
     ) -> DFlashDrafter:
-        """Load a checkpoint in the official format (ours or written by others).
+        """Load a checkpoint in the official format (ours or written by others); a DFlash2 folder loads
+        as the DFlash2 drafter.
 
         Weights keep the stored dtype. A uniform `model.` prefix on the tensor names is
         accepted; any missing or unknown tensor is an error (serving engines would silently
@@ -371,15 +417,14 @@ class DFlashDrafter(nn.Module):
 
         with open(os.path.join(directory, CONFIG_NAME)) as f:
             config = DrafterConfig.from_json_dict(json.load(f))
-        tensors = load_file(os.path.join(directory, WEIGHTS_NAME))
-        if tensors and all(k.startswith("model.") for k in tensors):
-            tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+        cls = drafter_class(config) if cls is DFlashDrafter else cls
+        tensors = cls.checkpoint_names(load_file(os.path.join(directory, WEIGHTS_NAME)))
         model = cls(config, shared, **kwargs)
         expected = set(model.state_dict())
         missing, unknown = expected - set(tensors), set(tensors) - expected
         if missing or unknown:
             raise ValueError(
-                f"checkpoint {directory} does not match the DFlash drafter: missing {sorted(missing)}, "
+                f"checkpoint {directory} does not match the {cls.__name__}: missing {sorted(missing)}, "
                 f"unknown {sorted(unknown)}"
             )
         dtypes = {v.dtype for v in tensors.values()}

@@ -38,14 +38,14 @@ def safetensors_shapes(path: Path, where: str) -> dict[str, tuple[int, ...]]:
 def check_drafter_folder(folder: str | Path, where: str, check_config=None):
     """The DrafterConfig of drafter `folder` (official format), once its files are there, whole
     and consistent: every tensor the config builds, with its shape, and no other (a uniform
-    `model.` prefix is accepted, as `DFlashDrafter.from_pretrained` does). `where` names the
-    flag in messages, e.g. `--init-drafter`. `check_config(config, raw)`, when given, runs once
+    `model.` prefix and the released DFlash2 names are accepted, as `DFlashDrafter.from_pretrained`
+    does). `where` names the flag in messages, e.g. `--init-drafter`. `check_config(config, raw)`, when given, runs once
     the config is read and before the weights are (a config that does not fit the target is
     the error to name first)."""
     import torch
 
     from dflash.models.config import DrafterConfig
-    from dflash.models.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
+    from dflash.models.drafter import CONFIG_NAME, WEIGHTS_NAME, drafter_class
 
     folder = Path(folder)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
@@ -58,11 +58,10 @@ def check_drafter_folder(folder: str | Path, where: str, check_config=None):
         raise UserError(f"{where} {folder / CONFIG_NAME}: {e}") from None
     if check_config is not None:
         check_config(config, json.loads((folder / CONFIG_NAME).read_text()))
-    shapes = safetensors_shapes(folder / WEIGHTS_NAME, where)
-    if shapes and all(k.startswith("model.") for k in shapes):
-        shapes = {k.removeprefix("model."): v for k, v in shapes.items()}
+    cls = drafter_class(config)
+    shapes = cls.checkpoint_names(safetensors_shapes(folder / WEIGHTS_NAME, where))
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
     missing, unknown = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
     if missing or unknown:
         raise UserError(f"{where} {folder / WEIGHTS_NAME}: does not hold the drafter its {CONFIG_NAME} describes "

@@ -13,7 +13,7 @@ optimizer step (all micro-batches, all ranks).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -41,6 +41,9 @@ class LogitTerm:
 
     Rows are the scored slots, block-major: row r is slot k = r % (B-1) + 1 of block r // (B-1),
     labelled `blocks.labels.view(-1)[r]`, weighted `blocks.weights.view(-1)[r]` (0: not scored).
+
+    A term that also needs what lies outside the lm_head pass (the drafter's hidden states, its own
+    modules) overrides `finish`: it runs after the pass, with autograd, on what its chunks collected.
     """
 
     name = "term"
@@ -59,10 +62,27 @@ class LogitTerm:
         """logits (hi - lo, V) float32 of rows lo..hi, read-only -> (loss sum, d sum / d logits or None)."""
         raise NotImplementedError
 
+    def finish(self, hidden: torch.Tensor, blocks: Blocks, temperatures: tuple[float, ...]) -> Finished:
+        """After the chunks: hidden (rows, H) the scored drafter states (differentiable) -> `Finished`.
+        Modules it calls are called through their forward (so ZeRO-3 gathers their parameters)."""
+        return Finished(hidden.new_zeros((), dtype=torch.float32))
+
+
+class Finished(NamedTuple):
+    """What a term adds after the lm_head pass (`LogitTerm.finish`)."""
+
+    loss_sum: torch.Tensor  # scalar float32, differentiable: added to the chunks' sums of the term
+    metrics: dict[str, torch.Tensor] = {}  # named detached sums for `LossOutput.metrics`
+    # When the term's module chooses the drafts (a DFlash2 drafter's selector), what the acceptance
+    # metrics read instead of the lm_head's argmax and softmax: per row whether its draft is the label
+    # given the labels before it (rows,) bool, and log q_t(label) (rows, len(temperatures)).
+    correct: torch.Tensor | None = None
+    label_logq: torch.Tensor | None = None
+
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows, temperatures, ce_weight, terms):
+    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows, temperatures, ce_weight, terms, logit_map):
         need_grad = ctx.needs_input_grad[0]
         n = hidden.shape[0]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -75,6 +95,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
             hi = min(lo + chunk_rows, n)
             labels_c, w = labels[lo:hi], row_weights[lo:hi].float()
             logits = (hidden[lo:hi] @ weight.t()).float()  # (c, V): the only vocab-wide buffer of the CE
+            scale, softcap = logit_map
+            slope = scale  # d logits / d raw logits
+            if softcap is not None:  # logits = softcap tanh(scale raw / softcap), in place
+                logits.mul_(scale / softcap).tanh_()
+                slope = (1 - logits.square()).mul_(scale) if need_grad else None
+                logits.mul_(softcap)
+            elif scale != 1.0:
+                logits.mul_(scale)
             preds[lo:hi] = logits.argmax(dim=-1)
             tgt = logits.gather(1, labels_c[:, None]).squeeze(1)
             for i, t in enumerate(temperatures):  # log softmax(logits / t)[label], before the in-place softmax
@@ -102,8 +130,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 probs.mul_(w[:, None] * ce_weight)
                 if extra is not None:
                     probs.add_(extra)
+                if softcap is not None or scale != 1.0:
+                    probs.mul_(slope)
                 grad_hidden[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-            del logits, probs, extra  # free this chunk before the next one is allocated
+            del logits, probs, extra, slope  # free this chunk before the next one is allocated
         ctx.mark_non_differentiable(preds, label_logprobs, parts)
         if need_grad:
             ctx.save_for_backward(grad_hidden)
@@ -112,13 +142,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_preds, _grad_label_logprobs, _grad_parts):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
 
 
 def chunked_loss(hidden, lm_head_weight, labels, row_weights, chunk_rows=None, temperatures=(), *, ce_weight=1.0,
-                 terms=()):
+                 terms=(), logit_scale=1.0, softcap=None):
     """The objective's one chunked lm_head pass: ce_weight x weighted cross-entropy plus each term's
-    weight x its sum (see `chunked_weighted_ce` for the arguments).
+    weight x its sum (see `chunked_weighted_ce` for the arguments). The logits everything reads are
+    softcap tanh(logit_scale x raw / softcap) (softcap None: logit_scale x raw), as a DFlash2 drafter's
+    `output_multiplier` and `final_logit_softcapping` make them.
 
     Returns (loss_sum, preds, label_logprobs, parts): parts (1 + len(terms),) float32, the unweighted
     sums of the cross-entropy and of each term.
@@ -132,8 +164,11 @@ def chunked_loss(hidden, lm_head_weight, labels, row_weights, chunk_rows=None, t
         raise ValueError(f"temperatures must be > 0, got {tuple(temperatures)}")
     if not ce_weight >= 0:
         raise ValueError(f"the cross-entropy weight must be >= 0, got {ce_weight}")
+    if not logit_scale > 0 or (softcap is not None and not softcap > 0):
+        raise ValueError(f"logit_scale and softcap must be > 0, got {logit_scale} and {softcap}")
     return _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, row_weights, chunk_rows, tuple(temperatures),
-                                  float(ce_weight), tuple(terms))
+                                  float(ce_weight), tuple(terms),
+                                  (float(logit_scale), None if softcap is None else float(softcap)))
 
 
 def chunked_weighted_ce(
@@ -208,6 +243,8 @@ class LossOutput:
     # (NB, B-1, len(temperatures)) float32, when the loss was given temperatures: log q_t(label) of slot k of
     # block j at each temperature t (the eval walk at temperature), -inf where the label is not valid
     label_logq: torch.Tensor | None = None
+    # named detached sums the terms report besides their parts (`LogitTerm.finish`), e.g. "selector_correct"
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class BlockLoss:
@@ -223,8 +260,10 @@ class BlockLoss:
         engine.backward(out.loss_sum / step_weight_total)
     """
 
-    def __init__(self, chunk_rows: int = DEFAULT_CHUNK_ROWS, *, ce_weight: float = 1.0, terms=()):
+    def __init__(self, chunk_rows: int = DEFAULT_CHUNK_ROWS, *, ce_weight: float = 1.0, terms=(),
+                 logit_scale: float = 1.0, softcap: float | None = None):
         self.chunk_rows, self.ce_weight, self.terms = chunk_rows, float(ce_weight), tuple(terms)
+        self.logit_scale, self.softcap = logit_scale, softcap  # the drafter's logits (`chunked_loss`)
         names = ["ce"] + [t.name for t in self.terms]
         if len(set(names)) != len(names):
             raise ValueError(f"loss parts must have distinct names, got {names}")
@@ -233,8 +272,8 @@ class BlockLoss:
 
     @property
     def vocab_buffers(self) -> int:
-        """(chunk x vocab) float32 buffers of one chunk at once: the logits and each term's."""
-        return 1 + sum(t.vocab_buffers for t in self.terms)
+        """(chunk x vocab) float32 buffers of one chunk at once: the logits, the softcap's slope, each term's."""
+        return 1 + (self.softcap is not None) + sum(t.vocab_buffers for t in self.terms)
 
     def __call__(self, hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor,
                  temperatures: tuple[float, ...] = (), context: dict | None = None) -> LossOutput:
@@ -247,9 +286,19 @@ class BlockLoss:
         scored = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)  # slot 0 (the anchor) is never scored
         loss_sum, preds, logq, parts = chunked_loss(
             scored.to(lm_head.dtype), lm_head, blocks.labels.reshape(-1), blocks.weights.reshape(-1), self.chunk_rows,
-            temperatures, ce_weight=self.ce_weight, terms=self.terms,
+            temperatures, ce_weight=self.ce_weight, terms=self.terms, logit_scale=self.logit_scale,
+            softcap=self.softcap,
         )
-        correct = preds.view_as(blocks.labels) == blocks.labels
+        metrics, parts, correct = {}, parts.clone(), preds.view_as(blocks.labels) == blocks.labels
+        for i, term in enumerate(self.terms):  # the parts outside the lm_head pass
+            done = term.finish(scored, blocks, tuple(temperatures))
+            loss_sum = loss_sum + term.weight * done.loss_sum
+            parts[1 + i] += done.loss_sum.detach()
+            metrics.update(done.metrics)
+            if done.correct is not None:
+                correct = done.correct.view_as(blocks.labels)
+            if done.label_logq is not None:
+                logq = done.label_logq
         valid = blocks.valid
         # [:n] leaves out the zero-weight stand-in block of an empty micro-batch.
         tau_sum, slot_correct, slot_count = acceptance_stats(correct[:n], valid[:n])
@@ -265,4 +314,5 @@ class BlockLoss:
             label_logq=logq.view(-1, B - 1, len(temperatures))[:n].masked_fill(
                 ~valid[:n, :, None], float("-inf")) if temperatures else None,
             parts=dict(zip(["ce"] + [t.name for t in self.terms], parts.unbind(), strict=True)),
+            metrics=metrics,
         )

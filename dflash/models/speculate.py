@@ -9,7 +9,8 @@ to the whole block; the target verifies the block in one forward (its cache then
 accepted length: `TargetCache` crops attention layers and restores recurrent ones),
 the leading drafts equal to the target's argmax are accepted, and the target's next token is added.
 The verified tokens' features become the drafter's new context. Output is the target's greedy output.
-The drafter runs its one forward (`DFlashDrafter.draft`, the training forward with a `DrafterCache`).
+The drafter runs its one forward (`DFlashDrafter.draft`, the training forward with a `DrafterCache`);
+a DFlash2 drafter's drafts follow its selector's path (`draft_block`).
 Sampled (temperature > 0): the drafts are drawn from the drafter's distribution and verified by the
 ratio test (`Sampler`); the output is distributed as the target's own sampling, not equal to it.
 
@@ -72,6 +73,25 @@ def greedy_decode(hf, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: S
     return Decoded(tokens, forwards, time.perf_counter() - t0)
 
 
+def draft_block(drafter: DFlashDrafter, sampler: Sampler, cache: DrafterCache, features: torch.Tensor,
+                anchor: int) -> tuple[list[int], torch.Tensor | None]:
+    """One block's drafts and their proposal q (B-1, V) (None when greedy): a DFlash drafter's slots
+    independently (`Sampler.draft`), a DFlash2 drafter's along its selector's path, each slot's q over
+    its K candidates conditioned on the drafts before it (what the ratio test needs)."""
+    if getattr(drafter, "candidate_selector", None) is None:
+        return sampler.draft(drafter.draft(cache, features, anchor))
+    s = sampler.sampling
+    sampled = not s.greedy and s.drafts == "sampled"
+    path, candidates, q = drafter.propose(drafter.draft_hidden(cache, features, anchor), anchor,
+                                          s.temperature if sampled else 0.0, sampler.generator)
+    if s.greedy:
+        return path.tolist(), None
+    full = torch.zeros(path.shape[0], drafter.config.vocab_size, device=path.device)
+    if sampled:
+        return path.tolist(), full.scatter_(1, candidates, q)
+    return path.tolist(), full.scatter_(1, path[:, None], 1.0)  # argmax drafts: the greedy path, q one-hot
+
+
 @torch.no_grad()
 def speculative_decode(
     hf, drafter: DFlashDrafter, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int],
@@ -100,7 +120,7 @@ def speculative_decode(
     forwards = 0
     while not _cut(tokens, stop_ids, max_new_tokens)[1]:
         start = len(prompt) + len(tokens) - 1  # position of the last verified token, the anchor
-        drafts, q = sampler.draft(drafter.draft(dcache, feats, tokens[-1]))
+        drafts, q = draft_block(drafter, sampler, dcache, feats, tokens[-1])
         out = cache.forward(tokens[-1:] + drafts, hidden=True)
         forwards += 1
         accepted, following = sampler.verify(drafts, q, out.logits[0])

@@ -18,11 +18,12 @@ from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
-from dflash.models.config import FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
+from dflash.models.config import DFLASH2_SLIDING_WINDOW, FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import number, parse_list
 
 TARGET_PARTITIONS = ("none", "zero3")
+DRAFTER_KINDS = ("dflash", "dflash2")
 
 
 def layer_type(name: str) -> str:
@@ -152,6 +153,17 @@ class TrainConfig:
     )
     sliding_window: int = _opt(0, "positions a sliding drafter layer sees, its own included (config.json "
                                "sliding_window; needed with sliding layers)")
+    drafter_kind: str = _opt(
+        "dflash",
+        f"{', '.join(DRAFTER_KINDS)}: dflash2 adds grouped dynamic causal convolutions around every sublayer and a "
+        "candidate selector (z-lab's DFlash2DraftModel, sized as released: kernel 2, groups of 16 channels, top-16 "
+        "candidates, rank 256); its layers default to the release's, all sliding over --sliding-window (default "
+        f"{DFLASH2_SLIDING_WINDOW}) and not causal (is_causal false)",
+    )
+    selector_weight: float = _opt(1.0, "dflash2: weight of the selector's loss (K-way cross-entropy over the top-K "
+                                  "candidates) against the DFlash cross-entropy")
+    selector_stop_grad: bool = _opt(False, "dflash2: the selector's loss trains the selector only (its gradient does "
+                                    "not reach the drafter's layers)")
     init_drafter: str = _opt(
         "",
         "start from this drafter folder (official format, ours or a released one): its weights, block size, mask "
@@ -344,6 +356,7 @@ def _from_init_drafter(values: dict, explicit: set) -> dict:
         "block_size": c.block_size, "draft_layers": c.num_hidden_layers,
         "target_layer_ids": tuple(c.target_layer_ids), "num_target_features": c.num_target_features,
         "drafter_layer_types": tuple(c.layer_types), "sliding_window": c.sliding_window or 0,
+        "drafter_kind": "dflash" if c.dflash2 is None else "dflash2",
     }
     for name, value in taken.items():
         given = values.get(name)
@@ -357,6 +370,9 @@ def _from_init_drafter(values: dict, explicit: set) -> dict:
 def resolve(c: TrainConfig) -> TrainConfig:
     """Check every option and fill in the defaults that depend on others (0 = derived)."""
     validate(c)
+    if c.drafter_kind == "dflash2" and c.drafter_layer_types is None:  # the released layers
+        c = dataclasses.replace(c, drafter_layer_types=(SLIDING,) * c.draft_layers,
+                                sliding_window=c.sliding_window or DFLASH2_SLIDING_WINDOW)
     return dataclasses.replace(
         c,
         step_tokens=c.step_tokens or 4 * c.token_budget,
@@ -415,12 +431,13 @@ def _typed(value, f: dataclasses.Field, where: str):
 
 _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear", "constant"),
             "dtype": ("auto", "bf16", "fp32"), "attention_backend": ATTENTION_BACKENDS,
-            "target_partition": TARGET_PARTITIONS}
+            "target_partition": TARGET_PARTITIONS, "drafter_kind": DRAFTER_KINDS}
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
                  "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
-_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib")
+_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib",
+           "selector_weight")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
     "block_size": (lambda v: v >= 2, "must be >= 2 (slot 0 holds the anchor)"),
@@ -431,6 +448,7 @@ _RANGES = {
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
     "memory_gib": (lambda v: v >= 0, "must be >= 0 (0: the GPU's own)"),
+    "selector_weight": (lambda v: v >= 0, "must be >= 0"),
     "speculate_turns": (lambda v: v >= -1, "must be >= 0, or -1 (one per optimizer step)"),
     "eval_temperatures": (lambda v: all(math.isfinite(t) for t in v), "must be finite numbers >= 0"),
 }
@@ -476,8 +494,9 @@ def _validate_relations(c: TrainConfig) -> None:
     if c.drafter_layer_types is not None and len(c.drafter_layer_types) != c.draft_layers:
         _bad("drafter_layer_types", f"gives {len(c.drafter_layer_types)} types for {c.draft_layers} drafter layers "
                                     "(--draft-layers): one per layer")
-    sliding = c.drafter_layer_types is not None and SLIDING in map(layer_type, c.drafter_layer_types)
-    if sliding and c.sliding_window < 1:
+    sliding = (c.drafter_layer_types is not None and SLIDING in map(layer_type, c.drafter_layer_types)) or (
+        c.drafter_kind == "dflash2" and c.drafter_layer_types is None)  # the released layers (`resolve`)
+    if sliding and c.sliding_window < 1 and c.drafter_layer_types is not None:
         _bad("sliding_window", "sliding drafter layers need a window >= 1 (positions seen, the query's own included)")
     if not sliding and c.sliding_window:
         _bad("sliding_window", "no drafter layer is sliding (--drafter-layer-types)")

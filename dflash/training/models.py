@@ -95,6 +95,8 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
                 # the mask each layer trains with (the weights have the same shapes whatever it is)
                 "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
                 "--sliding-window": cfg.sliding_window}
+    if cfg.drafter_kind != "dflash":  # recorded when not the default, so older checkpoints compare equal
+        settings["--drafter-kind"] = cfg.drafter_kind
     if not cfg.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
         settings["--mask-token"] = cfg.mask_token or MASK_TOKEN
     taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
@@ -172,7 +174,7 @@ def init_drafter(folder: str, target: LoadedTarget, options: dict):
 
     from dflash.models import DFlashDrafter
 
-    drafter = DFlashDrafter.from_pretrained(folder, **options).float()
+    drafter = DFlashDrafter.from_pretrained(folder, **options).float()  # a DFlash2 folder: the DFlash2 drafter
     if drafter.config.target_layer_ids != list(target.model.target_layer_ids):
         raise UserError(f"--init-drafter {folder}: taps {drafter.config.target_layer_ids}, but the target is tapped "
                         f"at {list(target.model.target_layer_ids)}")
@@ -181,6 +183,29 @@ def init_drafter(folder: str, target: LoadedTarget, options: dict):
     drafter.config = dataclasses.replace(drafter.config, num_target_layers=layers)
     drafter.attach(target.model.shared_weights())
     return drafter
+
+
+def drafter_kind_settings(kind: str) -> dict:
+    """`DrafterConfig.from_target` arguments of a drafter kind: a DFlash2 drafter sized as released."""
+    if kind == "dflash":
+        return {}
+    from dflash.models.dflash2 import released_settings
+
+    return {"dflash2": released_settings(), "is_causal": False}
+
+
+def training_loss(cfg: TrainConfig, drafter):
+    """The objective of `drafter`: the DFlash cross-entropy through its logits, and for a DFlash2
+    drafter its selector's term (--selector-weight, --selector-stop-grad)."""
+    from dflash.models import BlockLoss
+
+    s = drafter.config.dflash2
+    if s is None:
+        return BlockLoss()
+    from dflash.models.dflash2 import SelectorTerm
+
+    return BlockLoss(terms=[SelectorTerm(drafter.candidate_selector, cfg.selector_weight, cfg.selector_stop_grad)],
+                     logit_scale=s.output_multiplier, softcap=s.final_logit_softcapping)
 
 
 class Models:
@@ -195,7 +220,8 @@ class Models:
     def __init__(self, cfg: TrainConfig, target: LoadedTarget, ds_config: dict, *, total_steps: int, device):
         import deepspeed
 
-        from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig
+        from dflash.models import DrafterConfig
+        from dflash.models.drafter import drafter_class
         from dflash.training.ds_config import offloads_optimizer, zero_stage
 
         self.target = target
@@ -209,9 +235,10 @@ class Models:
                                              target_layer_ids=target.model.target_layer_ids,
                                              vocab_size=target.model.num_embedding_rows,
                                              layer_types=cfg.drafter_layer_types,
-                                             sliding_window=cfg.sliding_window or None)
-            self.drafter = DFlashDrafter(dcfg, target.model.shared_weights(), **options)
-        self.loss = BlockLoss()  # the objective: hidden states + blocks -> loss sum and metrics
+                                             sliding_window=cfg.sliding_window or None,
+                                             **drafter_kind_settings(cfg.drafter_kind))
+            self.drafter = drafter_class(dcfg)(dcfg, target.model.shared_weights(), **options)
+        self.loss = training_loss(cfg, self.drafter)  # the objective: hidden states + blocks -> loss sum and metrics
         self.zero_stage = zero_stage(ds_config)
         params = self.drafter.parameters()
         if offloads_optimizer(ds_config):

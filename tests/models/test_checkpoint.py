@@ -286,7 +286,8 @@ def test_official_class_gives_the_same_outputs(tmp_path, layer_types, window, is
     ({"layer_types": [S, "chunked_attention"]}, re.escape("layer_types holds ['chunked_attention']")),
     ({"layer_types": [S]}, "layer_types has 1 entries for 2 drafter layers"),
     ({"sliding_window": None}, "sliding_attention layers need sliding_window"),
-    ({"architectures": ["DFlash2DraftModel"]}, re.escape("architectures is ['DFlash2DraftModel']")),
+    ({"architectures": ["EagleDraftModel"]}, re.escape("architectures is ['EagleDraftModel']")),
+    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel lacks dflash_config.conv_kernel_size"),
     ({"dflash_config": {"attention_sink_bias": True}}, "dflash_config.attention_sink_bias = True"),
     ({"target_hidden_size": 128}, "target_hidden_size = 128 != hidden_size"),
 ])

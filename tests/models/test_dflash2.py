@@ -1,0 +1,326 @@
+"""The DFlash2 drafter: its block-local convolution and selector against plain references, decoding
+against training, its start as a DFlash drafter, its objective's gradients, and its checkpoint format."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, DrafterConfig, draw_blocks, slot_weights
+from dflash.models.config import SLIDING, DFlash2Settings
+from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm, block_conv, unary_logits
+
+from .test_drafter import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
+
+SETTINGS = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=5,
+                           output_multiplier=0.7, final_logit_softcapping=4.0, input_embedding_scale=1.5)
+
+
+def tiny_config(target, settings=SETTINGS, window=6):
+    return DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, num_draft_layers=2,
+                                     target_layer_ids=TAPS, layer_types=[SLIDING] * 2, sliding_window=window,
+                                     is_causal=False, dflash2=settings)
+
+
+def tiny_dflash2(target, seed=0, settings=SETTINGS):
+    """Every parameter random (the convolutions and the selector away from their identity start)."""
+    drafter = DFlash2Drafter(tiny_config(target, settings), target.shared_weights())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
+                    else 0.15 * torch.randn(p.shape, generator=g))
+    return drafter
+
+
+def reference_conv(x, dynamic, base, block_size, group_size):
+    """One output at a time: out[t, c] = sum_i (base[i, c] + dynamic[t, i, c // G]) x[t - i, c] over the
+    taps that stay inside t's block."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            for i in range(base.shape[0]):
+                if t % block_size - i >= 0:
+                    out[t, c] += (base[i, c] + dynamic[t, i, c // group_size]) * x[t - i, c]
+    return out
+
+
+def test_block_conv_is_the_per_position_formula_and_stays_inside_each_block():
+    g = torch.Generator().manual_seed(0)
+    blocks, K, H, G = 3, 3, 8, 4
+    x = torch.randn(blocks * B, H, generator=g, dtype=torch.float64)
+    dynamic = torch.randn(blocks * B, K, H // G, generator=g, dtype=torch.float64)
+    base = torch.randn(K, H, generator=g, dtype=torch.float64)
+    got = block_conv(x, dynamic, base, B, G)
+    torch.testing.assert_close(got, reference_conv(x, dynamic, base, B, G))
+    # causal within the block: changing slot 1 of block 1 changes slots 1.. of block 1 only
+    y = x.clone()
+    y[B + 1] += 1.0
+    changed = (block_conv(y, dynamic, base, B, G) != got).any(dim=1)
+    assert changed.tolist() == [t in range(B + 1, 2 * B) for t in range(blocks * B)]
+
+
+def test_decoding_block_by_block_equals_the_packed_training_forward():
+    """`draft` (context in a cache, one block at a time) gives the training forward's block states,
+    convolutions, embedding scale and non-causal sliding layers included."""
+    target = tiny_target(3)
+    drafter = tiny_dflash2(target, seed=3)
+    lengths = [9, 14]
+    batch = make_batch(lengths, seed=3)
+    feats = target.features(batch)
+    cu = batch.cu_seqlens.tolist()
+    seq = [s for s, n in enumerate(lengths) for _ in range(n)]
+    anchor = [a for n in lengths for a in range(n)]
+    anchors = Anchors(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
+    with torch.no_grad():
+        training = run_blocks(drafter, batch, feats, anchors)[:, 1:]
+        for s, n in enumerate(lengths):
+            cache = DrafterCache(drafter, capacity=n)
+            for a in range(n):
+                new = feats[cu[s] + cache.length:cu[s] + a]
+                got = drafter.draft_hidden(cache, new, int(batch.input_ids[cu[s] + a]))
+                torch.testing.assert_close(got, training[cu[s] + a], rtol=1e-5, atol=1e-5)
+
+
+def test_a_new_dflash2_drafter_computes_what_the_dflash_drafter_of_its_seed_does():
+    target = tiny_target(4)
+    config = tiny_config(target, DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                                 selector_top_k=5))
+    torch.manual_seed(7)
+    dflash2 = DFlash2Drafter(config, target.shared_weights())
+    torch.manual_seed(7)
+    import dataclasses
+
+    dflash = DFlashDrafter(dataclasses.replace(config, dflash2=None), target.shared_weights())
+    batch = make_batch([12, 20], seed=4)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=6, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+    with torch.no_grad():
+        h2, h1 = dflash2(batch, feats, blocks), dflash(batch, feats, blocks)
+        assert torch.equal(h2, h1)
+        hidden = h2.view(-1, B, h2.shape[-1])[0, 1:]
+        path, _, _ = dflash2.propose(hidden, int(blocks.input_ids[0]))
+        assert torch.equal(path, dflash2.logits(hidden).argmax(-1))  # every transition scores 0
+
+
+def dense_selector_loss(drafter, hidden, blocks, stop_grad=False):
+    """The selector's objective written out: full logits, top-K, the gold token injected, explicit scores."""
+    sel = drafter.candidate_selector
+    K = sel.top_k
+    scored = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
+    logits = unary_logits(scored @ drafter.lm_head.t(), drafter.config).detach()
+    labels = blocks.labels.reshape(-1)
+    prev = torch.cat([blocks.input_ids.view(-1, B)[:, :1], blocks.labels[:, :-1]], 1).reshape(-1)
+    h = scored.detach() if stop_grad else scored
+    total = torch.zeros(())
+    A, Bc, P = sel.predecessor_codebook.weight, sel.successor_codebook.weight, sel.hidden_projection.weight
+    for r in range(labels.numel()):
+        values, cands = logits[r].topk(K)
+        cands, values = cands.clone(), values.clone()
+        if labels[r] not in cands:
+            cands[-1], values[-1] = labels[r], logits[r, labels[r]]
+        scores = values + ((A[prev[r]] * (P @ h[r]))[None, :] * Bc[cands]).sum(-1)
+        target = int((cands == labels[r]).nonzero()[0, 0])
+        total = total + blocks.weights.reshape(-1)[r] * (torch.logsumexp(scores, 0) - scores[target])
+    return total
+
+
+@pytest.mark.parametrize("stop_grad", [False, True])
+def test_selector_term_is_the_dense_objective_with_its_gradients(stop_grad):
+    target = tiny_target(5)
+    drafter = tiny_dflash2(target, seed=5, settings=DFlash2Settings(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4, output_multiplier=0.5,
+        final_logit_softcapping=3.0))
+    batch = make_batch([10, 16], seed=5)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=5, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+    s = drafter.config.dflash2
+    params = dict(drafter.named_parameters())
+
+    def grads(loss_fn):
+        drafter.zero_grad()
+        hidden = drafter(batch, feats, blocks)
+        loss = loss_fn(hidden)
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in params.items() if p.grad is not None}
+
+    term = SelectorTerm(drafter.candidate_selector, 0.3, stop_grad)
+    loss = BlockLoss(chunk_rows=7, terms=[term], logit_scale=s.output_multiplier, softcap=s.final_logit_softcapping)
+    got, got_grads = grads(lambda h: loss(h, blocks, drafter.lm_head).loss_sum)
+
+    def dense(h):
+        scored = h.view(-1, B, h.shape[-1])[:, 1:].reshape(-1, h.shape[-1])
+        logits = unary_logits(scored @ drafter.lm_head.t(), drafter.config)
+        ce = torch.nn.functional.cross_entropy(logits, blocks.labels.reshape(-1), reduction="none")
+        return (ce * blocks.weights.reshape(-1)).sum() + 0.3 * dense_selector_loss(drafter, h, blocks, stop_grad)
+
+    ref, ref_grads = grads(dense)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == ref_grads.keys()
+    for k in ref_grads:
+        torch.testing.assert_close(got_grads[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=k)
+    out = loss(drafter(batch, feats, blocks), blocks, drafter.lm_head)
+    rows = int(blocks.valid.sum())
+    assert out.metrics["selector_rows"] == rows and 0 <= out.metrics["selector_correct"] <= out.metrics[
+        "selector_recall"] <= rows
+    torch.testing.assert_close(out.parts["selector"], dense_selector_loss(drafter, drafter(batch, feats, blocks),
+                                                                          blocks).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_selector_path_greedy_and_sampled_against_a_plain_walk():
+    target = tiny_target(6)
+    drafter = tiny_dflash2(target, seed=6)
+    sel = drafter.candidate_selector
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B - 1, drafter.config.hidden_size, generator=g)
+    unary = drafter.logits(hidden)
+    A, Bc, P = sel.predecessor_codebook.weight, sel.successor_codebook.weight, sel.hidden_projection.weight
+    with torch.no_grad():
+        path, cands, q = drafter.propose(hidden, 11)
+        assert q is None
+        prev = 11
+        for p in range(B - 1):
+            values, c = unary[p].topk(sel.top_k)
+            scores = values + ((A[prev] * (P @ hidden[p]))[None] * Bc[c]).sum(-1)
+            prev = int(c[scores.argmax()])
+            assert int(path[p]) == prev
+        path, cands, q = drafter.propose(hidden, 11, 0.8, torch.Generator().manual_seed(1))
+        prev = 11
+        for p in range(B - 1):
+            scores = unary[p].topk(sel.top_k).values + ((A[prev] * (P @ hidden[p]))[None] * Bc[cands[p]]).sum(-1)
+            torch.testing.assert_close(q[p], torch.softmax(scores / 0.8, -1))
+            assert int(path[p]) in cands[p].tolist()
+            prev = int(path[p])
+
+
+def test_export_writes_the_released_names_and_keys_and_loads_back(tmp_path):
+    target = tiny_target(7)
+    drafter = tiny_dflash2(target, seed=7)
+    drafter.save_pretrained(tmp_path / "d2")
+    config = json.loads((tmp_path / "d2" / "config.json").read_text())
+    # the released fixture's keys (z-lab/dflash tests/fixtures/dflash2-config.json)
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
+    assert "block_size" not in config
+    assert set(config["dflash_config"]) == {"block_size", "conv_group_size", "conv_kernel_size",
+                                            "final_logit_softcapping", "mask_token_id", "output_multiplier",
+                                            "selector_rank", "selector_top_k", "target_layer_ids",
+                                            "input_embedding_scale"}
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "d2" / "model.safetensors", "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    H, V, R, K, G = 64, 300, 8, 3, 16
+    assert shapes["candidate_selector.predecessor_codebook"] == [V, R]
+    assert shapes["candidate_selector.successor_codebook"] == [V, R]
+    assert shapes["candidate_selector.hidden_projection.weight"] == [R, H]
+    assert shapes["layers.1.attention_conv.base_kernel"] == [2, K, H]
+    assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == [2 * K * H // G, H]
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "d2", target.shared_weights())
+    assert isinstance(loaded, DFlash2Drafter)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    # the state_dict's names (`.weight` on the codebooks) load too
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, tmp_path / "d2" / "model.safetensors")
+    again = DFlashDrafter.from_pretrained(tmp_path / "d2", target.shared_weights())
+    assert torch.equal(again.candidate_selector.successor_codebook.weight,
+                       drafter.candidate_selector.successor_codebook.weight)
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"conv_group_size": None}, "dflash_config.conv_group_size"),
+    ({"conv_group_size": 24}, "dflash_config.conv_group_size"),
+    ({"selector_top_k": 0}, "dflash_config.selector_top_k"),
+    ({"output_multiplier": -1.0}, "dflash_config.output_multiplier"),
+])
+def test_a_dflash2_config_the_engines_would_serve_otherwise_is_refused_naming_the_key(change, key):
+    target = tiny_target(8)
+    d = tiny_config(target).to_json_dict()
+    for k, v in change.items():
+        if v is None:
+            d["dflash_config"].pop(k)
+        else:
+            d["dflash_config"][k] = v
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        DrafterConfig.from_json_dict(d)
+    # the DFlash2 keys stay refused in a DFlash drafter's config
+    d = tiny_config(target).to_json_dict()
+    d["architectures"] = ["DFlashDraftModel"]
+    with pytest.raises(ValueError, match="dflash_config.* which this drafter does not implement"):
+        DrafterConfig.from_json_dict(d)
+
+
+def test_the_walk_reads_the_selectors_path():
+    """The loss's hits are the greedy selector path's, walked from each block's anchor: the accepted
+    prefix of `propose` against the labels equals the leading hits; log q_t(label) is the selector's
+    softmax over the candidates along the labels."""
+    target = tiny_target(9)
+    drafter = tiny_dflash2(target, seed=9, settings=DFlash2Settings(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=40))
+    with torch.no_grad():  # a selector that often overrules the unary argmax
+        drafter.candidate_selector.hidden_projection.weight.mul_(20)
+    batch = make_batch([12, 18], seed=9)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=8, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+    loss = BlockLoss(terms=[SelectorTerm(drafter.candidate_selector)])
+    with torch.no_grad():
+        hidden = drafter(batch, feats, blocks)
+        out = loss(hidden, blocks, drafter.lm_head, temperatures=(0.5,))
+        states = hidden.view(-1, B, hidden.shape[-1])
+        overruled = 0
+        for j in range(blocks.num_blocks):
+            path, cands, _ = drafter.propose(states[j, 1:], int(blocks.input_ids[j * B]))
+            ok = (path == blocks.labels[j]) & blocks.valid[j]
+            assert int(ok.long().cumprod(0).sum()) == int(out.hits[j].long().cumprod(0).sum())
+            overruled += int((path != drafter.logits(states[j, 1:]).argmax(-1)).sum())
+            # slot 1: q over the candidates after the anchor
+            _, _, q = drafter.propose(states[j, 1:2], int(blocks.input_ids[j * B]), 0.5, torch.Generator())
+            label = blocks.labels[j, 0]
+            want = torch.log(q[0][cands[0] == label].sum()) if blocks.valid[j, 0] else torch.tensor(float("-inf"))
+            torch.testing.assert_close(out.label_logq[j, 0, 0], want.float())
+        assert overruled > 0  # the path is the selector's, not the argmax
+
+
+def test_the_official_dflash2_class_loads_the_export_strictly_with_the_same_outputs_and_path(tmp_path):
+    """z-lab's DFlash2DraftModel (the PyPI wheel's dflash/model.py) loads our export with no missing or
+    unexpected tensor and computes the same block states (each block alone after its context, as its
+    decoding loop runs it) and the same greedy selector path."""
+    from .official import official_dflash
+
+    official = official_dflash()
+    target = tiny_target(10)
+    drafter = tiny_dflash2(target, seed=10)
+    drafter.save_pretrained(tmp_path)
+    model, info = official.DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.float32,
+                                                             output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model.eval()
+    embed, lm_head = target.shared_weights().embed, target.shared_weights().lm_head
+    head = torch.nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False)
+    head.weight.data = lm_head
+    T, anchors = 21, [0, 5, 13, 20]
+    g = torch.Generator().manual_seed(10)
+    feats = torch.randn(T, len(TAPS) * drafter.config.hidden_size, generator=g)
+    tokens = torch.randint(0, MASK_ID, (T,), generator=g)
+    blocks = Anchors(torch.zeros(len(anchors), dtype=torch.int32), torch.tensor(anchors, dtype=torch.int32), B, 0)
+    ids = torch.full((len(anchors), B), MASK_ID)
+    ids[:, 0] = tokens[anchors]
+    pos = torch.tensor(anchors)[:, None] + torch.arange(B)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    scale = drafter.config.dflash2.input_embedding_scale
+    with torch.no_grad():
+        ours = drafter.block_hidden(feats, ids.reshape(-1), pos.reshape(-1), torch.arange(T), (cu, cu), blocks)
+        ours = ours.view(-1, B, ours.shape[-1])
+        for j, a in enumerate(anchors):
+            theirs = model(position_ids=torch.arange(a + B)[None], noise_embedding=embed[ids[j]][None] * scale,
+                           target_hidden=feats[:a][None])[0]
+            torch.testing.assert_close(ours[j], theirs, rtol=1e-5, atol=1e-5, msg=f"anchor {a}")
+            path, _, _ = model.propose(theirs[None, 1:], ids[j, :1], head, 0.0)
+            torch.testing.assert_close(drafter.logits(ours[j, 1:]), model.compute_logits(theirs[1:], head),
+                                       rtol=1e-5, atol=1e-5)
+            assert drafter.propose(ours[j, 1:], int(ids[j, 0]))[0].tolist() == path[0].tolist()
