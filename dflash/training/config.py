@@ -23,7 +23,6 @@ from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import number, parse_list
 
 TARGET_PARTITIONS = ("none", "zero3")
-OPTIMIZERS = ("adamw", "muon")
 
 
 def layer_type(name: str) -> str:
@@ -129,12 +128,6 @@ class TrainConfig:
     warmup_ratio: float = _opt(0.04, "share of steps of linear warm-up")
     schedule: str = _opt("cosine", "learning-rate schedule after warm-up: cosine, linear, constant")
     grad_clip: float = _opt(1.0, "gradient clipping norm (fills 'gradient_clipping': 'auto')")
-    optimizer: str = _opt(
-        "adamw",
-        "adamw, or muon: DeepSpeed's Muon for the drafter's 2-D weight matrices (at --muon-lr) with AdamW for the "
-        "rest (norms, at --lr), under ZeRO 1-3 (not with an offloaded optimizer)",
-    )
-    muon_lr: float = _opt(0.0, "peak Muon learning rate with --optimizer muon (0: 10 x --lr, as vLLM speculators)")
     # objective
     loss: str = _opt(
         "ce=1",
@@ -437,13 +430,13 @@ def _typed(value, f: dataclasses.Field, where: str):
 
 _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear", "constant"),
             "dtype": ("auto", "bf16", "fp32"), "attention_backend": ATTENTION_BACKENDS,
-            "target_partition": TARGET_PARTITIONS, "optimizer": OPTIMIZERS}
+            "target_partition": TARGET_PARTITIONS}
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
                  "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
-_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib", "muon_lr",
-           "dpace_alpha", "distill_temperature", "feature_noise")
+_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib", "dpace_alpha",
+            "distill_temperature", "feature_noise")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
     "block_size": (lambda v: v >= 2, "must be >= 2 (slot 0 holds the anchor)"),
@@ -453,7 +446,6 @@ _RANGES = {
     "lr": (lambda v: v > 0, "must be positive"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
-    "muon_lr": (lambda v: v >= 0, "must be >= 0 (0: 10 x --lr)"),
     "dpace_alpha": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "distill_temperature": (lambda v: v > 0, "must be > 0"),
     "feature_noise": (lambda v: v >= 0, "must be >= 0 (0: none)"),

@@ -163,31 +163,6 @@ def recipe_loss(cfg: TrainConfig, lm_head: torch.Tensor):
     return BlockLoss(chunk_rows, ce_weight=weights.get("ce", 0.0), terms=terms)
 
 
-MUON_MOMENTUM = 0.95  # Muon's own default (Keller Jordan's Muon, torch.optim.Muon, DeepSpeed)
-
-
-def muon_ds_config(cfg: TrainConfig, ds_config: dict) -> dict:
-    """The DeepSpeed config with its Muon optimizer for --optimizer muon: Muon at --muon-lr (0: 10 x --lr)
-    on the drafter's matrices, AdamW at --lr on the rest; a combination DeepSpeed's Muon refuses is
-    refused here first, naming the flag."""
-    from dflash.training.ds_config import offloads_optimizer, zero_stage
-
-    if offloads_optimizer(ds_config):
-        raise UserError("--optimizer muon: the optimizer is offloaded to the CPU (offload_optimizer in "
-                        f"--deepspeed_config {cfg.deepspeed_config}), where DeepSpeed runs only its CPU Adam; "
-                        "drop the offload or use --optimizer adamw")
-    zero = dict(ds_config.get("zero_optimization", {}))
-    if zero_stage(ds_config) == 3:
-        if zero.get("reduce_scatter") is True:
-            raise UserError(f"--optimizer muon: --deepspeed_config {cfg.deepspeed_config} sets 'reduce_scatter': "
-                            "true, which DeepSpeed's ZeRO-3 Muon cannot use (it needs each whole gradient); "
-                            "remove it")
-        zero["reduce_scatter"] = False  # ZeRO-3's default is true
-    params = {"lr": cfg.lr, "muon_lr": cfg.muon_lr or 10 * cfg.lr, "adam_lr": cfg.lr, "momentum": MUON_MOMENTUM,
-              "weight_decay": cfg.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8, "adam_w_mode": True}
-    return {**ds_config, "zero_optimization": zero, "optimizer": {"type": "Muon", "params": params}}
-
-
 def lr_lambda(schedule: str, warmup: int, total: int):
     def f(step: int) -> float:
         if step < warmup:
@@ -254,18 +229,6 @@ class Models:
         self.eval_loss = BlockLoss(self.loss.chunk_rows)
         self.zero_stage = zero_stage(ds_config)
         params = self.drafter.parameters()
-        warmup = int(cfg.warmup_ratio * total_steps)
-
-        def schedule(optimizer):
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, total_steps))
-
-        if cfg.optimizer == "muon":
-            # DeepSpeed's Muon: it tags the 2-D matrices (Muon) and the rest (its AdamW), and its ZeRO
-            # 1-3 optimizers orthogonalise each whole matrix's update before partitioning it
-            ds_config = muon_ds_config(cfg, ds_config)
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=self.drafter, model_parameters=params, lr_scheduler=schedule, config=ds_config)
-            return
         if offloads_optimizer(ds_config):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -273,8 +236,10 @@ class Models:
         else:
             optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                           fused=torch.device(device).type == "cuda" or None)
+        warmup = int(cfg.warmup_ratio * total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=self.drafter, optimizer=optimizer, lr_scheduler=schedule(optimizer), config=ds_config)
+            model=self.drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
 
     def export(self, directory: Path) -> None:
         """The drafter in the official DFlash format (parameters gathered under ZeRO-3; rank 0 writes)."""

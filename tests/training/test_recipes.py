@@ -1,9 +1,12 @@
-"""The recipe options: --loss and its terms' options, --optimizer muon (DeepSpeed's Muon, its config and
-refusals), --feature-noise (seeded per sample), and a run with all of them that stops and resumes
-bitwise like the uninterrupted one under every ZeRO stage."""
+"""The recipe options: --loss and its terms' options, --feature-noise (seeded per sample), and a run with
+all of them that stops and resumes bitwise like the uninterrupted one under every ZeRO stage; the
+recipe comparison's recipes."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from dflash.errors import UserError
 from dflash.training.config import load_config
 from dflash.training.noise import FeatureNoise
 
+from ..conftest import ROOT
 from .conftest import run_deepspeed, tiny_train_args, without_timings
 
 
@@ -45,30 +49,11 @@ def test_feature_noise_is_a_function_of_seed_epoch_and_sample_not_of_the_batch()
     (["--loss", "ce=0"], "--loss: 'ce=0' weighs nothing: give at least one part a weight > 0, e.g. ce=1"),
     (["--dpace-alpha", "1.5"], "--dpace-alpha: must be in [0, 1], got 1.5"),
     (["--distill-temperature", "0"], "--distill-temperature: must be > 0, got 0.0"),
-    (["--optimizer", "sgd"], "--optimizer: must be one of adamw, muon, got 'sgd'"),
 ])
 def test_recipe_options_name_the_flag(argv, message):
     with pytest.raises(UserError) as e:
         load_config(["--data", "d.jsonl", *argv])
     assert str(e.value) == message
-
-
-def test_muon_config_lr_and_refusals():
-    from dflash.training.models import muon_ds_config
-
-    cfg = load_config(["--data", "d.jsonl", "--optimizer", "muon", "--lr", "2e-4", "--weight-decay", "0.1"])
-    stage3 = {"zero_optimization": {"stage": 3, "overlap_comm": False}}
-    out = muon_ds_config(cfg, stage3)
-    params = out["optimizer"]["params"]
-    assert out["optimizer"]["type"] == "Muon" and params["muon_lr"] == pytest.approx(2e-3)
-    assert params["adam_lr"] == 2e-4 and params["weight_decay"] == 0.1
-    assert out["zero_optimization"]["reduce_scatter"] is False and "optimizer" not in stage3  # not mutated
-    given = load_config(["--data", "d.jsonl", "--optimizer", "muon", "--muon-lr", "0.01"])
-    assert muon_ds_config(given, {"zero_optimization": {"stage": 1}})["optimizer"]["params"]["muon_lr"] == 0.01
-    with pytest.raises(UserError, match="--optimizer muon: the optimizer is offloaded"):
-        muon_ds_config(cfg, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(UserError, match="'reduce_scatter': true"):
-        muon_ds_config(cfg, {"zero_optimization": {"stage": 3, "reduce_scatter": True}})
 
 
 def test_the_recipe_builds_the_objective():
@@ -84,9 +69,8 @@ def test_the_recipe_builds_the_objective():
     assert plain.ce_weight == 1.0 and plain.terms == () and plain.chunk_rows == 1024
 
 
-RECIPE = ("--optimizer", "muon", "--loss", "ce=1,dpace=0.5,kl=0.5,lk=0.2", "--feature-noise", 0.05,
-          "--step-tokens", 600, "--checkpoint-every", 2, "--no-export", "--no-balance", "--sample-log")
-NO_COMPILE = {"TORCH_COMPILE_DISABLE": "1"}  # DeepSpeed's Muon compiles its Newton-Schulz steps: minutes on CPU
+RECIPE = ("--loss", "ce=1,dpace=0.5,kl=0.5,lk=0.2", "--feature-noise", 0.05, "--step-tokens", 600,
+          "--checkpoint-every", 2, "--no-export", "--no-balance", "--sample-log")
 
 
 def history(out):
@@ -96,12 +80,12 @@ def history(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_muon_terms_and_noise_train_and_resume_bitwise_under_every_zero_stage(tiny_run_inputs, tmp_path, stage):
+def test_terms_and_noise_train_and_resume_bitwise_under_every_zero_stage(tiny_run_inputs, tmp_path, stage):
     target, data = tiny_run_inputs
     recipe = (*RECIPE, "--deepspeed_config", f"ds_configs/zero{stage}.json")
 
     def ok(args):
-        proc = run_deepspeed(tiny_train_args(target, data, *args), env=NO_COMPILE)
+        proc = run_deepspeed(tiny_train_args(target, data, *args))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc
 
@@ -113,3 +97,57 @@ def test_muon_terms_and_noise_train_and_resume_bitwise_under_every_zero_stage(ti
     assert history(tmp_path / "run") == whole
     train = [r for r in whole if r["kind"] == "train"]
     assert len(train) >= 6 and all(r["step_applied"] for r in train)
+
+
+def test_recipes_share_everything_but_the_recipe_options():
+    from dflash.training.recipes import parse_recipes
+
+    recipes = parse_recipes("ce: ; mix: --loss ce=1,dpace=0.5 --feature-noise 0.05", ["--data", "d.jsonl"])
+    assert list(recipes) == ["ce", "mix"] and recipes["ce"].loss == "ce=1"
+    assert recipes["mix"].loss == "ce=1,dpace=0.5" and recipes["mix"].feature_noise == 0.05
+    assert recipes["mix"].data == recipes["ce"].data == "d.jsonl"
+    for text, message in (("a: --num-anchors 8", "--recipes a: sets --num-anchors, which every recipe shares"),
+                          ("a: --loss foo=1", "--recipes a: --loss: unknown part 'foo'"),
+                          ("a: ; a: --lr 1e-3", "--recipes: a is given twice"),
+                          ("--lr 1e-3", "is not 'name: flags'")):
+        with pytest.raises(UserError, match=message.replace("(", r"\(")):
+            parse_recipes(text, ["--data", "d.jsonl"])
+
+
+def test_recipes_table_and_plot(tmp_path):
+    from dflash.training.recipes import plot_recipes, recipes_table
+
+    def seed(s, tau):
+        return {"seed": s, "evals": [{"step": 0, "train_seconds": 0.0, "loss": 4.0, "tau": 1.0, "tau@1": 1.5},
+                                     {"step": 5, "train_seconds": 2.0, "loss": 3.0, "tau": tau, "tau@1": tau + 1}]}
+
+    result = {}
+    for name, taus in (("ce", (2.0, 2.2)), ("dpace", (2.5, 2.3))):
+        seeds = [seed(i, t) for i, t in enumerate(taus)]
+        final = {k: {"mean": float(sum(s["evals"][-1][k] for s in seeds) / 2), "std": 0.1}
+                 for k in ("tau", "tau@1", "loss", "train_seconds")}
+        result[name] = {"seeds": seeds, "final": final}
+    table = recipes_table(result)
+    assert "tau@1" in table and table.splitlines()[3].startswith("dpace") and "2.400" in table
+    plot_recipes(result, tmp_path / "r.png", "title")
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_compare_recipes_runs_the_recipes_interleaved_for_every_seed(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "cmp"
+    args = [str(a) for a in tiny_train_args(target, data, out, "--step-tokens", 600, "--eval-sample-turns", 4)]
+    recipes = "ce: ; mix: --loss ce=1,dpace=0.5,kl=0.5 --feature-noise 0.05"
+    cmd = [sys.executable, str(ROOT / "launch" / "compare_recipes.py"), *args, "--recipes", recipes, "--steps", "3",
+           "--seeds", "0,1", "--eval-interval", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "recipes.json").read_text())["recipes"]
+    assert list(result) == ["ce", "mix"] and result["mix"]["flags"].startswith("--loss")
+    for stats in result.values():
+        assert [s["seed"] for s in stats["seeds"]] == [0, 1]
+        assert all([e["step"] for e in s["evals"]] == [0, 2, 3] for s in stats["seeds"])
+        assert "tau@1" in stats["final"]
+    assert (out / "recipes.png").is_file() and "recipe" in proc.stderr
