@@ -117,6 +117,8 @@ class _TargetDistributionTerm(LogitTerm):
         computed once, and (hi - lo,) the index of each row's position among them."""
         unique, inverse = torch.unique(self.positions[lo:hi], return_inverse=True)
         logits = (self.states[unique].to(self.lm_head.dtype) @ self.lm_head.t()).float()
+        if hi >= self.positions.numel():  # the last chunk: the states are not held past the loss
+            self.states = None
         probs, _ = _softmax_parts(logits, self.temperature)
         return probs, inverse
 

@@ -101,14 +101,15 @@ def compare_recipes(recipes: dict[str, TrainConfig], out: Path, *, steps: int, s
     for seed in seeds:
         runs = build_runs(recipes, seed, out, steps, target, data)
         target, data = runs[0].trainer.models.target, str(runs[0].trainer.data.store_path)
-        say(f"seed {seed}: {len(runs)} recipes ({', '.join(recipes)}), {steps} steps each, interleaved")
+        todo = runs[0].trainer.data.total_steps  # --epochs may hold fewer steps than asked; the same for all
+        say(f"seed {seed}: {len(runs)} recipes ({', '.join(recipes)}), {todo} steps each, interleaved")
         for r in runs:
             r.evaluate()
         started = time.perf_counter()
-        while runs[0].steps < steps:
+        while runs[0].steps < todo:
             for r in runs:
                 r.step()
-            if runs[0].steps % eval_every == 0 or runs[0].steps == steps:
+            if runs[0].steps % eval_every == 0 or runs[0].steps == todo:
                 for r in runs:
                     r.evaluate()
                 say(f"  step {runs[0].steps}: " + ", ".join(f"{r.name} tau {r.evals[-1]['tau']:.3f}" for r in runs))
