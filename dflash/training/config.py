@@ -129,6 +129,21 @@ class TrainConfig:
     warmup_ratio: float = _opt(0.04, "share of steps of linear warm-up")
     schedule: str = _opt("cosine", "learning-rate schedule after warm-up: cosine, linear, constant")
     grad_clip: float = _opt(1.0, "gradient clipping norm (fills 'gradient_clipping': 'auto')")
+    # objective
+    loss: str = _opt(
+        "ce=1",
+        "the objective, comma-separated part=weight: ce (slot-weighted cross-entropy with the data), dpace (D-PACE: "
+        "cross-entropy weighted by each slot's share of the block's expected acceptance, no gamma decay), kl "
+        "(KL(target || drafter) at --distill-temperature), lk (-log of the expected acceptance sum_v min(p, q) at "
+        "--distill-temperature); e.g. ce=1,dpace=0.5 or ce=0.5,kl=1. kl and lk run the target to its last layer",
+    )
+    dpace_alpha: float = _opt(0.5, "D-PACE confidence smoothing: a slot's confidence counts as (1 - a) q + a")
+    distill_temperature: float = _opt(1.0, "temperature of the target's and the drafter's softmax in kl and lk")
+    feature_noise: float = _opt(
+        0.0,
+        "std of Gaussian noise added to the tapped target features in training (not evaluation), the same for a "
+        "sample in an epoch whatever its micro-batch (seeded by --seed, epoch, sample); 0: none",
+    )
     # drafter
     num_anchors: int = _opt(512, "anchors drawn per sample (fewer if it has fewer candidates)")
     block_size: int = _opt(16, "drafted tokens per block, anchor slot included")
@@ -437,7 +452,7 @@ _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_l
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
                  "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
 _FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib",
-           "selector_weight")
+           "selector_weight", "dpace_alpha", "distill_temperature", "feature_noise")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
     "block_size": (lambda v: v >= 2, "must be >= 2 (slot 0 holds the anchor)"),
@@ -447,6 +462,9 @@ _RANGES = {
     "lr": (lambda v: v > 0, "must be positive"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
+    "dpace_alpha": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "distill_temperature": (lambda v: v > 0, "must be > 0"),
+    "feature_noise": (lambda v: v >= 0, "must be >= 0 (0: none)"),
     "memory_gib": (lambda v: v >= 0, "must be >= 0 (0: the GPU's own)"),
     "selector_weight": (lambda v: v >= 0, "must be >= 0"),
     "speculate_turns": (lambda v: v >= -1, "must be >= 0, or -1 (one per optimizer step)"),
@@ -476,6 +494,12 @@ def validate(c: TrainConfig) -> None:
 
 
 def _validate_relations(c: TrainConfig) -> None:
+    from dflash.models.terms import parse_recipe
+
+    try:
+        parse_recipe(c.loss)
+    except ValueError as e:
+        _bad("loss", str(e))
     if 0 < c.row_budget < c.block_size * c.num_anchors:
         _bad("row_budget", f"must be 0 or at least block size x anchors ({c.block_size * c.num_anchors}) so that "
                            f"every sample fits, got {c.row_budget}")

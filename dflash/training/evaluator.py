@@ -93,7 +93,7 @@ class Evaluator:
             from dflash.models.blocks import block_scorer
 
             m = self.data.maker
-            self._score = block_scorer(self.models.engine, self.models.loss, self.models.drafter.lm_head,
+            self._score = block_scorer(self.models.engine, self.models.eval_loss, self.models.drafter.lm_head,
                                        mask_token_id=m.mask_token_id, slot_weights=m.weights)
         return self._score(batch, features, anchors, **kwargs)
 

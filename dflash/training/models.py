@@ -194,17 +194,26 @@ def drafter_kind_settings(kind: str) -> dict:
     return {"dflash2": released_settings(), "is_causal": False}
 
 
-def training_loss(cfg: TrainConfig, drafter):
-    """The objective of `drafter`: the DFlash cross-entropy through its logits, and for a DFlash2
-    drafter its selector's term (--selector-weight, --selector-stop-grad)."""
+def training_loss(cfg: TrainConfig, drafter, *, recipe: bool = True):
+    """The objective of `drafter`: with `recipe`, --loss's ce_weight x the cross-entropy plus its terms
+    (dflash.models.terms), else the cross-entropy alone (what held-out runs are compared by); for a
+    DFlash2 drafter its logits' scale and softcap and its selector's term (--selector-weight,
+    --selector-stop-grad). Chunks of whole blocks when a term weighs blocks (D-PACE)."""
     from dflash.models import BlockLoss
+    from dflash.models.loss import DEFAULT_CHUNK_ROWS
+    from dflash.models.terms import block_chunk_rows, build_terms, parse_recipe
 
+    weights = parse_recipe(cfg.loss) if recipe else {"ce": 1.0}
+    terms = build_terms(weights, lm_head=drafter.lm_head, dpace_alpha=cfg.dpace_alpha,
+                        temperature=cfg.distill_temperature)
+    chunk_rows = block_chunk_rows(DEFAULT_CHUNK_ROWS, cfg.block_size) if weights.get("dpace") else DEFAULT_CHUNK_ROWS
     s = drafter.config.dflash2
     if s is None:
-        return BlockLoss()
+        return BlockLoss(chunk_rows, ce_weight=weights.get("ce", 0.0), terms=terms)
     from dflash.models.dflash2 import SelectorTerm
 
-    return BlockLoss(terms=[SelectorTerm(drafter.candidate_selector, cfg.selector_weight, cfg.selector_stop_grad)],
+    terms = [*terms, SelectorTerm(drafter.candidate_selector, cfg.selector_weight, cfg.selector_stop_grad)]
+    return BlockLoss(chunk_rows, ce_weight=weights.get("ce", 0.0), terms=terms,
                      logit_scale=s.output_multiplier, softcap=s.final_logit_softcapping)
 
 
@@ -239,6 +248,7 @@ class Models:
                                              **drafter_kind_settings(cfg.drafter_kind))
             self.drafter = drafter_class(dcfg)(dcfg, target.model.shared_weights(), **options)
         self.loss = training_loss(cfg, self.drafter)  # the objective: hidden states + blocks -> loss sum and metrics
+        self.eval_loss = training_loss(cfg, self.drafter, recipe=False)  # held out: what recipes are compared by
         self.zero_stage = zero_stage(ds_config)
         params = self.drafter.parameters()
         if offloads_optimizer(ds_config):

@@ -37,6 +37,7 @@ from dflash.training.models import (
     drafter_settings,
     load_train_target,
 )
+from dflash.training.noise import FeatureNoise
 from dflash.training.partition import target_bytes, target_summary
 from dflash.training.phases import PhaseTimer
 from dflash.training.ranks import on_rank0
@@ -66,7 +67,7 @@ class _Walked(list):
 
 
 def accumulate_gradients(engine, target, loss, micro: list, device, block_size: int, timings: list | None = None,
-                         phases=None):
+                         phases=None, *, noise=None, epoch: int = 0):
     """Forward and backward of one step's micro-batches on this rank.
 
     Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
@@ -74,8 +75,13 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
     Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), and the
     number of skipped samples; nothing here waits for the device, unless `timings` is a list:
     then each micro-batch's seconds (forward and backward, the device synchronised) are appended.
-    `phases` (a PhaseTimer, started) is marked after each phase.
+    `phases` (a PhaseTimer, started) is marked after each phase. `noise`: a `FeatureNoise` for the
+    tapped features of `epoch`. A loss whose terms read the target's distribution (KL, LK) gets the
+    target's final states, from the same target forward.
     """
+    from dflash.models.anchors import to_packed
+    from dflash.models.terms import needs_target_states, target_context
+
     if timings is not None:
         from deepspeed.accelerator import get_accelerator
     world_size = dist.get_world_size()
@@ -91,10 +97,18 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
         batch, blocks = mb.batch.to(device, non_blocking=True), mb.blocks.to(device, non_blocking=True)
         if phases:
             phases.mark("other")
-        features = target.features(batch)
+        context = None
+        if needs_target_states(loss):
+            features, states = target.features(batch, with_output=True)
+            context = target_context(states, to_packed(batch))
+        else:
+            features = target.features(batch)
+        if noise is not None:
+            features = noise(features, to_packed(batch), epoch)
         if phases:
             phases.mark("target_forward")
-        out = loss(engine(batch, features, blocks), blocks, engine.module.lm_head)  # a hook marks the drafter's end
+        # a hook marks the drafter's end
+        out = loss(engine(batch, features, blocks), blocks, engine.module.lm_head, context=context)
         if phases:
             phases.mark("loss")
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
@@ -196,6 +210,7 @@ class Trainer:
         self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
         self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype, say=self._say)
         self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
+        self.noise = FeatureNoise(cfg.feature_noise, cfg.seed) if cfg.feature_noise else None
 
         self.step = 0
         self.micro_batch_shapes: list[tuple[int, int, int]] = []  # of the last step, this rank's
@@ -413,7 +428,8 @@ class Trainer:
         walked = _Walked(micro)
         try:
             sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, self.models.loss, walked,
-                                                       self.device, cfg.block_size, timings, self.phases)
+                                                       self.device, cfg.block_size, timings, self.phases,
+                                                       noise=self.noise, epoch=epoch)
         except torch.OutOfMemoryError:
             raise self._out_of_memory(shape(walked.current, cfg.block_size)) from None
         busy = waited = float("nan")

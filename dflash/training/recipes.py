@@ -1,0 +1,168 @@
+"""Recipes compared by what decoding accepts: several training recipes (objective, learning rate, noise)
+on the same target, data, steps and seeds, their optimizer steps interleaved, each evaluated on the
+held-out split by the eval walk (greedy tau: what greedy speculative decoding reaches, and tau@T:
+the expected acceptance of speculative sampling at T) against steps and training seconds.
+
+One process loads the target once; for each seed every recipe gets a `Trainer` whose drafter starts
+from that seed, and the recipes take their steps round-robin (step i of every recipe, then i + 1),
+so drift of the machine hits them alike. Only recipe options may differ between recipes
+(`RECIPE_FIELDS`): the data, the batching, the schedule length and the drafter are the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import shlex
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash.errors import UserError
+from dflash.training.config import TrainConfig, load_config
+from dflash.training.trainer import Trainer
+
+# what a recipe may set: the objective, the optimizer's settings and its schedule's shape, the noise
+RECIPE_FIELDS = ("loss", "dpace_alpha", "distill_temperature", "lr", "weight_decay", "warmup_ratio", "schedule",
+                 "grad_clip", "gamma", "feature_noise")
+DEFAULT_RECIPES = ("ce: ; dpace: --loss ce=1,dpace=0.5 ; kl: --loss ce=0.5,kl=1 ; lk: --loss ce=0.5,lk=1 ; "
+                   "noise: --feature-noise 0.05 ; speculators: --loss ce=1,dpace=0.5 --feature-noise 0.05")
+
+
+def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
+    """`name: flags ; name: flags ...` -> {name: the base options with the recipe's flags on top}.
+    A recipe that sets anything but RECIPE_FIELDS, or a bad flag, is refused naming the recipe."""
+    base = load_config(base_argv)
+    recipes: dict[str, TrainConfig] = {}
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        name, sep, flags = item.partition(":")
+        name = name.strip()
+        if not sep or not name:
+            raise UserError(f"--recipes: {item!r} is not 'name: flags' (e.g. 'dpace: --loss ce=1,dpace=0.5')")
+        if name in recipes:
+            raise UserError(f"--recipes: {name} is given twice")
+        try:
+            cfg = load_config([*base_argv, *shlex.split(flags)])
+        except UserError as e:
+            raise UserError(f"--recipes {name}: {e}") from None
+        changed = [f.name for f in dataclasses.fields(TrainConfig)
+                   if f.name not in RECIPE_FIELDS and getattr(cfg, f.name) != getattr(base, f.name)]
+        if changed:
+            raise UserError(f"--recipes {name}: sets {', '.join('--' + c.replace('_', '-') for c in changed)}, "
+                            f"which every recipe shares (give it once, outside --recipes); a recipe sets only "
+                            f"{', '.join('--' + c.replace('_', '-') for c in RECIPE_FIELDS)}")
+        recipes[name] = cfg
+    if len(recipes) < 1:
+        raise UserError("--recipes: no recipe given")
+    return recipes
+
+
+class RecipeRun:
+    """One recipe and seed: its trainer, stepped one optimizer step at a time, and its evaluations."""
+
+    def __init__(self, name: str, trainer: Trainer):
+        self.name, self.trainer = name, trainer
+        self.steps, self.train_seconds = 0, 0.0
+        self.evals: list[dict] = []
+
+    def step(self) -> None:
+        record = self.trainer.train_step()  # a record every step: the runs are built with log_every=1
+        self.steps += 1
+        self.train_seconds += record["step_seconds"]
+
+    def evaluate(self) -> None:
+        e = self.trainer.evaluate()
+        if e is not None:
+            self.evals.append({"step": self.steps, "train_seconds": self.train_seconds, "loss": e["loss"],
+                               "tau": e["tau"], **{k: v for k, v in e.items() if k.startswith("tau@")}})
+
+
+def build_runs(recipes: dict[str, TrainConfig], seed: int, out: Path, steps: int, target=None,
+               data: str | None = None) -> list[RecipeRun]:
+    """A trainer per recipe for `seed`, all sharing one loaded target and one token store (`data`: the
+    store an earlier run prepared)."""
+    runs = []
+    for name, cfg in recipes.items():
+        run_cfg = dataclasses.replace(cfg, seed=seed, output_dir=str(out / f"seed{seed}" / name), max_steps=steps,
+                                      export=False, progress=False, resume=False, overwrite=True, stop_at_step=0,
+                                      log_every=1, eval_every=0, speculate_turns=0, **({"data": data} if data else {}))
+        runs.append(RecipeRun(name, Trainer(run_cfg, target=target)))
+        target = runs[0].trainer.models.target
+        data = str(runs[0].trainer.data.store_path)  # a JSONL file is prepared once, for all recipes
+    return runs
+
+
+def compare_recipes(recipes: dict[str, TrainConfig], out: Path, *, steps: int, seeds: list[int],
+                    eval_every: int, say) -> dict:
+    """Every recipe for every seed, `steps` optimizer steps each, interleaved; the eval walk before the
+    first step, every `eval_every` steps and at the end. Returns {recipe: {"seeds": [...], "final": ...}}."""
+    result = {name: {"seeds": []} for name in recipes}
+    target = data = None
+    for seed in seeds:
+        runs = build_runs(recipes, seed, out, steps, target, data)
+        target, data = runs[0].trainer.models.target, str(runs[0].trainer.data.store_path)
+        todo = runs[0].trainer.data.total_steps  # --epochs may hold fewer steps than asked; the same for all
+        say(f"seed {seed}: {len(runs)} recipes ({', '.join(recipes)}), {todo} steps each, interleaved")
+        for r in runs:
+            r.evaluate()
+        started = time.perf_counter()
+        while runs[0].steps < todo:
+            for r in runs:
+                r.step()
+            if runs[0].steps % eval_every == 0 or runs[0].steps == todo:
+                for r in runs:
+                    r.evaluate()
+                say(f"  step {runs[0].steps}: " + ", ".join(f"{r.name} tau {r.evals[-1]['tau']:.3f}" for r in runs))
+        for r in runs:
+            result[r.name]["seeds"].append({"seed": seed, "evals": r.evals})
+            r.trainer.close()
+        say(f"seed {seed} done in {time.perf_counter() - started:.0f}s")
+        del runs
+        gc.collect()
+    for stats in result.values():
+        finals = [s["evals"][-1] for s in stats["seeds"]]
+        # tau@0 is the greedy tau
+        keys = [k for k in finals[0] if k == "tau" or k.startswith("tau@") and k != "tau@0" and "_" not in k]
+        stats["final"] = {k: {"mean": float(np.mean([f[k] for f in finals])),
+                              "std": float(np.std([f[k] for f in finals]))} for k in [*keys, "loss", "train_seconds"]}
+    return result
+
+
+def recipes_table(result: dict) -> str:
+    keys = [k for k in next(iter(result.values()))["final"] if k not in ("loss", "train_seconds")]
+    head = f"{'recipe':<14}" + "".join(f"{'tau' if k == 'tau' else k:>18}" for k in keys) + \
+        f"{'eval CE':>17}{'train s':>9}{'seeds':>6}"
+    lines = [head, "-" * len(head)]
+    for name, s in result.items():
+        f = s["final"]
+        lines.append(f"{name:<14}" + "".join(f"{f[k]['mean']:>10.3f} ± {f[k]['std']:<5.3f}" for k in keys)
+                     + f"{f['loss']['mean']:>9.4f} ± {f['loss']['std']:<5.3f}{f['train_seconds']['mean']:>9.1f}"
+                     + f"{len(s['seeds']):>6}")
+    return "\n".join(lines)
+
+
+def plot_recipes(result: dict, path: Path, title: str) -> None:
+    """Held-out tau and tau@T against steps and training seconds, one colour per recipe, a line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in next(iter(result.values()))["final"] if k not in ("loss", "train_seconds")]
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.6 * len(keys)), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for i, (name, stats) in enumerate(result.items()):
+        for j, run in enumerate(stats["seeds"]):
+            for row, key in enumerate(keys):
+                for col, x in enumerate(("step", "train_seconds")):
+                    axes[row, col].plot([e[x] for e in run["evals"]], [e[key] for e in run["evals"]], "o-",
+                                        color=cmap(i % 10), ms=3, lw=1, alpha=0.8, label=name if j == 0 else None)
+    for row, key in enumerate(keys):
+        what = "greedy tau (eval walk)" if key == "tau" else f"{key} (expected acceptance at T)"
+        axes[row, 0].set(xlabel="optimizer steps", ylabel=what)
+        axes[row, 1].set(xlabel="training seconds", ylabel=what)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,158 @@
+"""The recipe options: --loss and its terms' options, --feature-noise (seeded per sample), and a run with
+all of them that stops and resumes bitwise like the uninterrupted one under every ZeRO stage; the
+recipe comparison's recipes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash.data.batch import PackedBatch
+from dflash.errors import UserError
+from dflash.training.config import load_config
+from dflash.training.noise import FeatureNoise
+
+from ..conftest import ROOT
+from .conftest import run_deepspeed, tiny_train_args, without_timings
+
+
+def packed(lengths, sample_ids):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu[-1])
+    return PackedBatch(input_ids=torch.zeros(n, dtype=torch.long), loss_mask=torch.ones(n, dtype=torch.bool),
+                       position_ids=torch.zeros(n, dtype=torch.long), cu_seqlens=cu, cu_seqlens_cpu=cu,
+                       max_seqlen=max(lengths), sample_ids=torch.tensor(sample_ids))
+
+
+def test_feature_noise_is_a_function_of_seed_epoch_and_sample_not_of_the_batch():
+    noise = FeatureNoise(0.5, seed=3)
+    features = torch.randn(30, 8)
+    together = noise(features, packed([10, 20], [7, 9]), epoch=1)
+    alone = noise(features[10:], packed([20], [9]), epoch=1)  # sample 9 in another micro-batch
+    assert torch.equal(together[10:], alone)
+    assert not torch.equal(noise(features, packed([10, 20], [7, 9]), epoch=2), together)  # redrawn every epoch
+    assert not torch.equal(FeatureNoise(0.5, seed=4)(features, packed([10, 20], [7, 9]), 1), together)
+    drawn = together - features
+    assert abs(float(drawn.std()) - 0.5) < 0.1 and abs(float(drawn.mean())) < 0.1
+    assert not torch.equal(drawn[:10], drawn[10:20])  # samples differ
+    assert FeatureNoise(0.0, seed=3)(features, packed([10, 20], [7, 9]), 1) is features
+    with pytest.raises(ValueError, match=">= 0"):
+        FeatureNoise(-1.0, seed=0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--loss", "ce=1,focal=1"], "--loss: unknown part 'focal' (known: ce, dpace, kl, lk)"),
+    (["--loss", "ce=0"], "--loss: 'ce=0' weighs nothing: give at least one part a weight > 0, e.g. ce=1"),
+    (["--dpace-alpha", "1.5"], "--dpace-alpha: must be in [0, 1], got 1.5"),
+    (["--distill-temperature", "0"], "--distill-temperature: must be > 0, got 0.0"),
+])
+def test_recipe_options_name_the_flag(argv, message):
+    with pytest.raises(UserError) as e:
+        load_config(["--data", "d.jsonl", *argv])
+    assert str(e.value) == message
+
+
+def test_the_recipe_builds_the_objective():
+    from types import SimpleNamespace
+
+    from dflash.training.models import training_loss
+
+    drafter = SimpleNamespace(lm_head=torch.zeros(10, 4), config=SimpleNamespace(dflash2=None))
+    cfg = load_config(["--data", "d.jsonl", "--loss", "ce=0.5,dpace=1,kl=0.2", "--dpace-alpha", "0.3",
+                       "--distill-temperature", "2"])
+    loss = training_loss(cfg, drafter)
+    assert loss.ce_weight == 0.5 and [(t.name, t.weight) for t in loss.terms] == [("dpace", 1.0), ("kl", 0.2)]
+    assert loss.terms[0].alpha == 0.3 and loss.terms[1].temperature == 2.0
+    assert loss.chunk_rows % 15 == 0  # D-PACE weighs whole blocks of 15 scored slots
+    plain = training_loss(load_config(["--data", "d.jsonl"]), drafter)
+    assert plain.ce_weight == 1.0 and plain.terms == () and plain.chunk_rows == 1024
+    held_out = training_loss(cfg, drafter, recipe=False)  # what every recipe is compared by
+    assert held_out.ce_weight == 1.0 and held_out.terms == ()
+
+
+RECIPE = ("--loss", "ce=1,dpace=0.5,kl=0.5,lk=0.2", "--feature-noise", 0.05, "--step-tokens", 600,
+          "--checkpoint-every", 2, "--no-export", "--no-balance", "--sample-log")
+
+
+def history(out):
+    with open(out / "metrics.jsonl") as f:
+        return [without_timings(json.loads(line)) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_terms_and_noise_train_and_resume_bitwise_under_every_zero_stage(tiny_run_inputs, tmp_path, stage):
+    target, data = tiny_run_inputs
+    recipe = (*RECIPE, "--deepspeed_config", f"ds_configs/zero{stage}.json")
+
+    def ok(args):
+        proc = run_deepspeed(tiny_train_args(target, data, *args))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    ok([tmp_path / "whole", *recipe])
+    ok([tmp_path / "run", *recipe, "--stop-at-step", 3])
+    resumed = ok([tmp_path / "run", *recipe, "--resume"])
+    assert "resumed from" in resumed.stdout
+    whole = history(tmp_path / "whole")
+    assert history(tmp_path / "run") == whole
+    train = [r for r in whole if r["kind"] == "train"]
+    assert len(train) >= 6 and all(r["step_applied"] for r in train)
+
+
+def test_recipes_share_everything_but_the_recipe_options():
+    from dflash.training.recipes import parse_recipes
+
+    recipes = parse_recipes("ce: ; mix: --loss ce=1,dpace=0.5 --feature-noise 0.05", ["--data", "d.jsonl"])
+    assert list(recipes) == ["ce", "mix"] and recipes["ce"].loss == "ce=1"
+    assert recipes["mix"].loss == "ce=1,dpace=0.5" and recipes["mix"].feature_noise == 0.05
+    assert recipes["mix"].data == recipes["ce"].data == "d.jsonl"
+    for text, message in (("a: --num-anchors 8", "--recipes a: sets --num-anchors, which every recipe shares"),
+                          ("a: --loss foo=1", "--recipes a: --loss: unknown part 'foo'"),
+                          ("a: ; a: --lr 1e-3", "--recipes: a is given twice"),
+                          ("--lr 1e-3", "is not 'name: flags'")):
+        with pytest.raises(UserError, match=message.replace("(", r"\(")):
+            parse_recipes(text, ["--data", "d.jsonl"])
+
+
+def test_recipes_table_and_plot(tmp_path):
+    from dflash.training.recipes import plot_recipes, recipes_table
+
+    def seed(s, tau):
+        return {"seed": s, "evals": [{"step": 0, "train_seconds": 0.0, "loss": 4.0, "tau": 1.0, "tau@1": 1.5},
+                                     {"step": 5, "train_seconds": 2.0, "loss": 3.0, "tau": tau, "tau@1": tau + 1}]}
+
+    result = {}
+    for name, taus in (("ce", (2.0, 2.2)), ("dpace", (2.5, 2.3))):
+        seeds = [seed(i, t) for i, t in enumerate(taus)]
+        final = {k: {"mean": float(sum(s["evals"][-1][k] for s in seeds) / 2), "std": 0.1}
+                 for k in ("tau", "tau@1", "loss", "train_seconds")}
+        result[name] = {"seeds": seeds, "final": final}
+    table = recipes_table(result)
+    assert "tau@1" in table and table.splitlines()[3].startswith("dpace") and "2.400" in table
+    plot_recipes(result, tmp_path / "r.png", "title")
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_compare_recipes_runs_the_recipes_interleaved_for_every_seed(tiny_run_inputs, tmp_path):
+    target, data = tiny_run_inputs
+    out = tmp_path / "cmp"
+    args = [str(a) for a in tiny_train_args(target, data, out, "--step-tokens", 600, "--eval-sample-turns", 4)]
+    recipes = "ce: ; mix: --loss ce=1,dpace=0.5,kl=0.5 --feature-noise 0.05"
+    cmd = [sys.executable, str(ROOT / "launch" / "compare_recipes.py"), *args, "--recipes", recipes, "--steps", "3",
+           "--seeds", "0,1", "--eval-interval", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "recipes.json").read_text())["recipes"]
+    assert list(result) == ["ce", "mix"] and result["mix"]["flags"].startswith("--loss")
+    for stats in result.values():
+        assert [s["seed"] for s in stats["seeds"]] == [0, 1]
+        assert all([e["step"] for e in s["evals"]] == [0, 2, 3] for s in stats["seeds"])
+        assert "tau@1" in stats["final"]
+    assert (out / "recipes.png").is_file() and "recipe" in proc.stderr
