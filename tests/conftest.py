@@ -1,5 +1,6 @@
 import functools
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -27,6 +28,27 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSONL file (regenerate's outputs)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def greedy_reference(model, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
+    """Greedy decoding without `generate`: full forward pass per token, argmax, stop at eos."""
+    import torch
+
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == tokenizer.eos_token_id:
+                break
+            new.append(nxt)
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 def poison_empty(monkeypatch):
@@ -84,6 +106,30 @@ def make_bpe_chat_tokenizer(words):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
     fast.chat_template = CHATML
     return fast
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: tiny ops on shared cores cost far more in threads than in work
+    (100x measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The demo target and its greedy turns (tests/demo_turns.py), built once for the decoding and the
+    evaluator tests, on one intra-op thread."""
+    from .demo_turns import demo_turns
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return demo_turns()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
 
-from .conftest import launch_script
+from .conftest import greedy_reference, launch_script, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "launch" / "regenerate.py"
@@ -59,26 +59,6 @@ def cfg_for(tmp_path, prompts, out="out.jsonl", **kw) -> RegenerateConfig:
     kw.setdefault("max_new_tokens", 40)
     kw.setdefault("batch_size", 4)
     return RegenerateConfig(target=str(TARGET), input=str(prompts), output=str(tmp_path / out), **kw)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
-def greedy_reference(model, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
-    """Greedy decoding without `generate`: full forward pass per token, argmax, stop at eos."""
-    import torch
-
-    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                    add_special_tokens=False)["input_ids"]
-    new = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            nxt = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
-            if nxt == tokenizer.eos_token_id:
-                break
-            new.append(nxt)
-    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, 
 from dflash.demo import PROMPTS, TARGET
 from dflash.demo.families import CONFIGS
 
-from .test_regenerate import greedy_reference, read_jsonl
+from .conftest import greedy_reference, read_jsonl
 
 
 @pytest.mark.parametrize("family", [f for f in CONFIGS if f != "qwen3"])

@@ -1,17 +1,13 @@
 """Fixtures of every model test: one intra-op thread, NaN-poisoned torch.empty."""
 import pytest
-import torch
 
 from ..conftest import poison_empty
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on shared cores: intra-op threads cost far more than the work (100x measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def one_thread(one_thread):
+    """tests/conftest.py's one intra-op thread, for every model test module."""
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

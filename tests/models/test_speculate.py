@@ -15,13 +15,8 @@ import torch
 
 from dflash.data.collate import collate_packed
 from dflash.models import (
-    BlockLoss,
     DFlashDrafter,
     DrafterConfig,
-    TargetModel,
-    default_gamma,
-    ensure_mask_token,
-    slot_weights,
 )
 from dflash.models import sampling as sampling_module
 from dflash.models.acceptance import (
@@ -34,7 +29,6 @@ from dflash.models.acceptance import (
     walk,
     walk_tau,
 )
-from dflash.models.blocks import block_scorer
 from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
     greedy_decode,
@@ -44,50 +38,7 @@ from dflash.models.speculate import (
     speculative_decode,
 )
 
-LIMIT = 32  # tokens per regenerated turn
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on shared cores
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    """The demo target (fp32), its tokenizer, stop ids and the 8 turns of 5 demo conversations, regenerated."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash.data.generation import stop_ids
-    from dflash.demo import DATA, TARGET
-    from dflash.models.target_spec import load_target_spec
-
-    tok = AutoTokenizer.from_pretrained(str(TARGET))
-    hf = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32)
-    target = TargetModel(hf, num_features=3)
-    mask_id = ensure_mask_token(tok, target.num_embedding_rows)
-    stops = stop_ids(tok, load_target_spec(str(TARGET)).generation_eos())
-    with open(DATA) as f:
-        conversations = [json.loads(next(f)) for _ in range(5)]
-    prompts = []
-    for c in conversations:
-        msgs = c["messages"]
-        for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
-            text = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
-            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    newline = tok("\n", add_special_tokens=False)["input_ids"]
-
-    def sample(prompt, out):
-        # as the chat template renders a finished turn: `<|im_end|>\n`, the newline supervised too
-        tail = newline if out[-1] in stops else []
-        return np.asarray(prompt + out + tail), np.asarray([0] * len(prompt) + [1] * len(out + tail), dtype=bool)
-
-    outs = [greedy_decode(hf, p, max_new_tokens=LIMIT, stop_ids=stops).tokens for p in prompts]
-    assert any(out[-1] in stops for out in outs) and any(len(out) == LIMIT for out in outs)
-    return dict(tok=tok, hf=hf, target=target, mask_id=mask_id, stops=stops, prompts=prompts, outs=outs,
-                samples=[sample(p, out) for p, out in zip(prompts, outs, strict=True)], sample=sample)
+from ..demo_turns import LIMIT, fit, score
 
 
 def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
@@ -97,27 +48,6 @@ def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=layer_types,
                                        sliding_window=sliding_window)
     return DFlashDrafter(config, demo["target"].shared_weights(), attention_backend="torch")
-
-
-def score(drafter, gamma=None):
-    """The drafter and its loss on the blocks at given anchors, as the eval walk calls them."""
-    B = drafter.block_size
-    return block_scorer(drafter, BlockLoss(), drafter.lm_head, mask_token_id=drafter.config.mask_token_id,
-                        slot_weights=slot_weights(B, gamma or default_gamma(B)))
-
-
-def fit(demo, drafter, steps=40, gamma=None):
-    """The drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
-    batch = collate_packed(demo["samples"], range(len(demo["samples"])))
-    feats = demo["target"].features(batch)
-    (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(steps):
-        out = score(drafter, gamma)(batch, feats, anchors)
-        opt.zero_grad()
-        (out.loss_sum / out.weight_sum).backward()
-        opt.step()
-    return drafter.eval()
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,15 @@ def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def train_one_rank(*args, timeout=600):
+    """`python launch/train.py`, without the launcher: one rank on the CPU (what `deepspeed --num_gpus 1`
+    runs, less the two launcher processes a launch would start first)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
 def tiny_train_args(target, data, out, *extra):
     return ["--target", str(target), "--data", str(data), "--output-dir", str(out), "--token-budget", "1024",
             "--step-tokens", "1500", "--num-anchors", "8", "--draft-layers", "1", "--num-target-features", "2",

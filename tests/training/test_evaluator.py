@@ -26,7 +26,9 @@ from dflash.training.config import TrainConfig
 from dflash.training.evaluator import TURNS_FILE, Evaluator, turn_seed
 from dflash.training.ranks import free_port
 
-from ..models.test_speculate import LIMIT, demo, fit, one_thread  # noqa: F401  (module fixtures)
+from ..demo_turns import LIMIT, fit
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops on shared cores
 
 REPEATS = 4  # each of the demo's 8 held-out turns 4 times: 32 turns, each sampled from its own seed
 
@@ -43,7 +45,7 @@ def one_rank():
 
 
 @pytest.fixture(scope="module")
-def fitted(demo):  # noqa: F811
+def fitted(demo):
     """A drafter of block 4 fitted hard to the demo's greedy turns (every anchor): along them it accepts
     far more than along the target's samples at temperature 1."""
     torch.manual_seed(1)
@@ -62,7 +64,7 @@ class Store(list):
         return np.asarray([len(ids) for ids, _ in self])
 
 
-def evaluator(demo, drafter, out, *, sample_turns, seed=0):  # noqa: F811
+def evaluator(demo, drafter, out, *, sample_turns, seed=0):
     """The trainer's Evaluator over the demo's greedy turns (meta.temperature 0, limit LIMIT)."""
     store, B = Store(demo["samples"] * REPEATS), drafter.block_size
     cfg = TrainConfig(target="demo", output_dir=str(out), block_size=drafter.block_size, token_budget=4096, seed=seed,
@@ -75,7 +77,7 @@ def evaluator(demo, drafter, out, *, sample_turns, seed=0):  # noqa: F811
     return Evaluator(cfg, data, models, torch.device("cpu"), torch.float32)
 
 
-def test_tau_at_1_predicts_decoding_at_1_on_greedy_data(one_rank, demo, fitted, tmp_path):  # noqa: F811
+def test_tau_at_1_predicts_decoding_at_1_on_greedy_data(one_rank, demo, fitted, tmp_path):
     record = evaluator(demo, fitted, tmp_path / "run", sample_turns=100).walk()
     on_data = evaluator(demo, fitted, tmp_path / "old", sample_turns=0).walk()
     decoded = speculate(demo["hf"], fitted, demo["prompts"] * REPEATS, max_new_tokens=LIMIT, stop_ids=demo["stops"],
@@ -92,7 +94,7 @@ def test_tau_at_1_predicts_decoding_at_1_on_greedy_data(one_rank, demo, fitted, 
     assert record["tau"] == on_data["tau"] and record["turns"] == on_data["turns"] == 8 * REPEATS
 
 
-def test_sampled_turns_are_the_targets_samples_kept_for_the_run(one_rank, demo, fitted, tmp_path,  # noqa: F811
+def test_sampled_turns_are_the_targets_samples_kept_for_the_run(one_rank, demo, fitted, tmp_path,
                                                                 monkeypatch):
     ev = evaluator(demo, fitted, tmp_path, sample_turns=5)
     first = ev.walk()

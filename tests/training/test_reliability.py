@@ -21,7 +21,7 @@ from dflash.errors import UserError
 from dflash.training.ds_config import load_ds_config
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args, without_timings
+from .conftest import read_metrics, run_deepspeed, tiny_train_args, train_one_rank, without_timings
 
 pytestmark = pytest.mark.slow
 
@@ -89,20 +89,32 @@ def test_reference_run_sees_every_training_sample_once_per_epoch(reference):
     assert all(n == 1 for epoch in seen.values() for n in epoch.values())
 
 
-def test_same_seed_and_world_size_give_identical_runs(reference, tiny_run_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tiny_run_inputs, tmp_path_factory):
+    """A second fresh run of the reference's settings, stopped after step 3 (its history then), and
+    its resume to the end: two launches that the determinism and the resume tests both read."""
     target, data = tiny_run_inputs
-    ok(run_deepspeed(tiny_train_args(target, data, tmp_path / "again", *COMMON)))
-    assert history(tmp_path / "again") == history(reference)
-
-
-def test_stopped_and_resumed_run_equals_the_uninterrupted_one(reference, tiny_run_inputs, tmp_path):
-    target, data = tiny_run_inputs
-    out = tmp_path / "run"
+    out = tmp_path_factory.mktemp("stopped") / "run"
     ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--stop-at-step", 3)))
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    stopped = history(out)
     resumed = ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume")))
+    return stopped, resumed, history(out)
+
+
+def test_same_seed_and_world_size_give_identical_runs(reference, stopped_and_resumed):
+    """The fresh run's steps (up to its stop) repeat the reference's: records and every rank's samples."""
+    (records, samples), _, _ = stopped_and_resumed
+    ref_records, ref_samples = history(reference)
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("train", 3)]
+    assert records == [r for r in ref_records if r["kind"] == "train" and r["step"] <= 3]
+    assert samples.keys() == ref_samples.keys() == {"samples.rank0.jsonl", "samples.rank1.jsonl"}
+    assert all(lines == ref_samples[rank][:3] and len(lines) == 3 for rank, lines in samples.items())
+
+
+def test_stopped_and_resumed_run_equals_the_uninterrupted_one(reference, stopped_and_resumed):
+    _, resumed, resumed_history = stopped_and_resumed
     assert "resumed from" in resumed.stdout and "at step 3 (epoch 0" in resumed.stdout, "inside an epoch"
-    assert history(out) == history(reference)
+    assert resumed_history == history(reference)
 
 
 def test_partitioned_target_with_a_killed_peer_is_one_line_and_resumes_bitwise_like_the_replicated_reference(
@@ -193,14 +205,15 @@ def test_resume_with_other_world_size_or_step_size_is_refused_unless_forced(refe
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume"), num_ranks=1)
+    # one rank: `python launch/train.py` (the launcher is the same for one rank and costs a launch)
+    proc = train_one_rank(*tiny_train_args(target, data, out, *COMMON, "--resume"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "world_size: checkpoint 2 -> now 1" in proc.stderr and "--force-resume" in proc.stderr
     proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--step-tokens", 700))
     assert proc.returncode == 2 and "step_tokens: checkpoint 600 -> now 700" in proc.stderr
     # forced: one more epoch on one rank, from the weights of the two-rank run
-    proc = ok(run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--force-resume",
-                                            "--epochs", 3), num_ranks=1))
+    proc = ok(train_one_rank(*tiny_train_args(target, data, out, *COMMON, "--resume", "--force-resume",
+                                              "--epochs", 3)))
     assert "the optimizer state (AdamW moments) starts fresh" in proc.stdout
     steps = [r["step"] for r in read_metrics(out)]
     assert steps[:8] == list(range(1, 9)) and len(steps) > 8
@@ -215,8 +228,8 @@ def test_a_resume_with_options_that_shape_another_drafter_is_refused_before_anyt
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     before = (out / "config.json").read_bytes()
-    proc = run_deepspeed(tiny_train_args(other, data, out, *COMMON, "--resume", "--force-resume", "--gamma", 3,
-                                         "--target-layer-ids", "1,2", "--draft-layers", 2), num_ranks=1)
+    proc = train_one_rank(*tiny_train_args(other, data, out, *COMMON, "--resume", "--force-resume", "--gamma", 3,
+                                           "--target-layer-ids", "1,2", "--draft-layers", 2))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert (f"error: --resume: {out / 'checkpoints' / 'step-00000008'} trained a drafter with other settings "
             "(checkpoint -> now):\n") in proc.stderr
@@ -248,14 +261,6 @@ def test_bad_deepspeed_config_names_the_key(tmp_path, change, message):
     with pytest.raises(UserError) as err:
         load_ds_config(path, world_size=2, grad_clip=1.0, bf16=False)
     assert str(path) in str(err.value) and message in str(err.value)
-
-
-def train_one_rank(*args):
-    """`python launch/train.py`, without the launcher: one rank on the CPU."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=ROOT)
 
 
 @pytest.mark.parametrize("case", ["missing data", "missing target", "layers", "vocabulary", "over budget",
