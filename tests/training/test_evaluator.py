@@ -73,7 +73,7 @@ def evaluator(demo, drafter, out, *, sample_turns, seed=0):
     data = SimpleNamespace(maker=maker, eval_idx=np.arange(len(store)), turn_limit=LIMIT,
                            stop_ids=demo["stops"], data_temperature=0.0)
     models = SimpleNamespace(target=SimpleNamespace(model=demo["target"], hf=demo["hf"]), engine=drafter,
-                             drafter=drafter, loss=BlockLoss())
+                             drafter=drafter, loss=BlockLoss(), eval_loss=BlockLoss())
     return Evaluator(cfg, data, models, torch.device("cpu"), torch.float32)
 
 
