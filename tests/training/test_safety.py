@@ -136,7 +136,7 @@ def test_export_is_all_or_nothing_and_replaces_only_a_drafter(tmp_path, monkeypa
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
-    with pytest.raises(UserError, match="is not a DFlash drafter folder; not replaced"):
+    with pytest.raises(UserError, match="is not a DFlash or DFlash2 drafter folder; not replaced"):
         second.save_pretrained(mine)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
