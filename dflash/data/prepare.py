@@ -2,6 +2,7 @@
 assistant-only loss mask, lengths."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -86,7 +87,7 @@ def assistant_spans(tokenizer, messages, where: str) -> tuple[str, list[tuple[in
         if m["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:i], where, add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: i + 1], where)
+        upto = text if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], where)
         if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
             spans.append((len(before), len(upto)))
             cursor = len(upto)
@@ -103,51 +104,110 @@ def assistant_spans(tokenizer, messages, where: str) -> tuple[str, list[tuple[in
     return text, spans
 
 
+class Encoder:
+    """What `tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)` computes, as one
+    call of the tokenizer's Rust backend per batch of texts (threaded by the backend): transformers'
+    per-text call and conversions took half the time of preparing. A copy of the backend, set as
+    transformers sets it for such a call (no truncation, no padding, special tokens as the tokenizer
+    splits them)."""
+
+    def __init__(self, tokenizer):
+        backend = copy.deepcopy(tokenizer.backend_tokenizer)
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+        self.backend = backend
+
+    def __call__(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`(ids int32, start offset int64)` of each text's tokens."""
+        return [(np.asarray(e.ids, dtype=np.int32), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)[:, 0])
+                for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+
+def loss_mask(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 on the tokens that start inside an assistant span."""
+    mask = np.zeros(len(starts), dtype=np.uint8)
+    for a, b in spans:
+        mask[(starts >= a) & (starts < b)] = 1
+    return mask
+
+
 def tokenize_conversation(tokenizer, messages, where: str) -> tuple[np.ndarray, np.ndarray]:
     """`(input_ids int32, loss_mask uint8)`: loss on the tokens that start inside an assistant span."""
     text, spans = assistant_spans(tokenizer, messages, where)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int32)
-    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
-    return ids, mask
+    ((ids, starts),) = Encoder(tokenizer)([text])
+    return ids, loss_mask(starts, spans)
 
 
-def _tokenize_one(tokenizer, messages, where: str):
-    """`(ids, mask)`, or a refusal as `(where, reason, detail)` (BadSample does not pickle)."""
-    try:
-        return tokenize_conversation(tokenizer, messages, where)
-    except BadSample as err:
-        return err.where, err.reason, err.detail
+def tokenize_chunk(tokenizer, encoder: Encoder, chunk: list[tuple[str, list[dict]]]) -> list:
+    """`(ids, mask)` per `(where, messages)` of `chunk`, or a refusal as `(where, reason, detail)`
+    (BadSample does not pickle); the texts encoded in one batch."""
+    rendered = []
+    for where, messages in chunk:
+        try:
+            rendered.append(assistant_spans(tokenizer, messages, where))
+        except BadSample as err:
+            rendered.append((err.where, err.reason, err.detail))
+    texts = [r[0] for r in rendered if len(r) == 2]
+    encoded = iter(encoder(texts) if texts else [])
+    out = []
+    for r in rendered:
+        if len(r) == 3:
+            out.append(r)
+            continue
+        ids, starts = next(encoded)
+        out.append((ids, loss_mask(starts, r[1])))
+    return out
 
 
-_worker_tokenizer = None
+_worker = None  # (tokenizer, encoder) of a tokenizing process
 
 
 def _start_worker(tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
+    global _worker
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process per core already: no thread pool in each
+    _worker = tokenizer, Encoder(tokenizer)
 
 
 def _tokenize_chunk(chunk: list[tuple[str, list[dict]]]) -> list:
-    return [_tokenize_one(_worker_tokenizer, messages, where) for where, messages in chunk]
+    return tokenize_chunk(*_worker, chunk)
 
 
-CHUNK = 64  # conversations per task sent to a tokenizing process
+CHUNK = 64  # conversations per task sent to a tokenizing process (and per encoding batch)
 IN_FLIGHT = 4  # tasks per process queued ahead: what bounds memory, whatever the data's size
 
 
-def tokenized(rows, tokenizer, num_proc: int) -> Iterator[tuple[int, str, object]]:
-    """`(index, where, result)` for each row of `rows` (`Source.rows`), in order: `result` as
-    `_tokenize_one`. With `num_proc` > 1 the rows are tokenized by that many processes, at most
-    IN_FLIGHT chunks each ahead of the consumer. Row order, and so the store, is the same for every
-    `num_proc`; so is the first error: a bad row found by the reader is raised only after the
-    rows before it were yielded."""
-    if num_proc <= 1:
+def _chunks(rows) -> Iterator[tuple[list, BadSample | None]]:
+    """`rows` as `(chunk of (index, where, messages), None)`, at most CHUNK each; a bad row the
+    reader raises ends the last chunk: `(rows before it, the error)`."""
+    chunk = []
+    try:
         for index, where, messages, _ in rows:
-            yield index, where, _tokenize_one(tokenizer, messages, where)
+            chunk.append((index, where, messages))
+            if len(chunk) == CHUNK:
+                yield chunk, None
+                chunk = []
+    except BadSample as err:
+        yield chunk, err
+        return
+    if chunk:
+        yield chunk, None
+
+
+def tokenized(rows, tokenizer, num_proc: int) -> Iterator[tuple[int, str, object]]:
+    """`(index, where, result)` for each row of `rows` (`Source.rows`), in order: `result` is
+    `(ids, mask)` or a refusal `(where, reason, detail)`. With `num_proc` > 1 the rows are tokenized
+    by that many processes, at most IN_FLIGHT chunks each ahead of the consumer. Row order, and so
+    the store, is the same for every `num_proc`; so is the first error: a bad row found by the
+    reader is raised only after the rows before it were yielded."""
+    if num_proc <= 1:
+        encoder = Encoder(tokenizer)
+        for chunk, err in _chunks(rows):
+            results = tokenize_chunk(tokenizer, encoder, [(w, m) for _, w, m in chunk])
+            for (index, where, _), result in zip(chunk, results, strict=True):
+                yield index, where, result
+            if err is not None:
+                raise err
         return
     import multiprocessing
 
@@ -161,23 +221,16 @@ def tokenized(rows, tokenizer, num_proc: int) -> Iterator[tuple[int, str, object
             for (index, where), result in zip(heads, task.get(), strict=True):
                 yield index, where, result
 
-        try:
-            chunk = []
-            for index, where, messages, _ in rows:
-                chunk.append((index, where, messages))
-                if len(chunk) == CHUNK:
-                    pending.append(([(i, w) for i, w, _ in chunk],
-                                    pool.apply_async(_tokenize_chunk, ([(w, m) for _, w, m in chunk],))))
-                    chunk = []
-                    if len(pending) >= IN_FLIGHT * num_proc:
-                        yield from ready()
+        for chunk, err in _chunks(rows):
             if chunk:
                 pending.append(([(i, w) for i, w, _ in chunk],
                                 pool.apply_async(_tokenize_chunk, ([(w, m) for _, w, m in chunk],))))
-        except BadSample:
-            while pending:
+            if err is not None:
+                while pending:
+                    yield from ready()
+                raise err
+            if len(pending) >= IN_FLIGHT * num_proc:
                 yield from ready()
-            raise
         while pending:
             yield from ready()
 

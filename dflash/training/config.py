@@ -67,6 +67,10 @@ class TrainConfig:
         "(default: the demo data); random or random:SAMPLES: synthetic samples with seed-like lengths and random "
         "token ids, made in memory (default with a random target; 10,000 samples)",
     )
+    messages_field: str = _opt(
+        "", "when --data is a parquet, Arrow, JSON or datasets folder: the column holding each conversation's turns "
+        "({role, content} or ShareGPT {from, value}); default: messages, else conversations",
+    )
     output_dir: str = _opt("runs/demo", "run folder: metrics, TensorBoard, checkpoints, exported drafter")
     max_length: int = _opt(0, "when --data is not a store: truncate samples to this many tokens (0: the token budget)")
     eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")
@@ -537,6 +541,8 @@ def _validate_synthetic(c: TrainConfig) -> None:
 
     if is_synthetic(c.data):
         parse_samples(c.data)
+        if c.messages_field:
+            _bad("messages_field", f"names a column of conversations; --data {c.data} makes synthetic token ids")
     if is_random_target(c.target):
         load_target_spec(c.target)
         if c.target_partition != "none":

@@ -14,7 +14,7 @@ import numpy as np
 from dflash.data.cost import CostModel, drafter_rows
 from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
 from dflash.data.planner import DEFAULT_MIX, BatchPlanner, PlannerConfig, check_lengths
-from dflash.data.sources import is_token_store
+from dflash.data.sources import is_token_store, open_source
 from dflash.data.supervision import min_supervised, trainable
 from dflash.data.synthetic import SyntheticStore, is_synthetic, open_store, synthetic_store
 from dflash.data.token_store import TokenStore
@@ -71,6 +71,27 @@ def data_temperature(store: TokenStore, data: Path) -> float | None:
     return regeneration_temperature(source) if source else None
 
 
+def check_data(cfg: TrainConfig) -> None:
+    """--data before anything loads: synthetic, a token store, or conversations whose format and
+    conversation column are read now (one line naming the file, the formats or the columns found)."""
+    if is_synthetic(cfg.data):
+        return
+    data = Path(cfg.data)
+    if not data.exists():
+        raise UserError(f"--data {cfg.data}: no such file or folder")
+    if is_token_store(data):
+        if cfg.messages_field:
+            raise UserError(f"--messages-field {cfg.messages_field}: --data {cfg.data} is a token store, prepared "
+                            "already; the column applies to conversations")
+        return
+    open_source(data, messages_field=cfg.messages_field or None, flag="--data")
+
+
+def chat_data(cfg: TrainConfig) -> str | None:
+    """The conversations the target's chat template will render (None: a store or synthetic data)."""
+    return None if is_synthetic(cfg.data) or is_token_store(Path(cfg.data)) else cfg.data
+
+
 def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticStore:
     """A token store folder as is, or conversations (JSONL, JSON, parquet, Arrow, a folder of parquet
     shards or a save_to_disk folder) prepared (by rank 0) into the run folder, reused
@@ -85,7 +106,8 @@ def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticSto
     from dflash.data.prepare import ensure_store
 
     on_rank0(lambda: ensure_store(data, tokenizer, path, max_length=cfg.max_length,
-                                  refuse_changes=cfg.resume and not cfg.force_resume, progress=cfg.progress, say=say),
+                                  refuse_changes=cfg.resume and not cfg.force_resume, progress=cfg.progress, say=say,
+                                  messages_field=cfg.messages_field or None),
              "preparing the data")
     return path
 

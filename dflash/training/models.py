@@ -11,6 +11,7 @@ import torch
 from dflash.errors import NonFiniteWeights, UserError
 from dflash.models.target_spec import TargetSpec
 from dflash.training.config import TrainConfig
+from dflash.training.data import chat_data
 from dflash.training.ranks import on_rank0
 
 
@@ -137,7 +138,7 @@ def load_train_target(cfg: TrainConfig, spec: TargetSpec, device, dtype) -> Load
     target = load_target(spec, device, dtype, target_layer_ids=cfg.target_layer_ids,
                          num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
                          mask_token=not cfg.init_drafter, mask_text=cfg.mask_token,
-                         chat_data=cfg.data if Path(cfg.data).is_file() else None,
+                         chat_data=chat_data(cfg),
                          partition=cfg.target_partition, offload=cfg.target_offload)
     if not cfg.init_drafter:
         return target

@@ -25,7 +25,7 @@ from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig, speculate_turns
-from dflash.training.data import TrainingData, prepare_token_store
+from dflash.training.data import TrainingData, check_data, prepare_token_store
 from dflash.training.ds_config import resolve_ds_config, training_ds_config
 from dflash.training.evaluator import Evaluator
 from dflash.training.memory import accelerator_memory, cuda_allocator, out_of_memory, run_plan, size_run
@@ -179,8 +179,7 @@ class Trainer:
         # everything that can be refused is refused before the target loads
         ds_config, self.dtype = training_ds_config(cfg.deepspeed_config, cfg.dtype, device=self.device,
                                                    world_size=self.world_size, grad_clip=cfg.grad_clip)
-        if not is_synthetic(cfg.data) and not Path(cfg.data).exists():
-            raise UserError(f"--data {cfg.data}: no such file or folder")
+        check_data(cfg)
         # the target, from its config alone: a family dflash lacks or a config without sizes is refused here
         self.target_spec = spec = load_target_spec(cfg.target)
         # the memory plan refuses a run that cannot fit, and sizes the row budget

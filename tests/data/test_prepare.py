@@ -61,6 +61,23 @@ def test_store_holds_template_tokens_and_assistant_only_mask(tmp_path, tokenizer
     assert summary.assistant_tokens == sum(int(store[i][1].sum()) for i in range(3))
 
 
+def test_the_batched_encoder_is_the_tokenizers_own_call(tokenizer):
+    """`Encoder` (one backend call per batch) against `tokenizer(text)`, also when the tokenizer's
+    backend was left truncating and a text holds special tokens."""
+    from dflash.data.prepare import Encoder
+
+    texts = ["<|im_start|>user\nhello world<|im_end|>\n", "w1 w2 " * 30 + "<|im_end|>", ""]
+    tokenizer.backend_tokenizer.enable_truncation(4)
+    encoder = Encoder(tokenizer)
+    tokenizer.backend_tokenizer.no_truncation()
+    encoded = encoder(texts)
+    for text, (ids, starts) in zip(texts, encoded, strict=True):
+        want = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert ids.tolist() == want["input_ids"]
+        assert starts.tolist() == [a for a, _ in want["offset_mapping"]]
+    assert len(encoded[1][0]) > 60  # not truncated
+
+
 @pytest.mark.parametrize("policy", ["truncate", "drop"])
 def test_overlong_samples_are_truncated_or_dropped_and_counted(tmp_path, tokenizer, policy):
     src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)

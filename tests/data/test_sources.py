@@ -208,14 +208,38 @@ def test_regenerate_reads_a_parquet_input_as_its_jsonl_and_resumes_it(tmp_path):
     assert [x["messages"] for x in outputs["parquet"]] == [x["messages"] for x in outputs["jsonl"]]
 
 
-def test_train_py_trains_on_a_parquet_file(tmp_path):
-    """`python launch/train.py --data conv.parquet`: prepared into the run folder and trained."""
+def test_train_py_checks_the_data_and_its_column_before_anything_loads(tmp_path, tokenizer):
+    from dflash.training.config import load_config
+    from dflash.training.data import chat_data, check_data
+
+    src = write_format("parquet", [{"dialog": r["messages"], "id": r["id"]} for r in MESSAGES], tmp_path)
+    with pytest.raises(UserError, match=r"parquet: no 'messages' or 'conversations' column \(columns: dialog, id\)"):
+        check_data(load_config(["--data", str(src)]))
+    with pytest.raises(UserError, match=r"parquet: no column 'turns' \(--messages-field\); columns: dialog, id"):
+        check_data(load_config(["--data", str(src), "--messages-field", "turns"]))
+    check_data(load_config(["--data", str(src), "--messages-field", "dialog"]))
+    store = prepare_jsonl(write_format("jsonl", MESSAGES, tmp_path), tokenizer, tmp_path / "store",
+                          progress=False).output
+    with pytest.raises(UserError, match="--messages-field dialog: --data .* is a token store"):
+        check_data(load_config(["--data", store, "--messages-field", "dialog"]))
+    with pytest.raises(UserError, match="--messages-field: names a column of conversations; --data random"):
+        load_config(["--target", "random:qwen3-0.6b", "--data", "random", "--messages-field", "dialog"])
+    # the target's chat template renders conversations of every format, and nothing else
+    assert chat_data(load_config(["--data", str(src)])) == str(src)
+    assert chat_data(load_config(["--data", store])) is None
+
+
+def test_train_py_trains_on_a_parquet_file_with_its_messages_field(tmp_path):
+    """`python launch/train.py --data conv.parquet --messages-field dialog`: prepared into the run
+    folder as the JSONL would be, and trained."""
+    from transformers import AutoTokenizer
+
     from ..training.conftest import make_conversations, make_tiny_target
 
     target, data = make_tiny_target(tmp_path / "target"), make_conversations(tmp_path / "data.jsonl")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     src = tmp_path / "conv.parquet"
-    dataset(rows).to_parquet(src)
+    dataset([{"dialog": r["messages"]} for r in rows]).to_parquet(src)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -223,10 +247,13 @@ def test_train_py_trains_on_a_parquet_file(tmp_path):
          "--output-dir", str(tmp_path / "run"), "--token-budget", "1024", "--step-tokens", "1500",
          "--num-anchors", "8", "--draft-layers", "1", "--num-target-features", "2", "--max-steps", "1",
          "--no-progress", "--num-workers", "0", "--dtype", "fp32", "--no-export", "--eval-every", "0",
-         "--speculate-turns", "0"],
+         "--speculate-turns", "0", "--messages-field", "dialog"],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     store = TokenStore(tmp_path / "run" / "data")
-    assert store.meta["input_format"] == "parquet" and len(store) == len(rows)
+    assert store.meta["input_format"] == "parquet" and store.meta["settings"]["messages_field"] == "dialog"
+    want = prepare_jsonl(data, AutoTokenizer.from_pretrained(str(target)), tmp_path / "want", progress=False,
+                         max_length=1024).output
+    assert columns(tmp_path / "run" / "data") == {**columns(want), "source_line": list(range(len(rows)))}
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1]
