@@ -10,9 +10,10 @@ first step, every --eval-interval steps and at the end.
 
 A recipe is a name and the training flags that make it, e.g.
   --recipes "ce: ; dpace: --loss ce=1,dpace=0.5 ; kl: --loss ce=0.5,kl=1 --distill-temperature 2"
-(default: ce, dpace, kl, lk, noise, and speculators' objective: CE + D-PACE with noise 0.05).
-A recipe may set only --loss, --dpace-alpha, --distill-temperature, --lr, --weight-decay,
---warmup-ratio, --schedule, --grad-clip, --gamma, --feature-noise; every other
+(default: ce, dpace, kl, lk, noise, muon, and speculators' recipe: CE + D-PACE with noise 0.05 and
+Muon). A recipe may set only --loss, --dpace-alpha, --distill-temperature, --optimizer, --lr,
+--muon-lr, --muon-momentum, --weight-decay, --warmup-ratio, --schedule, --grad-clip, --gamma,
+--feature-noise; every other
 option is given once and shared. With neither --target nor --data it runs the built-in CPU demo.
 Output in --output-dir (default runs/recipes): recipes.json, recipes.png (tau and tau@T against
 steps and training seconds, a line per seed), one run folder per seed and recipe.

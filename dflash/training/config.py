@@ -37,6 +37,12 @@ def layer_type(name: str) -> str:
 layer_type.expected = "sliding or full"
 
 
+OPTIMIZERS = ("adamw", "muon")
+# DeepSpeed 0.19.8 scales the Muon update (fixed norm: Newton-Schulz) by the clip factor of the raw
+# gradient's norm, which shrinks it by orders of magnitude (measured: 1.5e-6 RMS against 7.9e-4 unclipped)
+MUON_NO_CLIP = "DeepSpeed clips Muon's orthogonalised update by the raw gradient's norm, shrinking it"
+
+
 def _opt(default, help: str, list_options: dict | None = None):
     """An option: its default, its `--help` text and, for a comma-separated list, how to check it."""
     return field(default=default, metadata={"help": help, **({"list": list_options} if list_options else {})})
@@ -128,11 +134,19 @@ class TrainConfig:
         0,
         "stop after this step with a checkpoint, as if interrupted; --resume continues the same schedule",
     )
+    optimizer: str = _opt(
+        "adamw",
+        f"{', '.join(OPTIMIZERS)}: muon is DeepSpeed's Muon (MuonWithAuxAdam, ZeRO 1-3): Muon for the drafter's "
+        "matrices, AdamW at --lr for the rest (norms, biases); no gradient clipping with it (--grad-clip 0)",
+    )
     lr: float = _opt(6e-4, "peak AdamW learning rate")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    muon_lr: float = _opt(0.0, "muon: peak Muon learning rate (0: 10 x --lr, speculators' ratio)")
+    muon_momentum: float = _opt(0.95, "muon: Muon's momentum")
+    weight_decay: float = _opt(0.0, "AdamW (and Muon) weight decay")
     warmup_ratio: float = _opt(0.04, "share of steps of linear warm-up")
     schedule: str = _opt("cosine", "learning-rate schedule after warm-up: cosine, linear, constant")
-    grad_clip: float = _opt(1.0, "gradient clipping norm (fills 'gradient_clipping': 'auto')")
+    grad_clip: float = _opt(1.0, "gradient clipping norm (fills 'gradient_clipping': 'auto'); with --optimizer "
+                            "muon the default is 0")
     # objective
     loss: str = _opt(
         "ce=1",
@@ -335,6 +349,8 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
     cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     values.update(cli)
     explicit = set(values)  # the user's own options (YAML and flags), not the demo preset's
+    if values.get("optimizer") == "muon" and "grad_clip" not in explicit:
+        values["grad_clip"] = 0.0  # see MUON_NO_CLIP
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
     elif is_random_target(values.get("target", "")):
@@ -397,6 +413,7 @@ def resolve(c: TrainConfig) -> TrainConfig:
         step_tokens=c.step_tokens or 4 * c.token_budget,
         max_length=c.max_length or c.token_budget,
         gamma=c.gamma or GAMMA_BY_BLOCK_SIZE[c.block_size],
+        muon_lr=(c.muon_lr or 10 * c.lr) if c.optimizer == "muon" else 0.0,
     )
 
 
@@ -450,13 +467,13 @@ def _typed(value, f: dataclasses.Field, where: str):
 
 _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear", "constant"),
             "dtype": ("auto", "bf16", "fp32"), "attention_backend": ATTENTION_BACKENDS,
-            "target_partition": TARGET_PARTITIONS, "drafter_kind": DRAFTER_KINDS}
+            "target_partition": TARGET_PARTITIONS, "drafter_kind": DRAFTER_KINDS, "optimizer": OPTIMIZERS}
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
                  "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
-_FINITE = ("lr", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction", "memory_gib",
-           "selector_weight", "dpace_alpha", "distill_temperature", "feature_noise")
+_FINITE = ("lr", "muon_lr", "muon_momentum", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction",
+           "memory_gib", "selector_weight", "dpace_alpha", "distill_temperature", "feature_noise")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
     "block_size": (lambda v: v >= 2, "must be >= 2 (slot 0 holds the anchor)"),
@@ -464,6 +481,8 @@ _RANGES = {
     "warmup_ratio": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "eval_fraction": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "lr": (lambda v: v > 0, "must be positive"),
+    "muon_lr": (lambda v: v >= 0, "must be >= 0 (0: 10 x --lr)"),
+    "muon_momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
     "dpace_alpha": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
@@ -528,6 +547,10 @@ def _validate_relations(c: TrainConfig) -> None:
         _bad("sliding_window", "sliding drafter layers need a window >= 1 (positions seen, the query's own included)")
     if not sliding and c.sliding_window:
         _bad("sliding_window", "no drafter layer is sliding (--drafter-layer-types)")
+    if c.optimizer == "muon" and c.grad_clip > 0:
+        _bad("grad_clip", f"must be 0 with --optimizer muon ({MUON_NO_CLIP}), got {c.grad_clip}")
+    if c.optimizer != "muon" and (c.muon_lr != 0 or c.muon_momentum != TrainConfig.muon_momentum):
+        _bad("muon_lr" if c.muon_lr != 0 else "muon_momentum", "applies to --optimizer muon")
     if c.force_resume and not c.resume:
         _bad("force_resume", "only makes sense with --resume")
     if c.overwrite and c.resume:

@@ -201,3 +201,30 @@ def training_ds_config(path: str | Path, dtype_option: str, *, device, world_siz
         raise UserError(f"--deepspeed_config {path}: enables bf16, but --dtype is fp32; "
                         "write \"bf16\": {\"enabled\": \"auto\"} to follow --dtype")
     return ds_config, torch.bfloat16 if chosen == "bf16" else dtype
+
+
+def with_optimizer(config: dict, optimizer: str, *, lr: float, muon_lr: float, momentum: float,
+                   weight_decay: float, named: str) -> dict:
+    """The checked config with --optimizer's section: none for AdamW (the trainer hands DeepSpeed a
+    torch optimizer), DeepSpeed's own Muon (`MuonWithAuxAdam`) for muon. It tags, by shape, every
+    parameter of two or more dimensions whose name holds neither 'embed' nor 'lm_head' for Muon and
+    gives the rest to its AdamW; the trainer's schedule scales both learning rates alike."""
+    from dflash.training.config import MUON_NO_CLIP
+
+    if optimizer != "muon":
+        return config
+    zero = config.get("zero_optimization", {})
+    if offloads_optimizer(config):
+        raise UserError(f"--optimizer muon: {named} offloads the optimizer, which dflash does not train Muon "
+                        "with; use ds_configs/zero1.json, zero2.json or zero3.json, or --optimizer adamw")
+    if config.get("gradient_clipping", 0) > 0:
+        raise UserError(f"--optimizer muon: {named} sets 'gradient_clipping' {config['gradient_clipping']}; "
+                        f"write \"auto\" or 0 ({MUON_NO_CLIP})")
+    if zero.get("stage") == 3:
+        if zero.get("reduce_scatter", False):
+            raise UserError(f"--optimizer muon: {named} sets 'reduce_scatter' under ZeRO-3, which DeepSpeed's "
+                            "Muon refuses; remove it")
+        config = {**config, "zero_optimization": {**zero, "reduce_scatter": False}}
+    return {**config, "optimizer": {"type": "Muon", "params": {
+        "muon_lr": muon_lr, "adam_lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+        "betas": [0.9, 0.999], "eps": 1e-8}}}  # torch.optim.AdamW's, as the AdamW recipe

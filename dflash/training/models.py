@@ -98,6 +98,8 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
                 "--sliding-window": cfg.sliding_window}
     if cfg.drafter_kind != "dflash":  # recorded when not the default, so older checkpoints compare equal
         settings["--drafter-kind"] = cfg.drafter_kind
+    if cfg.optimizer != "adamw":  # its state is another optimizer's
+        settings["--optimizer"] = cfg.optimizer
     if not cfg.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
         settings["--mask-token"] = cfg.mask_token or MASK_TOKEN
     taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
@@ -218,6 +220,36 @@ def training_loss(cfg: TrainConfig, drafter, *, recipe: bool = True):
                      logit_scale=s.output_multiplier, softcap=s.final_logit_softcapping)
 
 
+def engine_for(module: torch.nn.Module, ds_config: dict, cfg: TrainConfig, total_steps: int, device):
+    """`(engine, optimizer, scheduler)`: DeepSpeed's engine training `module` with the optimizer of
+    the options (AdamW, DeepSpeed's CPU Adam where the config offloads it, or the config's own
+    optimizer section: Muon, `ds_config.with_optimizer`) and the learning-rate schedule over
+    `total_steps`, which scales every parameter group's rate alike."""
+    import deepspeed
+
+    from dflash.training.ds_config import offloads_optimizer
+
+    params = list(module.parameters())
+    warmup = int(cfg.warmup_ratio * total_steps)
+
+    def schedule(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, total_steps))
+
+    if "optimizer" in ds_config:  # DeepSpeed builds it: scheduled once it exists
+        optimizer = None
+    elif offloads_optimizer(ds_config):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      fused=torch.device(device).type == "cuda" or None)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=module, optimizer=optimizer, model_parameters=params, config=ds_config,
+        lr_scheduler=schedule if optimizer is None else schedule(optimizer))
+    return engine, optimizer, scheduler
+
+
 class Models:
     """The target (features only), the drafter and the DeepSpeed engine, optimizer and schedule
     that train it over `total_steps` steps.
@@ -228,11 +260,9 @@ class Models:
     """
 
     def __init__(self, cfg: TrainConfig, target: LoadedTarget, ds_config: dict, *, total_steps: int, device):
-        import deepspeed
-
         from dflash.models import DrafterConfig
         from dflash.models.drafter import drafter_class
-        from dflash.training.ds_config import offloads_optimizer, zero_stage
+        from dflash.training.ds_config import zero_stage
 
         self.target = target
         torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
@@ -251,18 +281,7 @@ class Models:
         self.loss = training_loss(cfg, self.drafter)  # the objective: hidden states + blocks -> loss sum and metrics
         self.eval_loss = training_loss(cfg, self.drafter, recipe=False)  # held out: what recipes are compared by
         self.zero_stage = zero_stage(ds_config)
-        params = self.drafter.parameters()
-        if offloads_optimizer(ds_config):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            optimizer = DeepSpeedCPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
-        else:
-            optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                          fused=torch.device(device).type == "cuda" or None)
-        warmup = int(cfg.warmup_ratio * total_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, total_steps))
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=self.drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.engine, self.optimizer, self.scheduler = engine_for(self.drafter, ds_config, cfg, total_steps, device)
 
     def export(self, directory: Path) -> None:
         """The drafter in the official DFlash format (parameters gathered under ZeRO-3; rank 0 writes)."""

@@ -23,10 +23,11 @@ from dflash.training.config import TrainConfig, load_config
 from dflash.training.trainer import Trainer
 
 # what a recipe may set: the objective, the optimizer's settings and its schedule's shape, the noise
-RECIPE_FIELDS = ("loss", "dpace_alpha", "distill_temperature", "lr", "weight_decay", "warmup_ratio", "schedule",
-                 "grad_clip", "gamma", "feature_noise")
+RECIPE_FIELDS = ("loss", "dpace_alpha", "distill_temperature", "optimizer", "lr", "muon_lr", "muon_momentum",
+                 "weight_decay", "warmup_ratio", "schedule", "grad_clip", "gamma", "feature_noise")
 DEFAULT_RECIPES = ("ce: ; dpace: --loss ce=1,dpace=0.5 ; kl: --loss ce=0.5,kl=1 ; lk: --loss ce=0.5,lk=1 ; "
-                   "noise: --feature-noise 0.05 ; speculators: --loss ce=1,dpace=0.5 --feature-noise 0.05")
+                   "noise: --feature-noise 0.05 ; muon: --optimizer muon ; "
+                   "speculators: --loss ce=1,dpace=0.5 --feature-noise 0.05 --optimizer muon")
 
 
 def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:

@@ -26,7 +26,7 @@ from dflash.partial import write_json
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, check_data, prepare_token_store
-from dflash.training.ds_config import resolve_ds_config, training_ds_config
+from dflash.training.ds_config import resolve_ds_config, training_ds_config, with_optimizer
 from dflash.training.evaluator import Evaluator
 from dflash.training.memory import accelerator_memory, cuda_allocator, out_of_memory, run_plan, size_run
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
@@ -179,6 +179,9 @@ class Trainer:
         # everything that can be refused is refused before the target loads
         ds_config, self.dtype = training_ds_config(cfg.deepspeed_config, cfg.dtype, device=self.device,
                                                    world_size=self.world_size, grad_clip=cfg.grad_clip)
+        ds_config = with_optimizer(ds_config, cfg.optimizer, lr=cfg.lr, muon_lr=cfg.muon_lr,
+                                   momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
+                                   named=f"--deepspeed_config {cfg.deepspeed_config}")
         check_data(cfg)
         # the target, from its config alone: a family dflash lacks or a config without sizes is refused here
         self.target_spec = spec = load_target_spec(cfg.target)

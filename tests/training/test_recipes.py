@@ -1,5 +1,5 @@
-"""The recipe options: --loss and its terms' options, --feature-noise (seeded per sample), and a run with
-all of them that stops and resumes bitwise like the uninterrupted one under every ZeRO stage; the
+"""The recipe options: --loss and its terms' options, --feature-noise (seeded per sample), --optimizer
+muon (DeepSpeed's Muon against a reference), and a run with all of them that stops and resumes bitwise like the uninterrupted one under every ZeRO stage; the
 recipe comparison's recipes."""
 from __future__ import annotations
 
@@ -74,6 +74,62 @@ def test_the_recipe_builds_the_objective():
     assert held_out.ce_weight == 1.0 and held_out.terms == ()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer", "muon", "--grad-clip", "1"], "--grad-clip: must be 0 with --optimizer muon (DeepSpeed clips "
+     "Muon's orthogonalised update by the raw gradient's norm, shrinking it), got 1.0"),
+    (["--muon-lr", "0.01"], "--muon-lr: applies to --optimizer muon"),
+    (["--optimizer", "muon", "--muon-momentum", "1"], "--muon-momentum: must be in [0, 1), got 1.0"),
+    (["--optimizer", "sgd"], "--optimizer: must be one of adamw, muon, got 'sgd'"),
+])
+def test_optimizer_options_name_the_flag(argv, message):
+    with pytest.raises(UserError) as e:
+        load_config(["--data", "d.jsonl", *argv])
+    assert str(e.value) == message
+
+
+def test_muon_defaults_and_the_deepspeed_configs_it_refuses():
+    from dflash.training.ds_config import load_ds_config, with_optimizer
+    from dflash.training.models import drafter_settings
+
+    cfg = load_config(["--data", "d.jsonl", "--optimizer", "muon", "--lr", "2e-4"])
+    assert cfg.grad_clip == 0 and cfg.muon_lr == pytest.approx(2e-3)  # speculators' 10x
+    assert load_config(["--data", "d.jsonl"]).grad_clip == 1.0
+
+    def config(name, **zero):
+        c = load_ds_config(f"ds_configs/{name}.json", world_size=1, grad_clip=0.0, bf16=False)
+        c["zero_optimization"].update(zero)
+        return with_optimizer(c, "muon", lr=1e-3, muon_lr=1e-2, momentum=0.9, weight_decay=0.0, named="ds.json")
+
+    for stage in (1, 2, 3):
+        made = config(f"zero{stage}")
+        assert made["optimizer"]["type"] == "Muon" and made["optimizer"]["params"]["muon_lr"] == 1e-2
+        assert made["zero_optimization"].get("reduce_scatter", True) is (stage != 3)
+    with pytest.raises(UserError, match="--optimizer muon: ds.json offloads the optimizer"):
+        config("zero3_offload")
+    with pytest.raises(UserError, match="--optimizer muon: ds.json sets 'reduce_scatter' under ZeRO-3"):
+        config("zero3", reduce_scatter=True)
+    clipped = load_ds_config("ds_configs/zero1.json", world_size=1, grad_clip=1.0, bf16=False)
+    with pytest.raises(UserError, match="--optimizer muon: ds.json sets 'gradient_clipping' 1.0"):
+        with_optimizer(clipped, "muon", lr=1e-3, muon_lr=1e-2, momentum=0.9, weight_decay=0.0, named="ds.json")
+    # AdamW: the trainer hands DeepSpeed its torch optimizer; the config has none
+    assert "optimizer" not in with_optimizer(clipped, "adamw", lr=1e-3, muon_lr=0, momentum=0, weight_decay=0,
+                                             named="ds.json")
+    # a resume with the other optimizer is refused: its state is another optimizer's
+    assert drafter_settings(cfg, 4)["--optimizer"] == "muon"
+    assert "--optimizer" not in drafter_settings(load_config(["--data", "d.jsonl"]), 4)
+
+
+@pytest.mark.slow
+def test_muon_steps_are_deepspeeds_muon_under_every_zero_stage_on_two_ranks():
+    proc = run_deepspeed(["1,2,3"], script=ROOT / "tests" / "training" / "muon_script.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in (1, 2, 3):
+        matrix, norm = map(float, proc.stdout.split(f"MUON_MAX_ERR[{stage}]=")[1].split()[:2])
+        assert matrix < 2e-3 and norm < 1e-4, (stage, matrix, norm)
+    low, high = map(float, proc.stdout.split("MUON_UPDATE_SV=")[1].split()[:2])
+    assert 0.5 < low <= high < 1.5  # orthogonalised (Newton-Schulz's band), not the raw gradient's spread
+
+
 RECIPE = ("--loss", "ce=1,dpace=0.5,kl=0.5,lk=0.2", "--feature-noise", 0.05, "--step-tokens", 600,
           "--checkpoint-every", 2, "--no-export", "--no-balance", "--sample-log")
 
@@ -85,9 +141,9 @@ def history(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_terms_and_noise_train_and_resume_bitwise_under_every_zero_stage(tiny_run_inputs, tmp_path, stage):
+def test_terms_noise_and_muon_train_and_resume_bitwise_under_every_zero_stage(tiny_run_inputs, tmp_path, stage):
     target, data = tiny_run_inputs
-    recipe = (*RECIPE, "--deepspeed_config", f"ds_configs/zero{stage}.json")
+    recipe = (*RECIPE, "--deepspeed_config", f"ds_configs/zero{stage}.json", "--optimizer", "muon")
 
     def ok(args):
         proc = run_deepspeed(tiny_train_args(target, data, *args))
