@@ -479,11 +479,10 @@ class Trainer:
         per_rank[:, self.rank] = torch.tensor([own, sum(m.real_tokens for m in micro),
                                                sum(m.computed_tokens for m in micro), busy, waited,
                                                memory["resident"], memory["gathered"]], dtype=torch.float64)
-        counts = torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device)
-        names = sorted(named)
-        named_sums = torch.stack([named[k] for k in names]) if names else torch.zeros(0, dtype=torch.float64,
-                                                                                      device=self.device)
-        for t in (sums, slot, per_rank, counts, named_sums):
+        names = sorted(named)  # the loss's metric sums ride with the counts (the same names on every rank)
+        counts = torch.cat([torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device),
+                            *([torch.stack([named[k] for k in names])] if names else [])])
+        for t in (sums, slot, per_rank, counts):
             dist.all_reduce(t)
         seconds = time.perf_counter() - t0
         rank_seconds, rank_real, rank_computed, rank_busy, rank_waited, resident, gathered = per_rank.tolist()
@@ -511,7 +510,7 @@ class Trainer:
         if "selector_rows" in named:  # a DFlash2 drafter: its selector's figures, summed as one big batch
             from dflash.models.dflash2 import selector_figures
 
-            record.update(selector_figures(dict(zip(names, named_sums.tolist(), strict=True)), metrics["blocks"]))
+            record.update(selector_figures(dict(zip(names, counts[2:].tolist(), strict=True)), metrics["blocks"]))
         if timings is not None:  # every rank's micro-batches: cost features and measured seconds
             mine = [[*m.cost_features.tolist(), t] for m, t in zip(micro, timings, strict=True)]
             gathered = [None] * self.world_size
