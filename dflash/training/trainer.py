@@ -560,6 +560,9 @@ class Trainer:
         if note:
             self._say(note)
         sampled = "".join(f", {part}" for part in tau_at_words(record))
+        if "argmax_tau" in record:  # a DFlash2 drafter: what its selector adds
+            sampled += (f", the backbone's argmax alone tau {record['argmax_tau']:.3f}, selector recall "
+                        f"{record['selector_recall']:.3f}, accuracy {record['selector_accuracy']:.3f}")
         self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} (decoding walk: "
                   f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns){sampled}, "
                   f"anchor_tau {record['anchor_tau']:.3f}")
