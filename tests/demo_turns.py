@@ -52,21 +52,23 @@ def demo_turns() -> dict:
                 samples=[sample(p, out) for p, out in zip(prompts, outs, strict=True)], sample=sample)
 
 
-def score(drafter, gamma=None):
-    """The drafter and its loss on the blocks at given anchors, as the eval walk calls them."""
+def score(drafter, gamma=None, loss=None):
+    """The drafter and its loss (default: the cross-entropy) on the blocks at given anchors, as the eval
+    walk calls them."""
     B = drafter.block_size
-    return block_scorer(drafter, BlockLoss(), drafter.lm_head, mask_token_id=drafter.config.mask_token_id,
+    return block_scorer(drafter, loss or BlockLoss(), drafter.lm_head, mask_token_id=drafter.config.mask_token_id,
                         slot_weights=slot_weights(B, gamma or default_gamma(B)))
 
 
-def fit(demo, drafter, steps=40, gamma=None):
-    """The drafter fitted to the regenerated turns (every anchor), so that blocks accept drafts."""
+def fit(demo, drafter, steps=40, gamma=None, loss=None):
+    """The drafter fitted to the regenerated turns (every anchor) by `loss` (default: the cross-entropy),
+    so that blocks accept drafts."""
     batch = collate_packed(demo["samples"], range(len(demo["samples"])))
     feats = demo["target"].features(batch)
     (anchors,) = every_anchor(batch, drafter.block_size, max_blocks=10_000)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     for _ in range(steps):
-        out = score(drafter, gamma)(batch, feats, anchors)
+        out = score(drafter, gamma, loss)(batch, feats, anchors)
         opt.zero_grad()
         (out.loss_sum / out.weight_sum).backward()
         opt.step()

@@ -253,6 +253,13 @@ class WalkStats:
     tokens_sq: float = 0.0  # sum t_i^2
     blocks_sq: np.ndarray = field(default=None)  # (temperatures > 0,): sum e_i^2
     cross: np.ndarray = field(default=None)  # (temperatures > 0,): sum t_i e_i
+    # a drafter whose selector chooses the drafts (DFlash2; `LossOutput.argmax_hits`): the greedy walk of
+    # the backbone's own argmax beside its path, and the selector's counts over the scored rows
+    argmax_blocks: int = 0
+    argmax_anchor_accepted: int = 0
+    selector_rows: float = 0.0
+    selector_recall: float = 0.0
+    selector_correct: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("slot_correct", "slot_count"):
@@ -268,27 +275,31 @@ class WalkStats:
         return tuple(t for t in self.temperatures if t > 0)
 
     def add(self, other: WalkStats) -> None:
-        for name in ("loss_sum", "weight_sum", "tokens", "blocks", "turns", "anchor_accepted", "anchors",
-                     "slot_correct", "slot_count", "expected_blocks", "tokens_sq", "blocks_sq", "cross"):
+        for name in self._SCALARS + ("slot_correct", "slot_count", "expected_blocks", "blocks_sq", "cross"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    _SCALARS = ("loss_sum", "weight_sum", "tokens", "blocks", "turns", "anchor_accepted", "anchors", "tokens_sq",
+                "argmax_blocks", "argmax_anchor_accepted", "selector_rows", "selector_recall", "selector_correct")
+    _COUNTS = ("tokens", "blocks", "turns", "anchor_accepted", "anchors", "argmax_blocks", "argmax_anchor_accepted")
 
     def to_tensor(self, device=None) -> torch.Tensor:
         """All sums in one float64 vector (for one all-reduce)."""
-        head = [self.loss_sum, self.weight_sum, self.tokens, self.blocks, self.turns, self.anchor_accepted,
-                self.anchors, self.tokens_sq]
+        head = [getattr(self, name) for name in self._SCALARS]
         return torch.tensor(head + self.slot_correct.tolist() + self.slot_count.tolist() + self.expected_blocks.tolist()
                             + self.blocks_sq.tolist() + self.cross.tolist(), dtype=torch.float64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, block_size: int, temperatures=()) -> WalkStats:
         v = t.cpu().tolist()
-        n, head = block_size - 1, 8
+        n, head = block_size - 1, len(cls._SCALARS)
         sampled = sum(1 for x in temperatures if x > 0)
         tail = [np.asarray(v[head + 2 * n + i * sampled:head + 2 * n + (i + 1) * sampled], dtype=np.float64)
                 for i in range(3)]
-        return cls(block_size, tuple(temperatures), v[0], v[1], int(v[2]), int(v[3]), int(v[4]), int(v[5]),
-                   int(v[6]), np.asarray(v[head:head + n], dtype=np.int64),
-                   np.asarray(v[head + n:head + 2 * n], dtype=np.int64), tail[0], v[7], tail[1], tail[2])
+        scalars = {name: int(x) if name in cls._COUNTS else x for name, x in zip(cls._SCALARS, v[:head], strict=True)}
+        return cls(block_size, tuple(temperatures), **scalars,
+                   slot_correct=np.asarray(v[head:head + n], dtype=np.int64),
+                   slot_count=np.asarray(v[head + n:head + 2 * n], dtype=np.int64), expected_blocks=tail[0],
+                   blocks_sq=tail[1], cross=tail[2])
 
     def metrics(self) -> dict:
         """The figures; at each T > 0, `tau@T` and its standard error over turns `tau@T_stderr` (None
@@ -304,6 +315,14 @@ class WalkStats:
             at[tau_key(t)] = self.tokens / blocks if blocks else 1.0
             at[stderr_key(t)] = ratio_stderr(self.turns, self.tokens, blocks, self.tokens_sq, float(self.blocks_sq[i]),
                                              float(self.cross[i]))
+        selector = {}
+        if self.selector_rows:  # a DFlash2 drafter: `tau` is its selector path's, `argmax_tau` its argmax's
+            from dflash.models.dflash2 import selector_figures
+
+            selector = selector_figures({"selector_rows": self.selector_rows, "selector_recall": self.selector_recall,
+                                         "selector_correct": self.selector_correct,
+                                         "argmax_tau_sum": self.argmax_anchor_accepted}, self.anchors)
+            selector["argmax_tau"] = self.tokens / self.argmax_blocks if self.argmax_blocks else 1.0
         return {
             "loss": self.loss_sum / max(self.weight_sum, 1e-12),
             "tau": tau,
@@ -314,6 +333,7 @@ class WalkStats:
             "tokens": self.tokens,
             "turns": self.turns,
             "anchors": self.anchors,
+            **selector,
         }
 
 
@@ -343,6 +363,7 @@ def score_and_walk(
         raise ValueError(f"the walk at temperatures {sampled} needs the target's token log-probabilities")
     n = batch.input_ids.numel()
     accepted = np.zeros(n, dtype=np.int64)
+    argmax_accepted = None  # the backbone's own argmax, where a selector chooses the drafts
     ratios = np.zeros((len(sampled), n, block_size - 1))
     bounds = batch.cu_seqlens_cpu.tolist()
     for anchors in chunks:
@@ -358,6 +379,13 @@ def score_and_walk(
         stats.anchors += acc.size
         stats.slot_correct += out.slot_correct.cpu().numpy()
         stats.slot_count += out.slot_count.cpu().numpy()
+        if out.argmax_hits is not None:
+            argmax_accepted = np.zeros(n, dtype=np.int64) if argmax_accepted is None else argmax_accepted
+            acc = torch.cumprod(out.argmax_hits.cpu().long(), dim=1).sum(dim=1).numpy()
+            argmax_accepted[pos] = acc
+            stats.argmax_anchor_accepted += int(acc.sum()) + acc.size
+        for name in ("selector_rows", "selector_recall", "selector_correct"):
+            setattr(stats, name, getattr(stats, name) + float(out.metrics.get(name, 0.0)))
     mask = batch.loss_mask.cpu().numpy()
     spans = [(bos + s, bos + e) for bos, eos in zip(bounds[:-1], bounds[1:], strict=True)
              for s, e in turn_spans(mask[bos:eos])]
@@ -368,6 +396,8 @@ def score_and_walk(
         stats.tokens += tokens
         stats.blocks += blocks
         stats.turns += 1
+        if argmax_accepted is not None:
+            stats.argmax_blocks += walk(argmax_accepted, s, e)[1]
     stats.tokens_sq += float((turn_tokens ** 2).sum())
     for i, r in enumerate(ratios):
         per_turn = expected_turn_blocks(r, spans)

@@ -181,6 +181,17 @@ class DFlash2Drafter(DFlashDrafter):
         return {released.get(k, k): v for k, v in tensors.items()}
 
 
+def selector_figures(sums: dict, blocks: float) -> dict:
+    """The selector's figures from `LossOutput.metrics` summed over `blocks` blocks (micro-batches and ranks
+    added as sums): candidate recall (the gold token among the unary top-K) and selector accuracy (its
+    teacher-forced choice is the gold token) over the scored rows, and `argmax_anchor_tau`, the acceptance
+    the backbone's own argmax reaches on the same blocks (`anchor_tau` is the selector path's)."""
+    rows = max(float(sums["selector_rows"]), 1.0)
+    return {"selector_recall": float(sums["selector_recall"]) / rows,
+            "selector_accuracy": float(sums["selector_correct"]) / rows,
+            "argmax_anchor_tau": float(sums["argmax_tau_sum"]) / blocks if blocks else 0.0}
+
+
 class SelectorTerm(LogitTerm):
     """The selector's objective in the loss room: K-way cross-entropy of the transition scores over the
     unary top-K (taken from each chunk of the lm_head pass; no rows x vocab buffer), predecessors the

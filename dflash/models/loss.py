@@ -243,8 +243,12 @@ class LossOutput:
     # (NB, B-1, len(temperatures)) float32, when the loss was given temperatures: log q_t(label) of slot k of
     # block j at each temperature t (the eval walk at temperature), -inf where the label is not valid
     label_logq: torch.Tensor | None = None
-    # named detached sums the terms report besides their parts (`LogitTerm.finish`), e.g. "selector_correct"
+    # named detached sums the terms report besides their parts (`LogitTerm.finish`), e.g. "selector_correct",
+    # and "argmax_tau_sum" (tau_sum of `argmax_hits`) when a term chose the drafts
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    # when a term chooses the drafts (`Finished.correct`, so `hits` are its path's): the hits of the lm_head's
+    # own argmax, (NB, B-1) bool, what the same backbone would accept drafting its argmax
+    argmax_hits: torch.Tensor | None = None
 
 
 class BlockLoss:
@@ -289,7 +293,8 @@ class BlockLoss:
             temperatures, ce_weight=self.ce_weight, terms=self.terms, logit_scale=self.logit_scale,
             softcap=self.softcap,
         )
-        metrics, parts, correct = {}, parts.clone(), preds.view_as(blocks.labels) == blocks.labels
+        metrics, parts = {}, parts.clone()
+        correct = argmax_correct = preds.view_as(blocks.labels) == blocks.labels
         for i, term in enumerate(self.terms):  # the parts outside the lm_head pass
             done = term.finish(scored, blocks, tuple(temperatures))
             loss_sum = loss_sum + term.weight * done.loss_sum
@@ -302,6 +307,10 @@ class BlockLoss:
         valid = blocks.valid
         # [:n] leaves out the zero-weight stand-in block of an empty micro-batch.
         tau_sum, slot_correct, slot_count = acceptance_stats(correct[:n], valid[:n])
+        argmax_hits = None
+        if correct is not argmax_correct:  # a term chose the drafts: the lm_head argmax's acceptance beside it
+            argmax_hits = argmax_correct[:n] & valid[:n]
+            metrics["argmax_tau_sum"] = acceptance_stats(argmax_correct[:n], valid[:n])[0]
         return LossOutput(
             loss_sum=loss_sum,
             weight_sum=blocks.weight_sum,
@@ -315,4 +324,5 @@ class BlockLoss:
                 ~valid[:n, :, None], float("-inf")) if temperatures else None,
             parts=dict(zip(["ce"] + [t.name for t in self.terms], parts.unbind(), strict=True)),
             metrics=metrics,
+            argmax_hits=argmax_hits,
         )

@@ -72,9 +72,11 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
 
     Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
     micro-batches on all ranks), so the accumulated gradient is that of one big batch.
-    Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), and the
-    number of skipped samples; nothing here waits for the device, unless `timings` is a list:
-    then each micro-batch's seconds (forward and backward, the device synchronised) are appended.
+    Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), the number of
+    skipped samples, and the sums of the loss's named metrics (`LossOutput.metrics`, e.g. a DFlash2
+    drafter's selector counts; the same names on every rank); nothing here waits for the device,
+    unless `timings` is a list: then each micro-batch's seconds (forward and backward, the device
+    synchronised) are appended.
     `phases` (a PhaseTimer, started) is marked after each phase. `noise`: a `FeatureNoise` for the
     tapped features of `epoch`. A loss whose terms read the target's distribution (KL, LK) gets the
     target's final states, from the same target forward.
@@ -91,7 +93,7 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
     scale = (world_size / total.clamp_min(1e-12)).float()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     slot = torch.zeros(2, block_size - 1, dtype=torch.float64, device=device)
-    skipped = 0
+    skipped, named = 0, {}
     for mb in micro:
         start = time.perf_counter()
         batch, blocks = mb.batch.to(device, non_blocking=True), mb.blocks.to(device, non_blocking=True)
@@ -121,7 +123,9 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
                              torch.tensor(float(out.num_blocks), dtype=torch.float64, device=device)])
         slot += torch.stack([out.slot_correct, out.slot_count]).double()
         skipped += out.num_skipped
-    return sums, slot, skipped
+        for k, v in out.metrics.items():
+            named[k] = named.get(k, 0.0) + v.double()
+    return sums, slot, skipped, named
 
 
 def init_distributed() -> None:
@@ -429,9 +433,9 @@ class Trainer:
         timings = [] if cfg.time_micro_batches else None
         walked = _Walked(micro)
         try:
-            sums, slot, skipped = accumulate_gradients(engine, self.models.target.model, self.models.loss, walked,
-                                                       self.device, cfg.block_size, timings, self.phases,
-                                                       noise=self.noise, epoch=epoch)
+            sums, slot, skipped, named = accumulate_gradients(
+                engine, self.models.target.model, self.models.loss, walked, self.device, cfg.block_size, timings,
+                self.phases, noise=self.noise, epoch=epoch)
         except torch.OutOfMemoryError:
             raise self._out_of_memory(shape(walked.current, cfg.block_size)) from None
         busy = waited = float("nan")
@@ -465,9 +469,9 @@ class Trainer:
         self.step += 1
         if applied and (self.step - 1) % cfg.log_every and self.step < self.data.total_steps:
             return None
-        return self._step_record(t0, epoch, micro, sums, slot, skipped, busy, waited, applied, timings)
+        return self._step_record(t0, epoch, micro, sums, slot, skipped, busy, waited, applied, timings, named)
 
-    def _step_record(self, t0, epoch, micro, sums, slot, skipped, busy, waited, applied, timings) -> dict:
+    def _step_record(self, t0, epoch, micro, sums, slot, skipped, busy, waited, applied, timings, named) -> dict:
         """The metrics of a logged step, summed over ranks (a sync point): each rank's own time (its
         queued device work included) and work in its slot, so one all_reduce gathers them all."""
         self.accelerator.synchronize()
@@ -477,7 +481,9 @@ class Trainer:
         per_rank[:, self.rank] = torch.tensor([own, sum(m.real_tokens for m in micro),
                                                sum(m.computed_tokens for m in micro), busy, waited,
                                                memory["resident"], memory["gathered"]], dtype=torch.float64)
-        counts = torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device)
+        names = sorted(named)  # the loss's metric sums ride with the counts (the same names on every rank)
+        counts = torch.cat([torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device),
+                            *([torch.stack([named[k] for k in names])] if names else [])])
         for t in (sums, slot, per_rank, counts):
             dist.all_reduce(t)
         seconds = time.perf_counter() - t0
@@ -503,6 +509,10 @@ class Trainer:
             # per rank: target parameters held between forwards, and the most gathered at once (partitioned)
             "target_resident_bytes": [int(b) for b in resident], "target_gathered_bytes": [int(b) for b in gathered],
         }
+        if "selector_rows" in named:  # a DFlash2 drafter: its selector's figures, summed as one big batch
+            from dflash.models.dflash2 import selector_figures
+
+            record.update(selector_figures(dict(zip(names, counts[2:].tolist(), strict=True)), metrics["blocks"]))
         if timings is not None:  # every rank's micro-batches: cost features and measured seconds
             mine = [[*m.cost_features.tolist(), t] for m, t in zip(micro, timings, strict=True)]
             gathered = [None] * self.world_size
@@ -552,6 +562,9 @@ class Trainer:
         if note:
             self._say(note)
         sampled = "".join(f", {part}" for part in tau_at_words(record))
+        if "argmax_tau" in record:  # a DFlash2 drafter: what its selector adds
+            sampled += (f", the backbone's argmax alone tau {record['argmax_tau']:.3f}, selector recall "
+                        f"{record['selector_recall']:.3f}, accuracy {record['selector_accuracy']:.3f}")
         self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} (decoding walk: "
                   f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns){sampled}, "
                   f"anchor_tau {record['anchor_tau']:.3f}")

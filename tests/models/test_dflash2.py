@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, DrafterConfig, draw_blocks, slot_weights
+from dflash.models.acceptance import walk_tau
+from dflash.models.anchors import to_packed
+from dflash.models.blocks import Blocks, block_scorer
 from dflash.models.config import SLIDING, DFlash2Settings
-from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm, block_conv, unary_logits
+from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm, block_conv, selector_figures, unary_logits
 
 from .test_drafter import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
 
@@ -324,3 +327,100 @@ def test_the_official_dflash2_class_loads_the_export_strictly_with_the_same_outp
             torch.testing.assert_close(drafter.logits(ours[j, 1:]), model.compute_logits(theirs[1:], head),
                                        rtol=1e-5, atol=1e-5)
             assert drafter.propose(ours[j, 1:], int(ids[j, 0]))[0].tolist() == path[0].tolist()
+
+
+def strong_selector(seed, top_k=4):
+    """A tiny DFlash2 drafter whose selector often overrules the unary argmax, with a top-K that often
+    misses the gold token."""
+    target = tiny_target(seed)
+    drafter = tiny_dflash2(target, seed=seed, settings=DFlash2Settings(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=top_k, output_multiplier=0.8,
+        final_logit_softcapping=5.0))
+    with torch.no_grad():
+        drafter.candidate_selector.hidden_projection.weight.mul_(20)
+    return target, drafter
+
+
+def selector_loss(drafter):
+    s = drafter.config.dflash2
+    return BlockLoss(chunk_rows=7, terms=[SelectorTerm(drafter.candidate_selector)], logit_scale=s.output_multiplier,
+                     softcap=s.final_logit_softcapping)
+
+
+def test_selector_figures_are_the_counts_written_out_summed_over_micro_batches():
+    """Candidate recall, selector accuracy and the backbone argmax's acceptance of two micro-batches of
+    different sizes, from the summed `LossOutput.metrics`, against the same counts written out row by row
+    over both (full logits, explicit transition scores, teacher-forced predecessors): sums over the whole
+    step, not an average of the micro-batches' averages."""
+    target, drafter = strong_selector(11)
+    sel, K = drafter.candidate_selector, drafter.candidate_selector.top_k
+    A, Bc, P = sel.predecessor_codebook.weight, sel.successor_codebook.weight, sel.hidden_projection.weight
+    loss = selector_loss(drafter)
+    sums, blocks_total = {}, 0
+    rows = recalled = chosen = argmax_tau = 0
+    for lengths, anchors, seed in (([12, 18], 8, 1), ([30], 3, 2)):
+        batch = make_batch(lengths, seed=seed)
+        blocks = draw_blocks(batch, block_size=B, num_anchors=anchors, mask_token_id=MASK_ID,
+                             slot_weights=slot_weights(B, 2.0), seed=seed, epoch=0)
+        with torch.no_grad():
+            hidden = drafter(batch, target.features(batch), blocks)
+            # labels the drafter can get right (the forward does not read them): per slot one of its unary
+            # top-K or, one time in K + 1, a token outside them
+            logits = unary_logits(hidden.view(-1, B, hidden.shape[-1])[:, 1:] @ drafter.lm_head.t(), drafter.config)
+            pick = torch.randint(0, K + 1, blocks.labels.shape, generator=torch.Generator().manual_seed(seed))
+            ranked = logits.topk(K + 1, dim=-1).indices
+            outside = logits.argsort(dim=-1)[..., 0]  # the least likely token
+            blocks.labels.copy_(torch.where(pick < K, ranked.gather(-1, pick[..., None].clamp_max(K - 1))[..., 0],
+                                            outside))
+            out = loss(hidden, blocks, drafter.lm_head)
+        for k, v in out.metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        blocks_total += blocks.num_blocks
+        states = hidden.view(-1, B, hidden.shape[-1])
+        for j in range(blocks.num_blocks):
+            logits = unary_logits(states[j, 1:] @ drafter.lm_head.t(), drafter.config)
+            prev = int(blocks.input_ids[j * B])
+            hits = []
+            for k in range(B - 1):
+                gold, valid = int(blocks.labels[j, k]), bool(blocks.valid[j, k])
+                hits.append(valid and int(logits[k].argmax()) == gold)
+                values, cands = logits[k].topk(K)
+                scores = values + ((A[prev] * (P @ states[j, 1 + k]))[None] * Bc[cands]).sum(-1)
+                rows += valid
+                recalled += valid and gold in cands.tolist()
+                chosen += valid and int(cands[scores.argmax()]) == gold
+                prev = gold  # teacher forcing
+            argmax_tau += 1 + int(torch.tensor(hits).long().cumprod(0).sum())
+    got = selector_figures(sums, blocks_total)
+    assert 0 < chosen < recalled < rows  # every figure is informative here
+    assert got == pytest.approx({"selector_recall": recalled / rows, "selector_accuracy": chosen / rows,
+                                 "argmax_anchor_tau": argmax_tau / blocks_total})
+
+
+def test_the_walk_reports_the_selector_beside_the_backbones_argmax():
+    """The eval walk of a DFlash2 drafter: `tau` along the selector's path, `argmax_tau` the walk of the
+    same backbone drafting its argmax (= the walk scored without the selector), and the selector's recall
+    and accuracy over every anchor's block; a DFlash drafter's walk has none of them."""
+    target, drafter = strong_selector(12, top_k=6)
+    s = drafter.config.dflash2
+    batch = make_batch([26], seed=3)
+    with torch.no_grad():  # the turn the backbone's argmax drafts at slot 1: every block accepts a token or more
+        for t in range(6, 26):
+            anchors = Anchors(torch.zeros(1, dtype=torch.int32), torch.tensor([t - 1], dtype=torch.int32), B, 0)
+            blocks = Blocks.build(anchors, to_packed(batch), MASK_ID, slot_weights(B, 2.0))
+            hidden = drafter(batch, target.features(batch), blocks)
+            batch.input_ids[t] = drafter.logits(hidden[1:2]).argmax()
+    feats = target.features(batch)
+
+    def walked(loss):
+        score = block_scorer(drafter, loss, drafter.lm_head, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0))
+        return walk_tau(score, batch, feats, block_size=B).metrics()
+
+    with torch.no_grad():
+        got = walked(selector_loss(drafter))
+        plain = walked(BlockLoss(chunk_rows=7, logit_scale=s.output_multiplier, softcap=s.final_logit_softcapping))
+    assert got["argmax_tau"] == plain["tau"] and got["argmax_anchor_tau"] == pytest.approx(plain["anchor_tau"])
+    # every argmax block accepts its slot 1 and no more; the selector overrules some: its path is walked
+    assert got["argmax_tau"] == 2 and got["tau"] < 2
+    assert 0 < got["selector_accuracy"] <= got["selector_recall"] <= 1
+    assert not {"argmax_tau", "selector_recall", "selector_accuracy"} & plain.keys()

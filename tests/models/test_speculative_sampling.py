@@ -10,6 +10,11 @@ expected count < 5 pooled): the test fails when p < ALPHA = 1e-3, so a correct s
 with probability 1e-3 over the choice of seeds (the seeds here are fixed, so the outcome is too).
 Power: the same test on a deliberately wrong rule (rejected slots resampled from p instead of
 max(0, p - q)) gives p ~ 1e-15 with the same N (1e-10 with another seed); it must be < 1e-8.
+
+A DFlash2 drafter (`tiny2`: its selector keeps K = 2 of the 4 tokens, so q is 0 outside the candidates
+and the residual carries the rest) drafts along its selector's path, each slot's q over its candidates
+given the drafts before it; the same test holds its output to the target's law, and detects the
+mistake of verifying those drafts with the backbone's own softmax instead of the selector's q (p ~ 1e-38).
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.models import DFlashDrafter, DrafterConfig, SharedWeights
 from dflash.models import sampling as sampling_module
+from dflash.models import speculate as speculate_module
+from dflash.models.config import DFlash2Settings
+from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.sampling import Sampler, Sampling, target_probs, top_p_filter, verify_block
 from dflash.models.speculate import greedy_decode, speculative_decode
 
@@ -42,6 +50,24 @@ def tiny():
     drafter = DFlashDrafter(dconfig, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight),
                             attention_backend="torch").eval()
     return hf, drafter
+
+
+@pytest.fixture(scope="module")
+def tiny2(tiny):
+    """A random DFlash2 drafter on the same target: selector top-2 of the 4 tokens, every part away from
+    its identity start (its transitions matter)."""
+    hf, _ = tiny
+    config = DrafterConfig.from_target(hf.config, mask_token_id=VOCAB - 1, block_size=3, num_draft_layers=1,
+                                       target_layer_ids=[0], dflash2=DFlash2Settings(
+                                           conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=2))
+    drafter2 = DFlash2Drafter(config, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight),
+                              attention_backend="torch").eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in drafter2.named_parameters():
+            if "conv" in name or "selector" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "conv" in name else 1.5))
+    return hf, drafter2
 
 
 def exact_law(hf, sampling: Sampling) -> dict:
@@ -102,6 +128,47 @@ def test_speculative_sampling_is_lossless_in_distribution(tiny, monkeypatch, sam
     # drafter's argmax at slot 2 is never the target's draw here: argmax drafts reject there)
     branches = range(drafter.block_size) if sampling.drafts == "sampled" else range(drafter.block_size - 1)
     assert min(accepted[k] for k in branches) >= 5, accepted
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, drafts="argmax")],
+                         ids=str)
+def test_dflash2_speculative_sampling_is_lossless_in_distribution(tiny2, monkeypatch, sampling):
+    """Drafts along the selector's path, verified with its q over the K candidates (0 elsewhere) and the
+    residual max(0, p - q) over the whole vocabulary."""
+    hf, drafter = tiny2
+    accepted, proposals = collections.Counter(), []
+
+    def counting(drafts, q, p, generator=None):
+        result = verify_block(drafts, q, p, generator)
+        accepted[result[0]] += 1
+        proposals.append(q)
+        return result
+
+    monkeypatch.setattr(sampling_module, "verify_block", counting)
+    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=4))
+    assert chi_square_p_value(got, exact_law(hf, sampling)) > ALPHA
+    branches = range(drafter.block_size) if sampling.drafts == "sampled" else range(drafter.block_size - 1)
+    assert min(accepted[k] for k in branches) >= 5, accepted
+    # q: a distribution over at most K tokens per slot (one-hot on the greedy path for argmax drafts)
+    q = torch.cat(proposals)
+    torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[0]))
+    assert int((q > 0).sum(-1).max()) <= drafter.candidate_selector.top_k
+
+
+def test_the_test_detects_dflash2_drafts_verified_with_the_backbones_softmax(tiny2, monkeypatch):
+    """The selector's drafts verified as if they were drawn from the unary softmax at T (the DFlash rule):
+    a different q than the one that drew them, and the output leaves the target's law."""
+    hf, drafter = tiny2
+    sampling = Sampling(1.0)
+
+    def backbone_q(drafter, sampler, cache, features, anchor):
+        hidden = drafter.draft_hidden(cache, features, anchor)
+        path, _, _ = drafter.propose(hidden, anchor, sampling.temperature, sampler.generator)
+        return path.tolist(), torch.softmax(drafter.logits(hidden) / sampling.temperature, dim=-1)
+
+    monkeypatch.setattr(speculate_module, "draft_block", backbone_q)
+    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=4))
+    assert chi_square_p_value(got, exact_law(hf, sampling)) < 1e-8
 
 
 def wrong_verify_block(drafts, q, p, generator=None):

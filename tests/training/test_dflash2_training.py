@@ -56,6 +56,10 @@ def test_a_dflash2_run_from_scratch_trains_and_exports_the_released_format(tiny_
     train = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] for r in train)
+    # the selector's figures in the train and eval records (their numbers: tests/models/test_dflash2.py)
+    for r in train + read_metrics(out, "eval")[-1:]:
+        assert 0 <= r["selector_accuracy"] <= r["selector_recall"] <= 1 and r["argmax_anchor_tau"] >= 1, r
+    assert read_metrics(out, "eval")[-1]["argmax_tau"] >= 1
     config = json.loads((out / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
     assert config["layer_types"] == [SLIDING] and config["sliding_window"] == 2048
