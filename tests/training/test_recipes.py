@@ -1,6 +1,6 @@
 """The recipe options: --loss and its terms' options, --feature-noise (seeded per sample), --optimizer
-muon (DeepSpeed's Muon against a reference), and a run with all of them that stops and resumes bitwise like the uninterrupted one under every ZeRO stage; the
-recipe comparison's recipes."""
+muon (DeepSpeed's Muon against a reference), and a run with all of them that stops and resumes bitwise
+like the uninterrupted one under every ZeRO stage; the recipe comparison's recipes."""
 from __future__ import annotations
 
 import json
