@@ -251,6 +251,17 @@ class LossOutput:
     argmax_hits: torch.Tensor | None = None
 
 
+def chunk_vocab_buffers(term_buffers: list[int], softcap: bool) -> int:
+    """The most (chunk x vocab) float32 buffers `_ChunkedLinearCE` holds at once, the terms' chunks
+    run one after the other: the logits, a softcap's slope, and while a term runs its own buffers
+    (its gradient among them) beside the weighted sum of the gradients of the terms before it."""
+    peak, summed = 0, False
+    for buffers in term_buffers:
+        peak = max(peak, buffers + summed)
+        summed = summed or buffers > 0
+    return 1 + softcap + peak
+
+
 class BlockLoss:
     """The DFlash objective: slot-weighted cross-entropy of every block's slots 1..B-1 through the
     frozen lm_head (chunked: no rows x vocab buffer), plus any `LogitTerm`s evaluated on the same
@@ -276,8 +287,8 @@ class BlockLoss:
 
     @property
     def vocab_buffers(self) -> int:
-        """(chunk x vocab) float32 buffers of one chunk at once: the logits, the softcap's slope, each term's."""
-        return 1 + (self.softcap is not None) + sum(t.vocab_buffers for t in self.terms)
+        """(chunk x vocab) float32 buffers of one chunk at once (`chunk_vocab_buffers`)."""
+        return chunk_vocab_buffers([t.vocab_buffers for t in self.terms], self.softcap is not None)
 
     def __call__(self, hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor,
                  temperatures: tuple[float, ...] = (), context: dict | None = None) -> LossOutput:

@@ -138,6 +138,11 @@ class MemorySetup:
     # the drafter's block attention: "kernel" (Triton or FlexAttention: output and log-sum-exp saved) or
     # "reference" (dflash.ops' per-sample torch reference, the CPU's: its scores saved, per row and key)
     attention: str = "kernel"
+    # the objective (`BlockLoss.vocab_buffers`, `loss_setup`): fp32 chunk x vocab buffers of one lm_head
+    # chunk at once, the chunk's rows, and whether its terms read the target's final states (KL, LK)
+    vocab_buffers: int = 1
+    chunk_rows: int = CE_CHUNK_ROWS
+    target_states: bool = False
 
     @classmethod
     def from_ds_config(cls, ds_config: dict, **kwargs) -> MemorySetup:
@@ -273,9 +278,10 @@ class MemoryPlan:
         frees saved activations as fast as it makes gradients. With activation checkpointing, the
         backward's recomputed layer and its gradients instead, when larger."""
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
-        chunk = min(CE_CHUNK_ROWS, rows)
+        chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
-        loss = (rows + scored + chunk) * d.hidden * b + chunk * self.target.vocab * (4 + (b if b < 4 else 0))
+        loss = (rows + scored + chunk) * d.hidden * b \
+            + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
         if not s.activation_checkpointing:
             return loss
         kv = d.kv_heads * d.head_dim
@@ -289,7 +295,10 @@ class MemoryPlan:
         row_keys = rows * tokens if row_keys is None else row_keys
         reference = self.reference_layer(rows, row_keys)
         layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
-        return tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows) + layers * reference
+        # KL and LK read the target's final states of every token (kept from its forward)
+        states = tokens * self.target.hidden * self.setup.dtype_bytes if self.setup.target_states else 0
+        return (tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows)
+                + layers * reference + states)
 
     def peak(self, tokens: int, rows: int, row_keys: int | None = None) -> dict:
         """Bytes at the peak of a micro-batch, by item; "total" sums them. `row_keys`: see drafter_phase."""
@@ -434,8 +443,23 @@ def run_plan(cfg, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_
     setup = MemorySetup.from_ds_config(
         ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=cfg.target_partition,
         target_offload=cfg.target_offload, activation_checkpointing=cfg.activation_checkpointing,
-        block_size=cfg.block_size, num_anchors=cfg.num_anchors, attention="reference" if reference else "kernel")
+        block_size=cfg.block_size, num_anchors=cfg.num_anchors, attention="reference" if reference else "kernel",
+        **loss_setup(cfg))
     return plan_for(spec, setup, draft_layers=cfg.draft_layers, features=features)
+
+
+def loss_setup(cfg) -> dict:
+    """The objective's share of the plan from the options alone (the run's `BlockLoss` is built later,
+    with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and whether a term reads the target's final states. A DFlash2 drafter is
+    counted with a softcap (a released one may have it: the plan must not be low)."""
+    from dflash.models.loss import chunk_vocab_buffers
+    from dflash.models.terms import TERMS, block_chunk_rows, parse_recipe
+
+    names = [name for name, weight in parse_recipe(cfg.loss).items() if name != "ce" and weight]
+    terms = [TERMS[name] for name in names]
+    return {"vocab_buffers": chunk_vocab_buffers([t.vocab_buffers for t in terms], cfg.drafter_kind == "dflash2"),
+            "chunk_rows": block_chunk_rows(CE_CHUNK_ROWS, cfg.block_size) if "dpace" in names else CE_CHUNK_ROWS,
+            "target_states": any(getattr(t, "needs_target_states", False) for t in terms)}
 
 
 def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:
