@@ -450,8 +450,9 @@ def run_plan(cfg, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_
 
 def loss_setup(cfg) -> dict:
     """The objective's share of the plan from the options alone (the run's `BlockLoss` is built later,
-    with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and whether a term reads the target's final states. A DFlash2 drafter is
-    counted with a softcap (a released one may have it: the plan must not be low)."""
+    with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and
+    whether a term reads the target's final states. A DFlash2 drafter is counted with a softcap (a
+    released one may have it: the plan must not be low)."""
     from dflash.models.loss import chunk_vocab_buffers
     from dflash.models.terms import TERMS, block_chunk_rows, parse_recipe
 
