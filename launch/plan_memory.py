@@ -7,7 +7,9 @@ of --deepspeed_config, the world size and the GPU memory, prints the peak per ra
 target replicated (a full copy per rank) and partitioned (--target-partition zero3, with and
 without --target-offload), what it is made of, the most drafter rows a micro-batch of the token
 budget may score (the row budget train.py takes when none is given), and the largest token budget
-that fits. train.py runs the same plan at start and refuses a run that cannot fit.
+that fits, and the anchor ceiling: the most anchors per sample (--num-anchors) one sample of each
+length fits, 4,096 to 65,536 tokens. train.py runs the same plan at start and refuses a run that
+cannot fit.
 
 Examples:
   python launch/plan_memory.py --model qwen3-8b --world-size 8 --gpu-memory-gib 80
@@ -32,6 +34,7 @@ from dflash.training.memory import (
     plan_for,
 )
 
+CEILING_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # sample lengths of the anchor ceiling
 VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_partition="zero3"),
             "zero3+offload": dict(target_partition="zero3", target_offload=True)}
 
@@ -80,7 +83,8 @@ def summarize(plan: MemoryPlan, memory: int, tokens: int, rows: int) -> dict:
     return {"peak": peak["total"], "items": {k: v for k, v in peak.items() if k != "total"},
             "host_per_rank": plan.host_bytes(), "fits": plan.rows_that_fit(memory, tokens) >= rows,
             "row_budget_that_fits": plan.rows_that_fit(memory, tokens),
-            "token_budget_that_fits": plan.tokens_that_fit(memory, plan.min_rows())}
+            "token_budget_that_fits": plan.tokens_that_fit(memory, plan.min_rows()),
+            "anchor_ceiling": {length: plan.anchor_ceiling(memory, length) for length in CEILING_LENGTHS}}
 
 
 def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> None:
@@ -100,6 +104,10 @@ def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> Non
         print(f"\n{name}:")
         for item, value in r["items"].items():
             print(f"  {item:<62}{gib(value):>14}")
+    print(f"\nanchor ceiling (most --num-anchors for one sample of each length, block size {args.block_size}):")
+    print(f"{'target':<15}" + "".join(f"{f'{n:,} tok':>12}" for n in CEILING_LENGTHS))
+    for name, r in results.items():
+        print(f"{name:<15}" + "".join(f"{r['anchor_ceiling'][n]:>12,}" for n in CEILING_LENGTHS))
     print("\nrows that fit: the row budget train.py takes at this token budget (--row-budget 0); tokens that fit: "
           "the largest --token-budget with one sample's rows (block size x anchors)")
 

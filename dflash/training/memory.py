@@ -334,6 +334,11 @@ class MemoryPlan:
             lo, hi = (mid, hi) if self.drafter_phase(tokens, mid) <= room else (lo, mid)
         return lo
 
+    def anchor_ceiling(self, memory: int, tokens: int) -> int:
+        """The most anchors one sample of `tokens` tokens may have (a micro-batch of that sample
+        alone, block size rows per anchor): what --num-anchors may be at that length (0: none)."""
+        return self.rows_that_fit(memory, tokens) // self.setup.block_size
+
     def tokens_that_fit(self, memory: int, rows: int) -> int:
         """The largest token budget whose micro-batches fit with `rows` block rows (0: none)."""
         room = self.usable(memory) - sum(self.static().values())
@@ -501,8 +506,10 @@ def size_run(plan: MemoryPlan, memory: int | None, *, token_budget: int, row_bud
     usable, fit = plan.usable(memory), plan.rows_that_fit(memory, token_budget)
     if fit < rows:
         peak = plan.peak(token_budget, rows)
+        ceiling = plan.anchor_ceiling(memory, token_budget)
         asked = f"--row-budget {row_budget:,}" if row_budget > plan.min_rows() else \
-            f"one sample's {rows:,} drafter rows (--block-size x --num-anchors)"
+            (f"one sample's {rows:,} drafter rows (--block-size x --num-anchors {plan.setup.num_anchors:,}; the most "
+             f"anchors a sample of {token_budget:,} tokens fits: {ceiling:,})")
         ways = _alternatives(plan, memory, token_budget)
         raise UserError(
             f"memory plan: this run needs about {gib(peak['total'])} per rank, more than the {gib(usable)} usable "

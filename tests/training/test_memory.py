@@ -1,5 +1,6 @@
 """The memory plan: its parameter counts against the real models, its estimate against the measured
 peak of a training micro-step, its refusal; and the partitioned target's features on two ranks."""
+import dataclasses
 import json
 import os
 import re
@@ -131,6 +132,24 @@ def test_a_run_that_cannot_fit_is_refused_with_what_how_much_and_which_flag():
     assert rows >= plan.min_rows()
 
 
+def test_the_anchor_ceiling_is_the_most_anchors_that_fit_and_more_are_refused_naming_it():
+    plan = qwen_plan("qwen3-8b")
+    for tokens in (4096, 65536):
+        ceiling = plan.anchor_ceiling(80 * GIB, tokens)
+        assert ceiling > 512
+        for anchors, fits in ((ceiling, True), (ceiling + 1, False)):
+            setup = dataclasses.replace(plan.setup, num_anchors=anchors)
+            at = MemoryPlan(plan.target, plan.drafter, setup)
+            if fits:
+                assert size_run(at, 80 * GIB, token_budget=tokens, row_budget=0)[0] >= 16 * anchors
+                assert at.peak(tokens, 16 * anchors)["total"] <= MemoryPlan.usable(80 * GIB)
+                continue
+            with pytest.raises(UserError, match=f"--num-anchors {anchors:,}; the most anchors a sample of "
+                                                f"{tokens:,} tokens fits: {ceiling:,}"):
+                size_run(at, 80 * GIB, token_budget=tokens, row_budget=0)
+    assert plan.anchor_ceiling(80 * GIB, 65536) < plan.anchor_ceiling(80 * GIB, 4096)  # longer samples, fewer
+
+
 @pytest.mark.slow
 def test_train_refuses_a_run_that_cannot_fit_before_loading_anything(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
@@ -153,6 +172,9 @@ def test_plan_memory_compares_the_target_replicated_and_partitioned(capsys):
     result = json.loads(capsys.readouterr().out)
     assert not result["replicated"]["fits"] and result["zero3"]["fits"] and result["zero3+offload"]["fits"]
     assert result["zero3"]["peak"] < result["replicated"]["peak"] and result["zero3+offload"]["host_per_rank"] > 0
+    ceiling = {int(k): v for k, v in result["zero3"]["anchor_ceiling"].items()}
+    assert sorted(ceiling) == [4096, 8192, 16384, 32768, 65536]
+    assert list(ceiling.values()) == sorted(ceiling.values(), reverse=True) and ceiling[65536] > 0
 
 
 @pytest.mark.slow
