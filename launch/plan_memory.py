@@ -63,6 +63,8 @@ def parse_args(argv=None):
                    help="drafter layers (default %(default)s)")
     p.add_argument("--num-target-features", type=number(int, minimum=1), default=5,
                    help="tapped target layers (default %(default)s)")
+    p.add_argument("--drafter-kind", choices=("dflash", "dflash2"), default="dflash",
+                   help="dflash2: the released DFlash2 drafter's convolutions and selector too (default %(default)s)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute drafter layers in backward")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
@@ -126,8 +128,14 @@ def main(argv=None):
     base = dict(world_size=args.world_size, dtype_bytes=2 if args.dtype == "bf16" else 4,
                 activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
                 num_anchors=args.num_anchors)
+    dflash2 = None
+    if args.drafter_kind == "dflash2":
+        from dflash.models.dflash2 import released_settings
+
+        dflash2 = released_settings()
+        base["vocab_buffers"] = 2  # its logits' softcap (`loss_setup`)
     plans = {name: plan_for(spec, MemorySetup.from_ds_config(ds_config, **base, **variant),
-                            draft_layers=args.draft_layers, features=args.num_target_features)
+                            draft_layers=args.draft_layers, features=args.num_target_features, dflash2=dflash2)
              for name, variant in VARIANTS.items()}
     rows = max(args.row_budget, args.block_size * args.num_anchors)
     results = {name: summarize(plan, memory, args.token_budget, rows) for name, plan in plans.items()}

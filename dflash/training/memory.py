@@ -97,27 +97,47 @@ class DrafterSizes:
     head_dim: int
     layers: int
     features: int  # tapped target layers
+    # a DFlash2 drafter (`DFlash2Settings`; 0: DFlash): its convolutions' taps and channels per
+    # dynamic weight, its selector's rank and candidates, and the vocabulary its codebooks cover
+    conv_kernel: int = 0
+    conv_group: int = 1
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    vocab: int = 0
 
     @classmethod
-    def from_target(cls, config, *, layers: int, features: int) -> DrafterSizes:
+    def from_target(cls, config, *, layers: int, features: int, dflash2=None) -> DrafterSizes:
         """The drafter DFlash builds for `config` (its hidden size, heads and MLP width; an MoE
-        target without a dense width: its routed experts' width per token)."""
+        target without a dense width: its routed experts' width per token); with `dflash2` (its
+        `DFlash2Settings`) the DFlash2 drafter's convolutions and selector too."""
         heads = int(config.num_attention_heads)
         width = getattr(config, "intermediate_size", None) or \
             int(config.num_experts_per_tok) * int(config.moe_intermediate_size)
+        extra = {} if dflash2 is None else dict(
+            conv_kernel=dflash2.conv_kernel_size, conv_group=dflash2.conv_group_size,
+            selector_rank=dflash2.selector_rank, selector_top_k=dflash2.selector_top_k,
+            vocab=int(config.vocab_size))
         return cls(hidden=int(config.hidden_size), intermediate=int(width), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-                   layers=layers, features=features)
+                   layers=layers, features=features, **extra)
+
+    @property
+    def conv_params(self) -> int:
+        """One DFlash2 convolution pair (before and after a sublayer): base kernels and the projection."""
+        H, K = self.hidden, self.conv_kernel
+        return 2 * K * H + H * 2 * K * (H // self.conv_group) if K else 0
 
     @property
     def layer_params(self) -> int:
         H, D = self.hidden, self.head_dim
-        return (2 * H * self.heads * D + 2 * H * self.kv_heads * D + 3 * H * self.intermediate + 2 * H + 2 * D)
+        return (2 * H * self.heads * D + 2 * H * self.kv_heads * D + 3 * H * self.intermediate + 2 * H + 2 * D
+                + 2 * self.conv_params)
 
     @property
     def params(self) -> int:
-        return self.features * self.hidden * self.hidden + self.layers * self.layer_params + 2 * self.hidden
+        selector = (2 * self.vocab + self.hidden) * self.selector_rank
+        return self.features * self.hidden * self.hidden + self.layers * self.layer_params + 2 * self.hidden + selector
 
 
 @dataclass(frozen=True)
@@ -246,7 +266,26 @@ class MemoryPlan:
         q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
         norms = 2 * ((4 + 2 * b) * d.hidden + 4)
         attention = (4 + 3 * b) * q + 8 * d.heads + (4 + 3 * b) * kv + 4 * d.kv_heads
-        return norms + attention + 4 * b * d.intermediate
+        return norms + attention + 4 * b * d.intermediate + self.conv_per_row()
+
+    def conv_per_row(self) -> int:
+        """A DFlash2 layer's four convolutions, per block row: each saves a (base + dynamic) factor per
+        tap, a shifted copy of its input per tap but the first, and keeps its input alive (a normed
+        input or a sublayer's output no other op saved); the two dynamic-weight projections."""
+        d, b = self.drafter, self.setup.dtype_bytes
+        K = d.conv_kernel
+        return b * (4 * 2 * K * d.hidden + 2 * 2 * K * (d.hidden // d.conv_group)) if K else 0
+
+    def selector_per_row(self) -> int:
+        """DFlash2's selector loss per block row (its B - 1 scored rows): the successor codebook's rows of
+        the K candidates (saved, and their gradient in the backward, with every layer's activations
+        still held), the predecessor's row, the hidden projection and their product, the top-K's
+        values, ids and scores."""
+        d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
+        if not d.selector_rank:
+            return 0
+        K, R = d.selector_top_k, d.selector_rank
+        return int((s.block_size - 1) / s.block_size * (b * (2 * K * R + 3 * R) + K * (4 + 8 + 4)))
 
     def per_row(self) -> int:
         """Drafter phase, per block row: every layer's saved activations (only its input with
@@ -273,14 +312,16 @@ class MemoryPlan:
         return row_keys * (per_pair + 1) + rows * (B * per_pair + (d.heads + 2 * d.kv_heads) * d.head_dim * b)
 
     def transient(self, tokens: int, rows: int) -> int:
-        """At the end of the forward, in the loss: the final states and their scored rows, and
-        one lm_head chunk (logits, their fp32 softmax, the chunk's input gradient); the backward
+        """At the end of the forward, in the loss: the final states and their scored rows, one
+        lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a DFlash2 selector's
+        loss and its backward; the backward
         frees saved activations as fast as it makes gradients. With activation checkpointing, the
         backward's recomputed layer and its gradients instead, when larger."""
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
-        loss = (rows + scored + chunk) * d.hidden * b \
+        # the selector's loss (DFlash2) is freed before the backward reaches the layers
+        loss = (rows + scored + chunk) * d.hidden * b + rows * self.selector_per_row() \
             + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
         if not s.activation_checkpointing:
             return loss
@@ -363,10 +404,12 @@ class MemoryPlan:
         return MemoryPlan(self.target, self.drafter, replace(self.setup, target_partition="zero3"))
 
 
-def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, features: int) -> MemoryPlan:
+def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, features: int,
+             dflash2=None) -> MemoryPlan:
+    """`dflash2`: a DFlash2 drafter's `DFlash2Settings` (None: DFlash)."""
     config = spec.config
-    return MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=draft_layers, features=features),
-                      setup)
+    drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, dflash2=dflash2)
+    return MemoryPlan(target_sizes(config), drafter, setup)
 
 
 def gib(n: float) -> str:
@@ -450,7 +493,16 @@ def run_plan(cfg, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_
         target_offload=cfg.target_offload, activation_checkpointing=cfg.activation_checkpointing,
         block_size=cfg.block_size, num_anchors=cfg.num_anchors, attention="reference" if reference else "kernel",
         **loss_setup(cfg))
-    return plan_for(spec, setup, draft_layers=cfg.draft_layers, features=features)
+    dflash2 = None
+    if cfg.init_drafter:  # its own sizes (a DFlash2 one's selector and convolutions among them)
+        from dflash.training.config import init_drafter_config
+
+        dflash2 = init_drafter_config(cfg.init_drafter, spec).dflash2
+    elif cfg.drafter_kind == "dflash2":
+        from dflash.models.dflash2 import released_settings
+
+        dflash2 = released_settings()
+    return plan_for(spec, setup, draft_layers=cfg.draft_layers, features=features, dflash2=dflash2)
 
 
 def loss_setup(cfg) -> dict:
