@@ -15,8 +15,8 @@ import time
 import torch
 
 from dflash.models import chunked_weighted_ce
-from dflash.models.flops import measure_peak_tensor_bytes
 from dflash.models.loss import DEFAULT_CHUNK_ROWS
+from dflash.models.tensor_bytes import measure_peak_tensor_bytes
 from dflash.options import number
 
 

@@ -3,7 +3,7 @@
 measured peak of tensor bytes with the plan's estimate for the micro-batches that ran.
 
 Takes train.py's options (the run folder is overwritten); on the CPU the peak counts every tensor
-storage alive after each op (`dflash.models.flops.measure_peak_tensor_bytes`), the target's
+storage alive after each op (`dflash.models.tensor_bytes`), the target's
 parameters counted as loaded. Prints one JSON line per rank:
 {"rank", "measured", "estimate", "error" (estimate / measured - 1), "tokens", "rows", "items"}.
 
@@ -36,7 +36,8 @@ def _take(argv: list[str], flag: str, default: int) -> tuple[list[str], int]:
 
 @exit_on_user_error
 def main(argv=None):
-    from dflash.training.memory_probe import PhaseMemory, TensorBytes
+    from dflash.models.tensor_bytes import TensorBytes
+    from dflash.training.memory_probe import PhaseMemory
 
     argv, steps = _take(list(sys.argv[1:] if argv is None else argv), "--measure-steps", 3)
     cfg = load_config([*argv, "--overwrite", "--no-export", "--speculate-turns", "0", "--max-steps", str(steps),

@@ -202,43 +202,6 @@ def measure_flops(fn, *args, **kwargs) -> tuple[int, object]:
     return counter.get_total_flops(), result
 
 
-def measure_peak_tensor_bytes(fn, *args, **kwargs) -> tuple[int, object]:
-    """Peak bytes of tensor storages created while fn runs (forward and backward alike).
-
-    Every tensor produced by an op is tracked until its storage dies; the peak is taken after
-    each op, so it is exact at op granularity on any device (the CPU has no allocator
-    statistics). Tensors that existed before the call are not counted.
-    """
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class _Peak(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-            self.peak = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            # Views and in-place results alias an input: tracked already, or older than the call.
-            inputs = {StorageWeakRef(a.untyped_storage()).cdata
-                      for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    ref = StorageWeakRef(t.untyped_storage())
-                    if ref.cdata not in inputs:
-                        self.live.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
-            self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-            self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-            return out
-
-    with _Peak() as mode:
-        result = fn(*args, **kwargs)
-    return mode.peak, result
-
-
 def flop_cost_model(target, *, num_target_layers: int, drafter_layers: int = 5, num_features: int = 5,
                     block_size: int = 16):
     """FLOP cost model of one training sample (`dflash.data.cost.CostModel`, unit FLOP).

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dflash.models import BlockLoss, chunked_loss
 from dflash.models.anchors import Anchors
-from dflash.models.flops import measure_peak_tensor_bytes
+from dflash.models.tensor_bytes import measure_peak_tensor_bytes
 from dflash.models.terms import (
     CU_SEQLENS,
     TARGET_STATES,

@@ -15,8 +15,8 @@ from dflash.data.batch import PackedBatch
 from dflash.errors import UserError
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
 from dflash.models.drafter import drafter_class
-from dflash.models.flops import measure_peak_tensor_bytes
 from dflash.models.target_spec import load_target_spec
+from dflash.models.tensor_bytes import measure_peak_tensor_bytes
 from dflash.models.terms import needs_target_states, target_context
 from dflash.training.config import load_config
 from dflash.training.memory import (
