@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 
 
@@ -31,16 +32,66 @@ def exit_with_error(line: str, status: int = 2):
     sys.exit(status)
 
 
-def end_process_group() -> None:
-    """Take down this process's process group, if it has one: left to interpreter shutdown, the
-    threads of gloo can die in std::terminate (SIGABRT, status 250 or -6 instead of the intended
-    one), also in a one-rank group once it ran a collective."""
+def end_process_group(finished: bool = False) -> None:
+    """Take down this process's process groups, if it has any, and join their gloo threads.
+
+    A gloo worker drops a finished collective's work, and the last reference to its tensors
+    (which takes the GIL), a moment after the caller's wait returned. If that moment falls after
+    interpreter shutdown began, Python ends the thread with pthread_exit, whose unwinding through
+    C++ destructors calls std::terminate ("terminate called without an active exception": SIGABRT,
+    status 250 or -6 instead of the intended one). `destroy_process_group` only unregisters the
+    groups; a gloo group joins its threads when its last reference goes. So the references the
+    caller does not hold go here: DeepSpeed's module-level ones (its clone of the world group, and,
+    through its forward-module stack and the ZeRO-3 release cache of every coordinator, the
+    partitioned parameters, each holding the world group) are dropped and the cycles collected.
+    When the run `finished`, every DeepSpeed engine left is destroyed first (its optimizer's hooks
+    keep it alive otherwise); not after a failure, where its device synchronize could wait for a
+    collective that a dead peer never joins.
+    `torch.distributed.nn` holds the world group in its defaults unless imported before it exists
+    (`dflash.training.trainer.init_distributed`).
+    """
     dist = sys.modules.get("torch.distributed")  # loaded only if this process uses it
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if finished and "deepspeed" in sys.modules:
+        _destroy_deepspeed_engines()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    if "deepspeed" in sys.modules:
+        _drop_deepspeed_references(dist.ProcessGroup)
+    gc.collect()
+
+
+def _destroy_deepspeed_engines() -> None:
+    """`destroy()` every DeepSpeed engine left: it removes its optimizer's gradient hooks, which
+    the autograd graph (C++, out of the collector's reach) holds, and through them the engine."""
+    from deepspeed import DeepSpeedEngine
+
+    # type(), not isinstance: that reads `__class__`, and torch's deprecated aliases warn on it
+    for engine in [o for o in gc.get_objects() if issubclass(type(o), DeepSpeedEngine)]:
         try:
-            dist.destroy_process_group()
+            engine.destroy()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+
+
+def _drop_deepspeed_references(group_type) -> None:
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+    from deepspeed.utils import groups
+
+    for name, value in vars(groups).items():
+        if isinstance(value, group_type):
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(v, group_type) for v in value.values()):
+            value.clear()
+    parameter_offload.FWD_MODULE_STACK.clear()
+    release = vars(partitioned_param_coordinator.PartitionedParameterCoordinator)[
+        "_PartitionedParameterCoordinator__params_to_release"]
+    for cell in release.__closure__ or ():  # the lru_cache inside DeepSpeed's nvtx wrapper
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
 
 
 def exit_on_user_error(main):
@@ -53,14 +104,17 @@ def exit_on_user_error(main):
         try:
             result = main(*args, **kwargs)
         except UserError as err:
-            exit_with_error(f"error: {err}")
+            line = f"error: {err}"
         except Exception as err:  # noqa: BLE001 - anything else is raised again as it was
             line = environment_error(err)
             if line is None:
                 raise
-            exit_with_error(f"error: {line}")
-        end_process_group()  # a run that succeeded exits 0, whatever gloo's threads do at shutdown
-        return result
+            line = f"error: {line}"
+        else:
+            end_process_group(finished=True)  # a run that succeeded exits 0, whatever gloo's threads did
+            return result
+        # out of the except clause: the error's traceback, and the run's objects in its frames, are gone
+        exit_with_error(line)
 
     return wrapper
 

@@ -140,7 +140,11 @@ def init_distributed() -> None:
     run on the machine waits on it forever. DeepSpeed keeps the compatible-ops table as one dict
     so that edits like this one persist.
     """
+    # torch.distributed.nn before the world group exists: its functions' `group=group.WORLD`
+    # defaults, evaluated at import (DeepSpeed imports it in `initialize`), would keep that group,
+    # and its gloo threads, alive through interpreter shutdown (`dflash.errors.end_process_group`).
     import deepspeed
+    import torch.distributed.nn  # noqa: F401
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

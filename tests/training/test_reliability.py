@@ -117,6 +117,18 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(reference, stopped
     assert resumed_history == history(reference)
 
 
+def test_a_finished_partitioned_run_exits_0_with_no_gloo_thread_left_for_interpreter_shutdown(tiny_run_inputs,
+                                                                                            tmp_path):
+    """A gloo worker still dropping its last collective at interpreter shutdown aborts the process
+    (SIGABRT), now and then: the CLI's exit joins every gloo thread first, also those of the groups
+    that DeepSpeed's engines (the drafter's optimizer hooks, the partitioned target) keep."""
+    target, data = tiny_run_inputs
+    args = tiny_train_args(target, data, tmp_path / "run", "--target-partition", "zero3", "--epochs", 1, "--no-export")
+    proc = ok(run_deepspeed(args, script=ROOT / "tests" / "training" / "exit_script.py"))
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank_at_exit"')]
+    assert sorted((r["rank_at_exit"], r["gloo_threads"]) for r in lines) == [(0, []), (1, [])], proc.stdout[-2000:]
+
+
 def test_partitioned_target_with_a_killed_peer_is_one_line_and_resumes_bitwise_like_the_replicated_reference(
         reference, tiny_run_inputs, tmp_path):
     """--target-partition zero3: the same losses, evaluations and samples, bit for bit, through a
