@@ -139,6 +139,28 @@ def _launchers() -> list[tuple[int, str]]:
     return watched
 
 
+def live_children(pid: int) -> int:
+    """How many processes whose parent is `pid` are alive (not zombies)."""
+    count = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        count += fields[0] not in ("Z", "X") and int(fields[1]) == pid
+    return count
+
+
+def _peer_gone_first() -> bool:
+    """Whether DeepSpeed's launcher SIGTERMs local rank 0 because another of its ranks died: it
+    terminates its ranks in local-rank order once one exits non-zero (and reaps it), so a rank 0
+    that finds fewer siblings than LOCAL_SIZE - 1 was stopped for a peer's failure, not by a user."""
+    watched = _launchers()
+    if os.environ.get("LOCAL_RANK") != "0" or not watched or not os.environ.get("LOCAL_SIZE", "").isdigit():
+        return False
+    return live_children(watched[0][0]) < int(os.environ["LOCAL_SIZE"])  # this rank counted
+
+
 def launcher_gone(watched) -> bool:
     return any((_process(pid) or (None,))[0] != start for pid, start in watched)
 
@@ -149,6 +171,10 @@ def stopped(stop: KeyboardInterrupt):
 
     output_dir = _stopping["output_dir"]
     name = stop.signal if isinstance(stop, Stopped) else "SIGINT"
+    # the launcher's SIGTERM (not the one our watcher sends, which says why) outran the broken collective
+    if name == "SIGTERM" and not (isinstance(stop, Stopped) and stop.why) and _peer_gone_first():
+        exit_with_error(f"error: rank {os.environ.get('RANK', '0')}: stopped because another rank failed (its error "
+                        "is above; the launcher stopped this rank)")
     why = f" ({stop.why})" if isinstance(stop, Stopped) and stop.why else ""
     rank = int(os.environ.get("RANK", "0"))
     line = f"error: rank {rank}: stopped by {name}{why}"

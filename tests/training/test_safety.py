@@ -374,3 +374,32 @@ def test_a_target_that_cannot_serve_the_run_is_refused_before_its_weights_load(t
     with pytest.raises(UserError) as err:
         load_train_target(cfg, load_target_spec(cfg.target), torch.device("cpu"), torch.float32)
     assert str(err.value).startswith(message)
+
+
+def test_live_children_counts_the_processes_a_parent_still_has():
+    """What rank 0 counts when SIGTERM reaches it: its launcher's live ranks (a reaped one is gone)."""
+    import subprocess
+    import sys
+    import time
+
+    from dflash.training.ranks import live_children
+
+    code = ("import subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(3)]\n"
+            "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+            "sys.stdin.readline(); kids[0].kill(); kids[0].wait()\n"  # killed and reaped, as the launcher does
+            "print('reaped', flush=True); sys.stdin.readline()\n"
+            "[k.kill() for k in kids[1:]]\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        parent.stdout.readline()
+        time.sleep(0.5)
+        assert live_children(parent.pid) == 3
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().strip() == "reaped"
+        assert live_children(parent.pid) == 2
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+    finally:
+        parent.wait(timeout=30)
