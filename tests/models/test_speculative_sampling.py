@@ -110,32 +110,10 @@ def test_the_target_alone_samples_its_law(tiny):
     assert chi_square_p_value(got, exact_law(hf, sampling)) > ALPHA
 
 
-@pytest.mark.parametrize(
-    "sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, top_p=0.9, drafts="argmax")], ids=str)
-def test_speculative_sampling_is_lossless_in_distribution(tiny, monkeypatch, sampling):
-    hf, drafter = tiny
-    accepted = collections.Counter()
-
-    def counting(*args, **kwargs):
-        result = verify_block(*args, **kwargs)
-        accepted[result[0]] += 1
-        return result
-
-    monkeypatch.setattr(sampling_module, "verify_block", counting)
-    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=2))
-    assert chi_square_p_value(got, exact_law(hf, sampling)) > ALPHA
-    # every branch ran: a rejection at each slot and full blocks with their bonus token (the random
-    # drafter's argmax at slot 2 is never the target's draw here: argmax drafts reject there)
-    branches = range(drafter.block_size) if sampling.drafts == "sampled" else range(drafter.block_size - 1)
-    assert min(accepted[k] for k in branches) >= 5, accepted
-
-
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, drafts="argmax")],
-                         ids=str)
-def test_dflash2_speculative_sampling_is_lossless_in_distribution(tiny2, monkeypatch, sampling):
-    """Drafts along the selector's path, verified with its q over the K candidates (0 elsewhere) and the
-    residual max(0, p - q) over the whole vocabulary."""
-    hf, drafter = tiny2
+def decode_and_count(hf, drafter, monkeypatch, sampling, seed):
+    """Speculative decoding's outputs, checked against the exact law (chi-square), with every
+    verify branch taken at least 5 times (a rejection at each slot and full blocks with their bonus
+    token; argmax drafts never fill a block here); returns the drafts' q of every verified block."""
     accepted, proposals = collections.Counter(), []
 
     def counting(drafts, q, p, generator=None):
@@ -145,12 +123,27 @@ def test_dflash2_speculative_sampling_is_lossless_in_distribution(tiny2, monkeyp
         return result
 
     monkeypatch.setattr(sampling_module, "verify_block", counting)
-    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=4))
+    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=seed))
     assert chi_square_p_value(got, exact_law(hf, sampling)) > ALPHA
     branches = range(drafter.block_size) if sampling.drafts == "sampled" else range(drafter.block_size - 1)
     assert min(accepted[k] for k in branches) >= 5, accepted
+    return proposals
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, top_p=0.9, drafts="argmax")], ids=str)
+def test_speculative_sampling_is_lossless_in_distribution(tiny, monkeypatch, sampling):
+    decode_and_count(*tiny, monkeypatch, sampling, seed=2)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, drafts="argmax")],
+                         ids=str)
+def test_dflash2_speculative_sampling_is_lossless_in_distribution(tiny2, monkeypatch, sampling):
+    """Drafts along the selector's path, verified with its q over the K candidates (0 elsewhere) and the
+    residual max(0, p - q) over the whole vocabulary."""
+    hf, drafter = tiny2
+    q = torch.cat(decode_and_count(hf, drafter, monkeypatch, sampling, seed=4))
     # q: a distribution over at most K tokens per slot (one-hot on the greedy path for argmax drafts)
-    q = torch.cat(proposals)
     torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[0]))
     assert int((q > 0).sum(-1).max()) <= drafter.candidate_selector.top_k
 
