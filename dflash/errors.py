@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -26,8 +29,21 @@ def say_error(line: str) -> None:
 
 
 def exit_with_error(line: str, status: int = 2):
-    """Print `line` and exit with `status`, the process group taken down first (`end_process_group`)."""
+    """Print `line` and exit with `status`, the process group taken down first (`end_process_group`).
+    A SIGINT or SIGTERM from then on (the launcher sends one to every rank once one failed) exits at
+    once with `status`: raised, it would land in whatever cleanup runs then (a weakref callback, a
+    progress bar's `__del__`), which prints it as an ignored exception's traceback."""
     say_error(line)
+    if threading.current_thread() is threading.main_thread():
+        def exit_now(signum, frame):
+            try:
+                sys.stdout.flush()
+            except Exception:  # noqa: BLE001 - a write it interrupted: exiting anyway
+                pass
+            os._exit(status)  # the line is out; nothing is left to save
+
+        signal.signal(signal.SIGINT, exit_now)
+        signal.signal(signal.SIGTERM, exit_now)
     end_process_group()
     sys.exit(status)
 

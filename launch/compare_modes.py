@@ -102,7 +102,7 @@ def main(argv=None):
 
     import torch.distributed as dist
 
-    from dflash.training import compare, compare_report
+    from dflash.tools import compare, compare_report
 
     modes = compare.parse_modes(args.modes)
     out = Path(cfg.output_dir)

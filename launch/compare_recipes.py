@@ -42,7 +42,7 @@ from dflash.training.config import build_parser  # noqa: E402
 
 
 def add_recipe_args(p):
-    from dflash.training.recipes import DEFAULT_RECIPES
+    from dflash.tools.recipes import DEFAULT_RECIPES
 
     g = p.add_argument_group("comparison")
     g.add_argument("--recipes", default=DEFAULT_RECIPES,
@@ -71,7 +71,7 @@ def main(argv=None):
 
     import torch.distributed as dist
 
-    from dflash.training import recipes as rec
+    from dflash.tools import recipes as rec
 
     recipes = rec.parse_recipes(args.recipes, cfg_argv)
     if next(iter(recipes.values())).output_dir == "runs/demo":  # the demo's default run folder: keep runs apart

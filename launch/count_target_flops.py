@@ -19,9 +19,10 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash.data.batch import PackedBatch
 from dflash.data.seed_lengths import SEED_TOKEN_BUDGET, seed_like_lengths
-from dflash.models import TargetModel, default_target_layer_ids, measure_flops, target_forward_flops
+from dflash.models import TargetModel, default_target_layer_ids
 from dflash.models.target_spec import load_target_spec
 from dflash.options import number
+from dflash.sizing.flops import measure_flops, target_forward_flops
 
 
 def greedy(lengths, budget, cost):

@@ -258,15 +258,15 @@ def e2e_options(dry_run: bool) -> tuple[list[str], int]:
 
 def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
     """Drafter training steps on a random Qwen3-8B-shaped target, three batching modes on the same
-    samples (`dflash.training.compare.measure_sequentially`), one after the other; OUT/e2e.json is
+    samples (`dflash.tools.compare.measure_sequentially`), one after the other; OUT/e2e.json is
     rewritten after each mode. Our kernels run their pinned configs (DFLASH_PIN_CONFIGS=1): no
     autotuning inside a timed pass. Passes when every mode was measured."""
     import torch
 
-    from dflash.training import compare
-    from dflash.training.compare_report import throughput_table
+    from dflash.distributed.ranks import single_process_env
+    from dflash.tools import compare
+    from dflash.tools.compare_report import throughput_table
     from dflash.training.config import load_config
-    from dflash.training.ranks import single_process_env
 
     options, steps = e2e_options(cfg["dry_run"])
     runs = out / "e2e_runs"

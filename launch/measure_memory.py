@@ -20,10 +20,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
+from dflash.distributed.ranks import single_process_env  # noqa: E402
 from dflash.errors import exit_on_user_error  # noqa: E402
 from dflash.options import number  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
-from dflash.training.ranks import single_process_env  # noqa: E402
 
 
 def _take(argv: list[str], flag: str, default: int) -> tuple[list[str], int]:
@@ -47,9 +47,9 @@ def main(argv=None):
     import torch.distributed as dist
 
     from dflash.devices import resolve_dtype
+    from dflash.distributed.partition import target_bytes
     from dflash.models.target_spec import load_target_spec
     from dflash.training.models import load_train_target
-    from dflash.training.partition import target_bytes
     from dflash.training.trainer import Trainer, init_distributed
 
     init_distributed()

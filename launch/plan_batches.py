@@ -54,9 +54,9 @@ from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_li
 from dflash.data.supervision import candidates_from_supervised
 from dflash.errors import UserError, exit_on_user_error
 from dflash.models.config import default_target_layer_ids
-from dflash.models.flops import flop_cost_model, load_target_config
 from dflash.models.target_spec import PRESETS
 from dflash.options import number, parse_list
+from dflash.sizing.flops import flop_cost_model, load_target_config
 
 DEFAULT_ROW_BUDGET = 327_680  # 20 x 16,384: caps the seed-like worst case (553K) at 0.6x for < 3% more micro-batches
 

@@ -24,7 +24,7 @@ import sys
 from dflash.errors import UserError, exit_on_user_error
 from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.options import number
-from dflash.training.memory import (
+from dflash.sizing.memory import (
     GIB,
     RESERVE_BYTES,
     RESERVE_FRACTION,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
 from dflash.options import number, parse_list
-from dflash.training import tune
+from dflash.tools import tune
 from dflash.training.ds_config import load_ds_config, resolve_ds_config, shipped_ds_configs
 
 

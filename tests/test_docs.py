@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.training.ranks import free_port
+from dflash.distributed.ranks import free_port
 
 from .conftest import ROOT
 

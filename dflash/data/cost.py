@@ -13,7 +13,7 @@ per_window_pair prices what per_pair does), the drafter's layers and lm_head for
 backward (rows, the same for every sample with enough anchor candidates whatever its length),
 the drafter's attention of every block row to the sample's context (rows x n), and fixed
 overheads (per sample: anchor drawing and Python work; per micro-batch: launches, the step's
-collectives). `dflash.models.flops.flop_cost_model` derives the coefficients from the target's
+collectives). `dflash.sizing.flops.flop_cost_model` derives the coefficients from the target's
 and drafter's configs; `fit` calibrates them from measured micro-batch times, because on a CPU
 the per-sample Python work matters and on an accelerator the GEMMs do.
 """

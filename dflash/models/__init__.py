@@ -19,7 +19,6 @@ from dflash.models.config import (
     default_target_layer_ids,
 )
 from dflash.models.drafter import DFlashDrafter, DrafterCache
-from dflash.models.flops import measure_flops, target_forward_flops
 from dflash.models.loss import (
     BlockLoss,
     LogitTerm,
@@ -59,9 +58,7 @@ __all__ = [
     "ensure_mask_token",
     "load_language_model",
     "load_target_spec",
-    "measure_flops",
     "sample_anchors",
     "slot_weights",
-    "target_forward_flops",
     "to_packed",
 ]

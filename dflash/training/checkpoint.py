@@ -91,6 +91,13 @@ class Checkpointer:
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and (p / COMPLETE).is_file())
 
+    def resume_hint(self) -> str:
+        """How to continue a run stopped now: from the newest complete checkpoint, if there is one."""
+        saved = self.complete()
+        if saved:
+            return f"the newest complete checkpoint is {saved[-1]}: continue from it with the same command and --resume"
+        return "no checkpoint was written yet: the same command with --resume starts the run again"
+
     def newest_state(self) -> dict | None:
         """The run state of the newest complete checkpoint whose COMPLETE can be read (None: none),
         without loading anything: what a resume will continue, to compare settings with."""

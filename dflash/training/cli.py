@@ -29,16 +29,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
+from dflash.distributed.ranks import peer_failures_are_one_line, single_process_env, stop_with_the_launcher  # noqa: E402
 from dflash.errors import exit_on_user_error  # noqa: E402
+from dflash.training.checkpoint import Checkpointer  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
-from dflash.training.ranks import peer_failures_are_one_line, single_process_env, stop_with_the_launcher  # noqa: E402
 
 
 @exit_on_user_error
 @peer_failures_are_one_line
 def main(argv=None):
     config = load_config(argv, description=__doc__)
-    stop_with_the_launcher(config.output_dir)  # Ctrl-C, SIGTERM, a stopped `deepspeed`: every rank stops, one line
+    # Ctrl-C, SIGTERM, a stopped `deepspeed`: every rank stops, one line; rank 0's says how to continue
+    stop_with_the_launcher(Checkpointer(config.output_dir, keep=1).resume_hint)
     single_process_env(os.environ, torch.cuda.device_count())  # `python launch/train.py`: one rank, no launcher
     from dflash.training.trainer import Trainer
 

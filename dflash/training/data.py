@@ -18,9 +18,9 @@ from dflash.data.sources import is_token_store, open_source
 from dflash.data.supervision import min_supervised, trainable
 from dflash.data.synthetic import SyntheticStore, is_synthetic, open_store, synthetic_store
 from dflash.data.token_store import TokenStore
+from dflash.distributed.ranks import on_rank0
 from dflash.errors import UserError
 from dflash.training.config import TrainConfig
-from dflash.training.ranks import on_rank0
 from dflash.training.steps import MicroBatchMaker, step_ranges
 
 
@@ -155,7 +155,7 @@ class TrainingData:
         self.stop_ids = stop_ids(tokenizer, target_spec.generation_eos())
         self.lengths = store.lengths[self.train_idx]
         # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes
-        from dflash.models.flops import flop_cost_model
+        from dflash.sizing.flops import flop_cost_model
 
         self.flop_model = flop_cost_model(target_spec.config, num_target_layers=max(target_layer_ids) + 1,
                                           drafter_layers=cfg.draft_layers, num_features=len(target_layer_ids),

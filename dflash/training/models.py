@@ -8,11 +8,11 @@ from typing import NamedTuple
 
 import torch
 
+from dflash.distributed.ranks import on_rank0
 from dflash.errors import NonFiniteWeights, UserError
 from dflash.models.target_spec import TargetSpec
 from dflash.training.config import TrainConfig
 from dflash.training.data import chat_data
-from dflash.training.ranks import on_rank0
 
 
 class LoadedTarget(NamedTuple):
@@ -35,7 +35,7 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
     embedding row, or reused if the tokenizer has it. `chat_data`: conversations that will be
     rendered with the tokenizer's chat template, which must then have one. Both are checked before
     a folder's weights load. `partition` "zero3": the target's parameters are partitioned across the
-    ranks (`dflash.training.partition`; collective, every rank calls this), with `offload` in CPU
+    ranks (`dflash.distributed.partition`; collective, every rank calls this), with `offload` in CPU
     memory; the model is then a `PartitionedTarget`."""
     from transformers import AutoTokenizer
 
@@ -64,7 +64,7 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
         except ValueError as e:
             raise UserError(f"--target {target_path}: {e}") from None
         if partition == "zero3":
-            from dflash.training import partition as zero3
+            from dflash.distributed import partition as zero3
 
             with zero3.zero3_loading(zero3.target_zero3_config(spec, dtype, offload=offload, device=device)):
                 hf = load_language_model(target_path, dtype)  # straight into the partitions

@@ -20,15 +20,19 @@ import torch.distributed as dist
 
 from dflash.data.cost import FEATURES
 from dflash.data.synthetic import is_synthetic
+from dflash.distributed.partition import target_bytes, target_summary
+from dflash.distributed.ranks import on_rank0
+from dflash.distributed.run_folder import RunFolder
+from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError
 from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
+from dflash.sizing.memory import accelerator_memory, cuda_allocator, out_of_memory, run_plan, size_run
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, check_data, prepare_token_store
 from dflash.training.ds_config import resolve_ds_config, training_ds_config, with_optimizer
 from dflash.training.evaluator import Evaluator
-from dflash.training.memory import accelerator_memory, cuda_allocator, out_of_memory, run_plan, size_run
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
 from dflash.training.models import (
     LoadedTarget,
@@ -38,11 +42,7 @@ from dflash.training.models import (
     load_train_target,
 )
 from dflash.training.noise import FeatureNoise
-from dflash.training.partition import target_bytes, target_summary
 from dflash.training.phases import PhaseTimer
-from dflash.training.ranks import on_rank0
-from dflash.training.run_folder import RunFolder
-from dflash.training.shared_fs import check_shared_paths
 from dflash.training.steps import micro_batches
 
 ROW_KEYS = FEATURES.index("row_keys")

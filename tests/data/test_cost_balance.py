@@ -15,7 +15,7 @@ from dflash.data.plan_stats import dealing_stats, length_r2
 from dflash.data.planner import LAYOUTS, ORDERS
 from dflash.data.supervision import ragged_candidates
 from dflash.errors import UserError
-from dflash.models.flops import flop_cost_model, load_target_config
+from dflash.sizing.flops import flop_cost_model, load_target_config
 
 from ..conftest import launch_script
 

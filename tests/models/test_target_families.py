@@ -78,7 +78,7 @@ def test_feature_flops_match_a_flop_counter(family):
     """MoE (active experts only), MLA (q/k and v head dims), sliding layers (samples within the
     window, where the reference's dense scores are the window's): FlopCounterMode on the packed
     feature forward equals target_forward_flops."""
-    from dflash.models import measure_flops, target_forward_flops
+    from dflash.sizing.flops import measure_flops, target_forward_flops
 
     model = _eager_experts(tiny_target(family))
     layers = model.config.num_hidden_layers - 1
@@ -92,7 +92,7 @@ def test_hybrid_flops_match_transformers_chunked_forward(family):
     """Gated DeltaNet layers cost per token: FlopCounterMode on transformers' own chunked forward of
     each sample (lengths a multiple of its 64-token chunk) equals target_forward_flops plus the
     lm_head and the W - 1 convolution outputs per sample and layer that transformers computes and drops."""
-    from dflash.models import measure_flops, target_forward_flops
+    from dflash.sizing.flops import measure_flops, target_forward_flops
 
     model = _eager_experts(tiny_target(family))
     c = model.config
@@ -125,8 +125,7 @@ def test_cost_model_of_a_config_file_prices_the_family(family, tmp_path):
     """plan_batches.py --model config.json and the trainer (a live config) get the same FLOP model,
     and its target terms are those of target_forward_flops (causal: half the dense pairs)."""
     from dflash.data.cost import window_pairs
-    from dflash.models import target_forward_flops
-    from dflash.models.flops import flop_cost_model, load_target_config
+    from dflash.sizing.flops import flop_cost_model, load_target_config, target_forward_flops
 
     config = CONFIGS[family]()
     config.save_pretrained(tmp_path)

@@ -5,8 +5,8 @@ import pytest
 
 from dflash.errors import UserError
 from dflash.models.config import default_target_layer_ids
-from dflash.models.flops import load_target_config
 from dflash.models.target_spec import PRESETS, load_target_spec
+from dflash.sizing.flops import load_target_config
 
 
 def test_a_random_preset_is_the_sizing_tools_preset():

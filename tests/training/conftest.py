@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dflash.training.ranks import free_port
+from dflash.distributed.ranks import free_port
 
 from ..conftest import ROOT, make_bpe_chat_tokenizer, make_chat_tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 
 from dflash.data.planner import PlannerConfig, plan_batches
 from dflash.data.token_store import TokenStore
-from dflash.training.compare import MODES, summarize_throughput
+from dflash.tools.compare import MODES, summarize_throughput
 from dflash.training.data import held_out_split, token_subset
 from dflash.training.steps import step_ranges
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dflash.distributed.ranks import free_port
 from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, slot_weights
 from dflash.models import speculate as speculate_module
 from dflash.models.sampling import Sampling
 from dflash.models.speculate import speculate
 from dflash.training.config import TrainConfig
 from dflash.training.evaluator import TURNS_FILE, Evaluator, turn_seed
-from dflash.training.ranks import free_port
 
 from ..demo_turns import LIMIT, fit
 

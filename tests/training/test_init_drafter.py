@@ -168,7 +168,7 @@ def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
     previous run's export, which --overwrite would delete; refused naming both, nothing deleted."""
     from types import SimpleNamespace
 
-    from dflash.training.run_folder import RunFolder
+    from dflash.distributed.run_folder import RunFolder
     from dflash.training.trainer import Trainer
 
     run = tmp_path / "run"

@@ -18,8 +18,7 @@ from dflash.models.drafter import drafter_class
 from dflash.models.target_spec import load_target_spec
 from dflash.models.tensor_bytes import measure_peak_tensor_bytes
 from dflash.models.terms import needs_target_states, target_context
-from dflash.training.config import load_config
-from dflash.training.memory import (
+from dflash.sizing.memory import (
     GIB,
     DrafterSizes,
     MemoryPlan,
@@ -29,6 +28,7 @@ from dflash.training.memory import (
     size_run,
     target_sizes,
 )
+from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
 
 from ..conftest import ROOT, launch_script

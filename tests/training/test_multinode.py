@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from dflash.distributed.ranks import free_port
+from dflash.distributed.shared_fs import PROBE, check_shared_paths
 from dflash.errors import UserError
-from dflash.training.ranks import free_port
-from dflash.training.shared_fs import PROBE, check_shared_paths
 
 from ..conftest import ROOT
 from .conftest import read_metrics, run_deepspeed, tiny_train_args, without_timings

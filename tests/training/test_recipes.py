@@ -153,7 +153,7 @@ def test_terms_noise_and_muon_train_and_resume_bitwise_under_every_zero_stage(ti
 
 
 def test_recipes_share_everything_but_the_recipe_options():
-    from dflash.training.recipes import parse_recipes
+    from dflash.tools.recipes import parse_recipes
 
     recipes = parse_recipes("ce: ; mix: --loss ce=1,dpace=0.5 --feature-noise 0.05", ["--data", "d.jsonl"])
     assert list(recipes) == ["ce", "mix"] and recipes["ce"].loss == "ce=1"
@@ -168,7 +168,7 @@ def test_recipes_share_everything_but_the_recipe_options():
 
 
 def test_recipes_table_and_plot(tmp_path):
-    from dflash.training.recipes import plot_recipes, recipes_table
+    from dflash.tools.recipes import plot_recipes, recipes_table
 
     def seed(s, tau):
         return {"seed": s, "evals": [{"step": 0, "train_seconds": 0.0, "loss": 4.0, "tau": 1.0, "tau@1": 1.5},

@@ -356,7 +356,7 @@ def test_an_error_in_rank_0_preparation_is_one_line_on_every_rank(tiny_run_input
 # ---- signals: a stopped launcher stops every rank, and the run resumes (issue 28) ---------------
 def launch(args, out, name):
     """`deepspeed --num_gpus 2 fault_script.py ...` in its own session (as a terminal's job), logs in files."""
-    from dflash.training.ranks import free_port
+    from dflash.distributed.ranks import free_port
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -418,7 +418,7 @@ def test_a_stopped_launcher_stops_every_rank_in_one_line_and_the_run_resumes_onc
     assert f"error: stopped by SIGTERM (its launcher was stopped); the newest complete checkpoint is " \
            f"{out / 'checkpoints' / 'step-00000004'}: continue from it with the same command and --resume" in errors
     assert rank_tracebacks(log) == [] and len(errors) == 2, log[-3000:]
-    from dflash.training.run_folder import RunFolder
+    from dflash.distributed.run_folder import RunFolder
 
     folder = RunFolder(out)
     folder.lock()  # the stopped run released it

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dflash.distributed.ranks import free_port
 from dflash.errors import UserError
 from dflash.models.target_spec import load_target_spec
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
-from dflash.training.ranks import free_port
 
 from ..conftest import ROOT, launch_script
 from ..models.test_checkpoint import make_drafter
@@ -167,7 +167,7 @@ def test_deepspeed_json_that_is_not_utf8_names_the_file(tmp_path):
 
 
 def test_a_run_folder_is_locked_and_a_used_one_refused_unless_resumed_or_overwritten(tmp_path):
-    from dflash.training.run_folder import RunFolder
+    from dflash.distributed.run_folder import RunFolder
 
     run = tmp_path / "run"
     first = RunFolder(run)
@@ -203,7 +203,7 @@ def test_a_run_folder_is_locked_and_a_used_one_refused_unless_resumed_or_overwri
 def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(tmp_path, monkeypatch):
     import errno
 
-    from dflash.training.run_folder import RunFolder
+    from dflash.distributed.run_folder import RunFolder
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match=rf"--output-dir {tmp_path / 'file'}: exists and is not a folder"):
@@ -252,7 +252,7 @@ def test_run_store_is_rebuilt_when_its_input_changes_and_refused_on_resume(tmp_p
 
 
 def test_without_the_launcher_one_process_runs_or_the_launcher_is_named():
-    from dflash.training.ranks import single_process_env
+    from dflash.distributed.ranks import single_process_env
 
     env = {}
     single_process_env(env, num_gpus=1)
@@ -382,7 +382,7 @@ def test_live_children_counts_the_processes_a_parent_still_has():
     import sys
     import time
 
-    from dflash.training.ranks import live_children
+    from dflash.distributed.ranks import live_children
 
     code = ("import subprocess, sys, time\n"
             "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(3)]\n"
@@ -403,3 +403,25 @@ def test_live_children_counts_the_processes_a_parent_still_has():
         parent.stdin.flush()
     finally:
         parent.wait(timeout=30)
+
+
+def test_a_signal_while_a_rank_exits_with_its_line_prints_nothing_more():
+    """The launcher SIGTERMs every rank once one failed: one that has printed its line and is taking
+    its process group down exits with its status, and the signal adds no traceback (raised, it lands
+    in a finalizer that runs in that cleanup, which prints it as an ignored exception)."""
+    import subprocess
+    import sys
+
+    code = ("import gc, os, signal, time\n"
+            "import torch.distributed as dist\n"
+            "from dflash.errors import exit_with_error\n"
+            "from dflash.distributed.ranks import _on_signal, free_port\n"
+            "signal.signal(signal.SIGTERM, _on_signal)\n"
+            "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+            "class Bar:\n"  # a progress bar whose __del__ the signal interrupts
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5)\n"
+            "gc.disable(); bar = Bar(); bar.cycle = bar; del bar\n"  # finalized by the collection in the exit
+            "exit_with_error('error: rank 0: stopped because another rank failed', status=2)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "error: rank 0: stopped because another rank failed\n")

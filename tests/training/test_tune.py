@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dflash.training import tune
+from dflash.tools import tune
 from dflash.training.ds_config import load_ds_config
 
 from ..conftest import ROOT

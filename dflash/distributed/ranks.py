@@ -98,7 +98,7 @@ class Stopped(KeyboardInterrupt):
         self.signal, self.why = signal.Signals(signum).name, why
 
 
-_stopping = {"signal": None, "at": 0.0, "why": "", "output_dir": None}
+_stopping = {"signal": None, "at": 0.0, "why": "", "resume_hint": None}
 
 
 def _on_signal(signum, frame):
@@ -167,9 +167,7 @@ def launcher_gone(watched) -> bool:
 
 def stopped(stop: KeyboardInterrupt):
     """Exit with one line for a rank stopped by a signal; rank 0 says how to continue the run."""
-    from dflash.training.checkpoint import Checkpointer
-
-    output_dir = _stopping["output_dir"]
+    resume_hint = _stopping["resume_hint"]
     name = stop.signal if isinstance(stop, Stopped) else "SIGINT"
     # the launcher's SIGTERM (not the one our watcher sends, which says why) outran the broken collective
     if name == "SIGTERM" and not (isinstance(stop, Stopped) and stop.why) and _peer_gone_first():
@@ -178,23 +176,20 @@ def stopped(stop: KeyboardInterrupt):
     why = f" ({stop.why})" if isinstance(stop, Stopped) and stop.why else ""
     rank = int(os.environ.get("RANK", "0"))
     line = f"error: rank {rank}: stopped by {name}{why}"
-    if rank == 0 and output_dir is not None:
-        saved = Checkpointer(output_dir, keep=1).complete()
-        line = f"error: stopped by {name}{why}; " + (
-            f"the newest complete checkpoint is {saved[-1]}: continue from it with the same command and --resume"
-            if saved else "no checkpoint was written yet: the same command with --resume starts the run again")
+    if rank == 0 and resume_hint is not None:
+        line = f"error: stopped by {name}{why}; {resume_hint()}"
     exit_with_error(line, status=128 + signal.Signals[name].value)
 
 
-def stop_with_the_launcher(output_dir: str, poll_seconds: float = 1.0, grace_seconds: float = 60.0) -> None:
-    """SIGINT and SIGTERM raise `Stopped` in this rank (one message, however many arrive, naming the
-    newest checkpoint in `output_dir` to resume from), and the
+def stop_with_the_launcher(resume_hint=None, poll_seconds: float = 1.0, grace_seconds: float = 60.0) -> None:
+    """SIGINT and SIGTERM raise `Stopped` in this rank (one message, however many arrive; on rank 0
+    it ends with `resume_hint()`, how to continue the run), and the
     rank stops itself when its launcher ends: at once when its parent dies (PR_SET_PDEATHSIG),
     within `poll_seconds` when the `deepspeed` command above it is stopped or killed (it forwards
     no SIGTERM). A rank that does not stop within `grace_seconds` of that exits anyway."""
     import threading
 
-    _stopping["output_dir"] = output_dir
+    _stopping["resume_hint"] = resume_hint
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     if not Path("/proc/self/stat").exists():

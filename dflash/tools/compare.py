@@ -19,7 +19,7 @@ Convergence (`measure_convergence`): each mode trains on the same number of real
 and offline tau on the held-out split are recorded against tokens seen and training seconds,
 for several seeds.
 
-The results are plain dicts; `dflash.training.compare_report` turns them into tables and charts.
+The results are plain dicts; `dflash.tools.compare_report` turns them into tables and charts.
 """
 from __future__ import annotations
 

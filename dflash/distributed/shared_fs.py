@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dflash.distributed.run_folder import make_run_folder
 from dflash.errors import UserError, os_reason
-from dflash.training.run_folder import make_run_folder
 
 PROBE = ".dflash-shared-check"
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from dflash.models.target import SharedWeights, TargetModel
 from dflash.models.target_spec import TargetSpec
-from dflash.training.memory import gib
+from dflash.sizing.memory import gib
 
 _MEASURED_CALLS = 3  # feature forwards whose gathered bytes are measured (the 1st records the trace, then prefetch)
 

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.distributed.ranks import free_port
 from dflash.errors import UserError
-from dflash.training.ranks import free_port
 
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
 EXCEPTION = re.compile(r"^[\w.]+(Error|Exception): ")

@@ -1,4 +1,4 @@
-"""Tables and charts of `dflash.training.compare`'s results (plain dicts keyed by mode): what
+"""Tables and charts of `dflash.tools.compare`'s results (plain dicts keyed by mode): what
 launch/compare_modes.py prints and plots, and the GPU check's end-to-end table."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.training.compare import COST, MODES
+from dflash.tools.compare import COST, MODES
 
 SEED_SHUFFLE_PADDED_RATIO = 0.37  # the seed's padded full shuffle vs its sorted batches (2.7x slower)
 PHASE_COLUMNS = (("target", ("target_forward",)), ("drafter", ("drafter_forward", "drafter_backward")),
