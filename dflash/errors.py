@@ -64,7 +64,7 @@ def end_process_group(finished: bool = False) -> None:
     keep it alive otherwise); not after a failure, where its device synchronize could wait for a
     collective that a dead peer never joins.
     `torch.distributed.nn` holds the world group in its defaults unless imported before it exists
-    (`dflash.training.trainer.init_distributed`).
+    (`dflash.distributed.process_group.init_distributed`).
     """
     dist = sys.modules.get("torch.distributed")  # loaded only if this process uses it
     if dist is None or not dist.is_available() or not dist.is_initialized():

@@ -31,7 +31,6 @@ With neither --target nor --data it runs the built-in CPU demo. All training opt
 Output goes to --output-dir (default runs/compare): <name>.png, <name>.json, one folder per mode.
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -85,8 +84,8 @@ def main(argv=None):
     own = add_compare_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
     args, cfg_argv = own.parse_known_args(argv)
     cfg = load_config(cfg_argv, description=__doc__)
-    if cfg.output_dir == "runs/demo":  # the demo's default run folder: keep training runs apart
-        cfg = dataclasses.replace(cfg, output_dir="runs/compare")
+    if cfg.run.output_dir == "runs/demo":  # the demo's default run folder: keep training runs apart
+        cfg = cfg.replace(output_dir="runs/compare")
     steps = args.steps if args.steps is not None else (30 if args.convergence else 8)
     for flag, value, low in (("--steps", steps, 1), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
                              ("--eval-interval", args.eval_interval, 1)):
@@ -105,7 +104,7 @@ def main(argv=None):
     from dflash.tools import compare, compare_report
 
     modes = compare.parse_modes(args.modes)
-    out = Path(cfg.output_dir)
+    out = Path(cfg.run.output_dir)
 
     def say(text):
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -119,8 +118,8 @@ def main(argv=None):
         result = compare.measure_throughput(cfg, modes, out, steps=steps, warmup=args.warmup, say=say)
         name, table, plot = "throughput", compare_report.throughput_table(result), compare_report.plot_throughput
     if dist.get_rank() == 0:
-        title = (f"{name}: {dist.get_world_size()} rank(s), budget {cfg.token_budget:,}, "
-                 f"{cfg.step_tokens:,} tokens/rank/step, {cfg.deepspeed_config}")
+        title = (f"{name}: {dist.get_world_size()} rank(s), budget {cfg.batches.token_budget:,}, "
+                 f"{cfg.batches.step_tokens:,} tokens/rank/step, {cfg.device.deepspeed_config}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         plot(result, out / f"{name}.png", title)
         say(f"{title}\n{table}\nwrote {out / name}.json and {out / name}.png")

@@ -19,7 +19,6 @@ Output in --output-dir (default runs/recipes): recipes.json, recipes.png (tau an
 steps and training seconds, a line per seed), one run folder per seed and recipe.
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -75,9 +74,9 @@ def main(argv=None):
 
     recipes = rec.parse_recipes(args.recipes, cfg_argv)
     if next(iter(recipes.values())).output_dir == "runs/demo":  # the demo's default run folder: keep runs apart
-        recipes = {name: dataclasses.replace(c, output_dir="runs/recipes") for name, c in recipes.items()}
+        recipes = {name: c.replace(output_dir="runs/recipes") for name, c in recipes.items()}
     base = next(iter(recipes.values()))
-    out = Path(base.output_dir)
+    out = Path(base.run.output_dir)
 
     def say(text):
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -87,7 +86,8 @@ def main(argv=None):
                                  say=say)
     if dist.get_rank() == 0:
         title = (f"recipes: {dist.get_world_size()} rank(s), {args.steps} steps, seeds {args.seeds}, budget "
-                 f"{base.token_budget:,}, {base.step_tokens:,} tokens/rank/step, {base.deepspeed_config}")
+                 f"{base.batches.token_budget:,}, {base.batches.step_tokens:,} tokens/rank/step, "
+                 f"{base.device.deepspeed_config}")
         (out / "recipes.json").write_text(json.dumps({"title": title, "recipes": {
             name: {"flags": flags, **result[name]} for name, flags in _flags(args.recipes).items()}}, indent=1) + "\n")
         rec.plot_recipes(result, out / "recipes.png", title)

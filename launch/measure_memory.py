@@ -48,14 +48,16 @@ def main(argv=None):
 
     from dflash.devices import resolve_dtype
     from dflash.distributed.partition import target_bytes
+    from dflash.distributed.process_group import init_distributed
     from dflash.models.target_spec import load_target_spec
     from dflash.training.models import load_train_target
-    from dflash.training.trainer import Trainer, init_distributed
+    from dflash.training.trainer import Trainer
 
     init_distributed()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    target = load_train_target(cfg, load_target_spec(cfg.target), device, resolve_dtype(cfg.dtype, device))
+    dtype = resolve_dtype(cfg.device.dtype, device)
+    target = load_train_target(cfg, load_target_spec(cfg.inputs.target), device, dtype)
     loaded = target_bytes(target.model)
     seen = []
     with TensorBytes() as counter:

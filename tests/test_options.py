@@ -4,7 +4,6 @@ each is walked here with NaN, infinities and the first value outside its range."
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import os
 import sys
@@ -12,12 +11,13 @@ import sys
 import pytest
 
 from dflash.errors import UserError
-from dflash.training.config import TrainConfig, _flag, _kind, load_config
+from dflash.training.config import OPTIONS, flag, load_config
+from dflash.training.config.load import _kind
 
 from .conftest import ROOT, launch_script
 
 COMMANDS = sorted(p.stem for p in (ROOT / "launch").glob("*.py"))
-TRAIN_FLAGS = {_flag(f.name) for f in dataclasses.fields(TrainConfig)} | {"--deepspeed_config"}
+TRAIN_FLAGS = {flag(name) for name in OPTIONS} | {"--deepspeed_config"}
 
 
 class Captured(Exception):
@@ -78,19 +78,19 @@ def test_every_numeric_option_of_a_command_refuses_what_it_cannot_mean_naming_th
 
 # the first negative value an option refuses, where -1 means something
 FIRST_NEGATIVE = {"--speculate-turns": "-2"}
-NUMERIC_TRAIN_FIELDS = [f for f in dataclasses.fields(TrainConfig) if _kind(f) in ("int", "float")]
+NUMERIC_TRAIN_FIELDS = [f for f in OPTIONS.values() if _kind(f) in ("int", "float")]
 
 
-@pytest.mark.parametrize("field", NUMERIC_TRAIN_FIELDS, ids=lambda f: _flag(f.name))
+@pytest.mark.parametrize("field", NUMERIC_TRAIN_FIELDS, ids=lambda f: flag(f.name))
 def test_every_numeric_training_option_refuses_nan_infinities_and_negatives_naming_the_flag(field, capsys):
     """train.py, measure_memory.py and compare_modes.py share these options (`load_config`)."""
-    flag = _flag(field.name)
-    for value in ("nan", "inf", "-inf", FIRST_NEGATIVE.get(flag, "-1")):
+    option = flag(field.name)
+    for value in ("nan", "inf", "-inf", FIRST_NEGATIVE.get(option, "-1")):
         try:
-            load_config(["--data", "d.jsonl", f"{flag}={value}"])
+            load_config(["--data", "d.jsonl", f"{option}={value}"])
         except UserError as err:
-            assert str(err).startswith(flag), (flag, value, str(err))
+            assert str(err).startswith(option), (option, value, str(err))
         except SystemExit as e:  # argparse: not an integer
-            assert e.code == 2 and f"argument {flag}" in capsys.readouterr().err
+            assert e.code == 2 and f"argument {option}" in capsys.readouterr().err
         else:
-            pytest.fail(f"{flag} {value} accepted")
+            pytest.fail(f"{option} {value} accepted")

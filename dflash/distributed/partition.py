@@ -185,11 +185,11 @@ def target_bytes(model) -> dict:
 
 def target_summary(memory: dict, cfg, world_size: int) -> str:
     """The run header's line on where the target lives."""
-    if cfg.target_partition == "none":
+    if cfg.device.target_partition == "none":
         return f"target: a full copy on every rank, {gib(memory['full'])}"
-    where = "in CPU memory (--target-offload)" if cfg.target_offload else "on the device"
+    where = "in CPU memory (--target-offload)" if cfg.device.target_offload else "on the device"
     skipped = " Held-out decoding at the end is skipped (it needs the whole target on one device: run " \
-              "launch/speculate.py with the exported drafter)." if cfg.speculate_turns else ""
+              "launch/speculate.py with the exported drafter)." if cfg.eval.speculate_turns else ""
     return (f"target: ZeRO-3 partitioned over {world_size} rank(s), {gib(memory['resident'])} per rank {where} of "
             f"{gib(memory['full'])}, plus the embedding and lm_head replicated for the drafter "
             f"({gib(memory['shared'])}); each layer is gathered as it runs.{skipped}")

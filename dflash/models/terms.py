@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from dflash.models.loss import LogitTerm
+from dflash.models.loss import DEFAULT_CHUNK_ROWS, LogitTerm
 
 TARGET_STATES = "target_states"  # context key: (tokens, H) final-normed target hidden states, packed order
 CU_SEQLENS = "cu_seqlens"  # context key: (S+1,) sample boundaries of the packed layout
@@ -215,6 +215,11 @@ def block_chunk_rows(chunk_rows: int, block_size: int) -> int:
     """The most rows <= chunk_rows that hold whole blocks (B - 1 scored rows each), at least one block."""
     per_block = block_size - 1
     return max(per_block, chunk_rows // per_block * per_block)
+
+
+def chunk_rows_for(weights: dict[str, float], block_size: int) -> int:
+    """The rows of a loss chunk for a parsed recipe: whole blocks when a term weighs blocks (D-PACE)."""
+    return block_chunk_rows(DEFAULT_CHUNK_ROWS, block_size) if weights.get("dpace") else DEFAULT_CHUNK_ROWS
 
 
 def build_terms(weights: dict[str, float], *, lm_head: torch.Tensor, dpace_alpha: float = 0.5,

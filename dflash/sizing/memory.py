@@ -24,12 +24,12 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from dflash.errors import UserError
+from dflash.models.loss import DEFAULT_CHUNK_ROWS
 from dflash.models.target_spec import TargetSpec
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffers
 RESERVE_FRACTION = 0.05  # allocator fragmentation
-CE_CHUNK_ROWS = 1024  # dflash.models.loss.DEFAULT_CHUNK_ROWS (not imported: that pulls in torch models)
 
 @dataclass(frozen=True)
 class TargetSizes:
@@ -161,7 +161,7 @@ class MemorySetup:
     # the objective (`BlockLoss.vocab_buffers`, `loss_setup`): fp32 chunk x vocab buffers of one lm_head
     # chunk at once, the chunk's rows, and whether its terms read the target's final states (KL, LK)
     vocab_buffers: int = 1
-    chunk_rows: int = CE_CHUNK_ROWS
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
     target_states: bool = False
 
     @classmethod
@@ -478,46 +478,6 @@ def out_of_memory(plan: MemoryPlan, memory: int | None, *, step: int, shape: tup
         "no checkpoint was written yet"
     return (f"step {step}: out of memory {where}{planned}; {flag} or --token-budget (now {token_budget:,}), or add "
             f"--activation-checkpointing; {resume}")
-
-
-def run_plan(cfg, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int, device) -> MemoryPlan:
-    """The plan of a training run (`TrainConfig`) on the target `spec` and `device`, from its config alone."""
-    import torch
-
-    from dflash.ops.common.backend import resolve_backend
-
-    features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_target_features
-    reference = resolve_backend(cfg.attention_backend, torch.device(device), op="block") == "torch"
-    setup = MemorySetup.from_ds_config(
-        ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=cfg.target_partition,
-        target_offload=cfg.target_offload, activation_checkpointing=cfg.activation_checkpointing,
-        block_size=cfg.block_size, num_anchors=cfg.num_anchors, attention="reference" if reference else "kernel",
-        **loss_setup(cfg))
-    dflash2 = None
-    if cfg.init_drafter:  # its own sizes (a DFlash2 one's selector and convolutions among them)
-        from dflash.training.config import init_drafter_config
-
-        dflash2 = init_drafter_config(cfg.init_drafter, spec).dflash2
-    elif cfg.drafter_kind == "dflash2":
-        from dflash.models.dflash2 import released_settings
-
-        dflash2 = released_settings()
-    return plan_for(spec, setup, draft_layers=cfg.draft_layers, features=features, dflash2=dflash2)
-
-
-def loss_setup(cfg) -> dict:
-    """The objective's share of the plan from the options alone (the run's `BlockLoss` is built later,
-    with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and
-    whether a term reads the target's final states. A DFlash2 drafter is counted with a softcap (a
-    released one may have it: the plan must not be low)."""
-    from dflash.models.loss import chunk_vocab_buffers
-    from dflash.models.terms import TERMS, block_chunk_rows, parse_recipe
-
-    names = [name for name, weight in parse_recipe(cfg.loss).items() if name != "ce" and weight]
-    terms = [TERMS[name] for name in names]
-    return {"vocab_buffers": chunk_vocab_buffers([t.vocab_buffers for t in terms], cfg.drafter_kind == "dflash2"),
-            "chunk_rows": block_chunk_rows(CE_CHUNK_ROWS, cfg.block_size) if "dpace" in names else CE_CHUNK_ROWS,
-            "target_states": any(getattr(t, "needs_target_states", False) for t in terms)}
 
 
 def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:

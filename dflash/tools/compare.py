@@ -93,7 +93,7 @@ def build_run(cfg: TrainConfig, mode: str, out: Path, max_steps: int, target=Non
     """A mode's trainer; `target` (a LoadedTarget) is shared, or loaded when None. With
     `time_micro_batches` every micro-batch is timed (a device sync after each) for the cost model."""
     order, layout = mode.removesuffix(COST).split("-")
-    mode_cfg = dataclasses.replace(cfg, order=order, layout=layout, output_dir=str(out / f"seed{cfg.seed}" / mode),
+    mode_cfg = cfg.replace(order=order, layout=layout, output_dir=str(out / f"seed{cfg.run.seed}" / mode),
                                    max_steps=max_steps, export=False, progress=False, resume=False, overwrite=True,
                                    stop_at_step=0, log_every=1, balance=mode.endswith(COST),
                                    time_micro_batches=time_micro_batches)
@@ -102,7 +102,7 @@ def build_run(cfg: TrainConfig, mode: str, out: Path, max_steps: int, target=Non
 
 def _shared_data(cfg: TrainConfig, trainer: Trainer) -> TrainConfig:
     """cfg reading the data the first trainer prepared (a JSONL file is prepared once, for all modes)."""
-    return dataclasses.replace(cfg, data=str(trainer.data.store_path))
+    return cfg.replace(data=str(trainer.data.store_path))
 
 
 def build_runs(cfg: TrainConfig, modes: list[str], out: Path, max_steps: int, say) -> list[ModeRun]:
@@ -182,7 +182,7 @@ def summarize_throughput(measured: list[dict], warmup: int) -> dict:
 def _split_lengths(run: ModeRun) -> np.ndarray:
     """Lengths of the whole training split the subset was drawn from."""
     d, cfg = run.trainer.data, run.trainer.cfg
-    return d.store.lengths[held_out_split(len(d.store), cfg.eval_fraction, cfg.seed)[0]]
+    return d.store.lengths[held_out_split(len(d.store), cfg.inputs.eval_fraction, cfg.run.seed)[0]]
 
 
 def epoch_efficiency(run: ModeRun) -> float:
@@ -193,7 +193,7 @@ def epoch_efficiency(run: ModeRun) -> float:
 
     d, cfg = run.trainer.data, run.trainer.cfg
     lengths = _split_lengths(run)
-    config = dataclasses.replace(d.planner.config, boundaries=cfg.boundaries, balance=False, row_budget=None)
+    config = dataclasses.replace(d.planner.config, boundaries=cfg.batches.boundaries, balance=False, row_budget=None)
     batches = [b for rank in plan_batches(lengths, config) for b in rank]
     return plan_stats(lengths, batches, config.layout, config.token_budget)["efficiency"]
 
@@ -214,7 +214,7 @@ def _subset_config(cfg: TrainConfig, steps: int) -> TrainConfig:
     """Every mode trains on one random subset of the split (about `steps` packed steps of tokens, or
     --subset-tokens): epoch 0 for the warm-up, epoch 1 measured whole."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return dataclasses.replace(cfg, subset_tokens=cfg.subset_tokens or steps * cfg.step_tokens * world_size,
+    return cfg.replace(subset_tokens=cfg.inputs.subset_tokens or steps * cfg.batches.step_tokens * world_size,
                                epochs=2, max_steps=0)
 
 
@@ -371,12 +371,12 @@ def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps:
     """
     result = {m: {"repeats": []} for m in modes}
     for rep in range(repeats):
-        seed_cfg = dataclasses.replace(cfg, seed=cfg.seed + rep)
+        seed_cfg = cfg.replace(seed=cfg.run.seed + rep)
         runs = build_runs(seed_cfg, modes, out, max_steps=steps, say=say)
-        cfg = dataclasses.replace(cfg, data=str(runs[0].trainer.data.store_path))
+        cfg = cfg.replace(data=str(runs[0].trainer.data.store_path))
         budget = min(sum(r.trainer.data.step_tokens()[:steps]) for r in runs)
         evals = {r.mode: [] for r in runs}
-        say(f"convergence, seed {seed_cfg.seed}: {budget:,} real tokens per mode, interleaved")
+        say(f"convergence, seed {seed_cfg.run.seed}: {budget:,} real tokens per mode, interleaved")
         _evaluate(runs, evals)
         origin, active = time.perf_counter(), list(runs)
         while active:
@@ -386,7 +386,7 @@ def measure_convergence(cfg: TrainConfig, modes: list[str], out: Path, *, steps:
             active = [r for r in active if r.tokens_seen < budget]
         for r in runs:
             result[r.mode]["repeats"].append({
-                "seed": seed_cfg.seed, "budget_tokens": budget,
+                "seed": seed_cfg.run.seed, "budget_tokens": budget,
                 "train": [{k: s[k] for k in ("index", "tokens_seen", "train_seconds", "loss", "anchor_tau")}
                           for s in r.records],
                 "eval": evals[r.mode]})

@@ -10,7 +10,6 @@ so drift of the machine hits them alike. Only recipe options may differ between 
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import shlex
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.errors import UserError
-from dflash.training.config import TrainConfig, load_config
+from dflash.training.config import OPTIONS, TrainConfig, load_config
 from dflash.training.trainer import Trainer
 
 # what a recipe may set: the objective, the optimizer's settings and its schedule's shape, the noise
@@ -46,8 +45,7 @@ def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
             cfg = load_config([*base_argv, *shlex.split(flags)])
         except UserError as e:
             raise UserError(f"--recipes {name}: {e}") from None
-        changed = [f.name for f in dataclasses.fields(TrainConfig)
-                   if f.name not in RECIPE_FIELDS and getattr(cfg, f.name) != getattr(base, f.name)]
+        changed = [name for name in OPTIONS if name not in RECIPE_FIELDS and cfg.value(name) != base.value(name)]
         if changed:
             raise UserError(f"--recipes {name}: sets {', '.join('--' + c.replace('_', '-') for c in changed)}, "
                             f"which every recipe shares (give it once, outside --recipes); a recipe sets only "
@@ -84,7 +82,7 @@ def build_runs(recipes: dict[str, TrainConfig], seed: int, out: Path, steps: int
     store an earlier run prepared)."""
     runs = []
     for name, cfg in recipes.items():
-        run_cfg = dataclasses.replace(cfg, seed=seed, output_dir=str(out / f"seed{seed}" / name), max_steps=steps,
+        run_cfg = cfg.replace(seed=seed, output_dir=str(out / f"seed{seed}" / name), max_steps=steps,
                                       export=False, progress=False, resume=False, overwrite=True, stop_at_step=0,
                                       log_every=1, eval_every=0, speculate_turns=0, **({"data": data} if data else {}))
         runs.append(RecipeRun(name, Trainer(run_cfg, target=target)))

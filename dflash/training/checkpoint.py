@@ -81,9 +81,57 @@ def _load(engine, root: Path, tag: str, module_only: bool):
 
 
 class Checkpointer:
+    """A run's checkpoints: saving (all or nothing), and everything a resume decides: which
+    checkpoint continues the run, and the refusals of one that would train another drafter or
+    continue with other settings."""
+
     def __init__(self, output_dir: str | Path, keep: int):
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
+        self.recorded = None  # (checkpoint, its drafter settings) of the resume, on rank 0 (`claim`)
+
+    def claim(self, run_folder, *, resume: bool, overwrite: bool, reads: dict, settings: dict, settings_of) -> None:
+        """Rank 0: lock the run folder (`RunFolder.claim`) and, for `resume`, refuse a newest checkpoint
+        whose drafter settings differ from `settings`, before anything loads. `settings_of(options)`:
+        the settings of a checkpoint of an older dflash, which recorded its options alone."""
+        run_folder.claim(resume=resume, overwrite=overwrite, reads=reads)
+        state = self.newest_state() if resume else None
+        if state is None:
+            return
+        self.recorded = (state["checkpoint"], state.get("drafter") or settings_of(state.get("config", {})))
+        self.refuse_another_drafter(settings, run_folder)
+
+    def refuse_another_drafter(self, settings: dict, run_folder) -> None:
+        """Rank 0: refuse a resume whose checkpoint trained a drafter of other settings than `settings`
+        (those known from the options when the folder is claimed, then the ids the target gives)."""
+        if self.recorded is None:
+            return
+        checkpoint, recorded = self.recorded
+        diffs = drafter_differences(recorded, settings)
+        if diffs:
+            run_folder.release()
+            raise UserError(f"--resume: {checkpoint} trained a drafter with other settings (checkpoint -> "
+                            "now):\n  " + "\n  ".join(diffs) + "\nthey shape its weights or what it learns: resume "
+                            "with the checkpoint's values (a run started with --init-drafter resumes with it), or "
+                            "train these in a new run (another --output-dir, or --overwrite)")
+
+    def resume(self, engine, *, differences, world_size: int, force: bool) -> tuple[dict, list[str]] | None:
+        """Collective: load the newest complete checkpoint that loads into `engine`; returns its run
+        state and what changed (None: no checkpoint). `differences(state)` lists the settings that
+        changed since (it may load the state it compares, e.g. the planner's); any is refused unless
+        `force`. With another world size only the weights load: DeepSpeed cannot re-partition ZeRO
+        optimizer state."""
+        def check(state):
+            diffs = differences(state)
+            if diffs and not force:
+                raise UserError(f"--resume: {state['checkpoint']} was made with other "
+                                "data or settings:\n  " + "\n  ".join(diffs)
+                                + "\nresume with the same settings, or add --force-resume to continue anyway "
+                                "(the rest of the epoch is replanned)")
+            return diffs
+
+        state = self.load_latest(engine, check, module_only=lambda state: state["world_size"] != world_size)
+        return None if state is None else (state, check(state))
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -109,8 +157,9 @@ class Checkpointer:
             return {**state, "checkpoint": str(path)}
         return None
 
-    def save(self, engine, step: int, run_state: dict) -> Path:
-        """Collective: every rank calls it. `run_state` must be JSON-serialisable."""
+    def save(self, engine, run_state: dict) -> Path:
+        """Collective: every rank calls it. `run_state` (its "step" among it) must be JSON-serialisable."""
+        step = run_state["step"]
         path = self.root / _tag(step)
         if dist.get_rank() == 0 and path.exists():  # e.g. a step redone after a fallback: never mix two saves
             _remove(path)
@@ -120,7 +169,7 @@ class Checkpointer:
             dist.barrier()
             if dist.get_rank() == 0:
                 files = _manifest(path)
-                _write_atomically(path / COMPLETE, json.dumps({"step": step, **run_state, "files": files}) + "\n")
+                _write_atomically(path / COMPLETE, json.dumps({**run_state, "files": files}) + "\n")
                 for old in self.complete()[: -self.keep]:
                     _remove(old)
         except (OSError, RuntimeError) as err:
@@ -176,3 +225,24 @@ class Checkpointer:
                         "can be loaded:\n  "
                         + "\n  ".join(failures)
                         + "\nmove them away to start over, or resume from a copy of an older run folder")
+
+
+def drafter_differences(before: dict, now: dict) -> list[str]:
+    """`option: checkpoint value -> value now` for every setting of `drafter_settings` that differs
+    (a target by its hash, shown by its folder; one recorded by path alone by its path)."""
+    def show(value):
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    diffs = []
+    for flag, new in now.items():
+        old = before.get(flag)
+        if old is None:
+            continue
+        if flag == "--target":
+            same = old["sha256"] == new["sha256"] if old.get("sha256") else old["path"] == new["path"]
+            if not same:
+                diffs.append(f"--target: {old['path']} -> {new['path']}" if old["path"] != new["path"]
+                             else f"--target: {new['path']} is another model now (its config or weights changed)")
+        elif old != new:
+            diffs.append(f"{flag}: {show(old)} -> {show(new)}")
+    return diffs

@@ -40,7 +40,7 @@ from dflash.training.config import load_config  # noqa: E402
 def main(argv=None):
     config = load_config(argv, description=__doc__)
     # Ctrl-C, SIGTERM, a stopped `deepspeed`: every rank stops, one line; rank 0's says how to continue
-    stop_with_the_launcher(Checkpointer(config.output_dir, keep=1).resume_hint)
+    stop_with_the_launcher(Checkpointer(config.run.output_dir, keep=1).resume_hint)
     single_process_env(os.environ, torch.cuda.device_count())  # `python launch/train.py`: one rank, no launcher
     from dflash.training.trainer import Trainer
 

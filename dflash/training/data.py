@@ -74,22 +74,23 @@ def data_temperature(store: TokenStore, data: Path) -> float | None:
 def check_data(cfg: TrainConfig) -> None:
     """--data before anything loads: synthetic, a token store, or conversations whose format and
     conversation column are read now (one line naming the file, the formats or the columns found)."""
-    if is_synthetic(cfg.data):
+    if is_synthetic(cfg.inputs.data):
         return
-    data = Path(cfg.data)
+    data = Path(cfg.inputs.data)
     if not data.exists():
-        raise UserError(f"--data {cfg.data}: no such file or folder")
+        raise UserError(f"--data {cfg.inputs.data}: no such file or folder")
     if is_token_store(data):
-        if cfg.messages_field:
-            raise UserError(f"--messages-field {cfg.messages_field}: --data {cfg.data} is a token store, prepared "
+        if cfg.inputs.messages_field:
+            raise UserError(f"--messages-field {cfg.inputs.messages_field}: --data {cfg.inputs.data} is a token "
+                            "store, prepared "
                             "already; the column applies to conversations")
         return
-    open_source(data, messages_field=cfg.messages_field or None, flag="--data")
+    open_source(data, messages_field=cfg.inputs.messages_field or None, flag="--data")
 
 
 def chat_data(cfg: TrainConfig) -> str | None:
     """The conversations the target's chat template will render (None: a store or synthetic data)."""
-    return None if is_synthetic(cfg.data) or is_token_store(Path(cfg.data)) else cfg.data
+    return None if is_synthetic(cfg.inputs.data) or is_token_store(Path(cfg.inputs.data)) else cfg.inputs.data
 
 
 def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticStore:
@@ -97,17 +98,18 @@ def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticSto
     shards or a save_to_disk folder) prepared (by rank 0) into the run folder, reused
     while its fingerprints match (a resume refuses one of other data); `random[:SAMPLES]`: synthetic
     samples in memory (`dflash.data.synthetic`), the same on every rank."""
-    if is_synthetic(cfg.data):
-        return synthetic_store(cfg.data, tokenizer, seed=cfg.seed, max_length=cfg.max_length)
-    data = Path(cfg.data)
-    path = store_path(data, Path(cfg.output_dir))
+    if is_synthetic(cfg.inputs.data):
+        return synthetic_store(cfg.inputs.data, tokenizer, seed=cfg.run.seed, max_length=cfg.inputs.max_length)
+    data = Path(cfg.inputs.data)
+    path = store_path(data, Path(cfg.run.output_dir))
     if is_token_store(data):
         return path
     from dflash.data.prepare import ensure_store
 
-    on_rank0(lambda: ensure_store(data, tokenizer, path, max_length=cfg.max_length,
-                                  refuse_changes=cfg.resume and not cfg.force_resume, progress=cfg.progress, say=say,
-                                  messages_field=cfg.messages_field or None),
+    on_rank0(lambda: ensure_store(data, tokenizer, path, max_length=cfg.inputs.max_length,
+                                  refuse_changes=cfg.run.resume and not cfg.run.force_resume,
+                                  progress=cfg.run.progress, say=say,
+                                  messages_field=cfg.inputs.messages_field or None),
              "preparing the data")
     return path
 
@@ -137,51 +139,53 @@ class TrainingData:
                  vocab_rows: int, mask_token_id: int, gamma: float, world_size: int):
         self.store_path = path
         self.store = store = open_store(path)
-        store.check_tokenizer(tokenizer, f"--target {cfg.target}")
+        store.check_tokenizer(tokenizer, f"--target {cfg.inputs.target}")
         if store.vocab_size is not None and store.vocab_size > vocab_rows:
             raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
                             f"target's embedding has {vocab_rows} rows; prepare the data with the target's tokenizer")
-        check_lengths(store.lengths, cfg.token_budget, name=_sample_name(store, path))
-        self.usable = int(trainable(store.supervised, cfg.block_size).sum())
+        check_lengths(store.lengths, cfg.batches.token_budget, name=_sample_name(store, path))
+        self.usable = int(trainable(store.supervised, cfg.drafter.block_size).sum())
         if self.usable == 0:
-            raise UserError(f"--block-size {cfg.block_size}: a sample needs at least {min_supervised(cfg.block_size)} "
+            raise UserError(f"--block-size {cfg.drafter.block_size}: a sample needs at least "
+                            f"{min_supervised(cfg.drafter.block_size)} "
                             f"supervised tokens to be trained on, and none of the {len(store):,} samples of {path} has "
                             f"(most: {int(store.supervised.max())}); use a smaller block size")
-        self.train_idx, self.eval_idx = held_out_split(len(store), cfg.eval_fraction, cfg.seed)
-        if cfg.subset_tokens:
-            self.train_idx = token_subset(self.train_idx, store.lengths, cfg.subset_tokens, cfg.seed)
-        self.turn_limit = turn_limit(store, Path(cfg.data))
-        self.data_temperature = data_temperature(store, Path(cfg.data))
+        self.train_idx, self.eval_idx = held_out_split(len(store), cfg.inputs.eval_fraction, cfg.run.seed)
+        if cfg.inputs.subset_tokens:
+            self.train_idx = token_subset(self.train_idx, store.lengths, cfg.inputs.subset_tokens, cfg.run.seed)
+        self.turn_limit = turn_limit(store, Path(cfg.inputs.data))
+        self.data_temperature = data_temperature(store, Path(cfg.inputs.data))
         self.stop_ids = stop_ids(tokenizer, target_spec.generation_eos())
         self.lengths = store.lengths[self.train_idx]
         # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes
         from dflash.sizing.flops import flop_cost_model
 
         self.flop_model = flop_cost_model(target_spec.config, num_target_layers=max(target_layer_ids) + 1,
-                                          drafter_layers=cfg.draft_layers, num_features=len(target_layer_ids),
-                                          block_size=cfg.block_size)
+                                          drafter_layers=cfg.drafter.draft_layers, num_features=len(target_layer_ids),
+                                          block_size=cfg.drafter.block_size)
         rows = costs = None
         # dealing by cost is between ranks: one rank plans as without it (the same plan, the same checkpoints)
-        self.balance = balance = cfg.balance and world_size > 1
-        if balance or cfg.row_budget:
+        self.balance = balance = cfg.batches.balance and world_size > 1
+        if balance or cfg.batches.row_budget:
             candidates = store.candidates()
             rows = drafter_rows(candidates[self.train_idx], store.supervised[self.train_idx],
-                                cfg.block_size, cfg.num_anchors)
+                                cfg.drafter.block_size, cfg.drafter.num_anchors)
         if balance:
-            model = CostModel.load(cfg.cost_model) if cfg.cost_model else self.flop_model
+            model = CostModel.load(cfg.batches.cost_model) if cfg.batches.cost_model else self.flop_model
             costs = model.sample_costs(self.lengths, rows)
-        mix = max(1, round(cfg.step_tokens / cfg.token_budget)) if balance else DEFAULT_MIX
+        b = cfg.batches
+        mix = max(1, round(b.step_tokens / b.token_budget)) if balance else DEFAULT_MIX
         self.planner = BatchPlanner(self.lengths, PlannerConfig(
-            token_budget=cfg.token_budget, order=cfg.order, layout=cfg.layout, boundaries=cfg.boundaries,
-            seed=cfg.seed, world_size=world_size, window=cfg.packing_window, row_budget=cfg.row_budget or None,
-            balance=balance, mix=mix, buckets=cfg.buckets), rows=rows, costs=costs)
-        self.steps = [step_ranges(self.planner.plan(e), self.lengths, cfg.step_tokens) for e in range(cfg.epochs)]
+            token_budget=b.token_budget, order=b.order, layout=b.layout, boundaries=b.boundaries,
+            seed=cfg.run.seed, world_size=world_size, window=b.packing_window, row_budget=b.row_budget or None,
+            balance=balance, mix=mix, buckets=b.buckets), rows=rows, costs=costs)
+        self.steps = [step_ranges(self.planner.plan(e), self.lengths, b.step_tokens) for e in range(cfg.optim.epochs)]
         self.total_steps = sum(len(s) for s in self.steps)
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.maker = MicroBatchMaker(path, cfg.layout, pad_id=tokenizer.pad_token_id or 0,
-                                     mask_token_id=mask_token_id, block_size=cfg.block_size,
-                                     num_anchors=cfg.num_anchors, gamma=gamma, seed=cfg.seed,
+        if cfg.optim.max_steps:
+            self.total_steps = min(self.total_steps, cfg.optim.max_steps)
+        self.maker = MicroBatchMaker(path, cfg.batches.layout, pad_id=tokenizer.pad_token_id or 0,
+                                     mask_token_id=mask_token_id, block_size=cfg.drafter.block_size,
+                                     num_anchors=cfg.drafter.num_anchors, gamma=gamma, seed=cfg.run.seed,
                                      window=self.flop_model.window)
 
     def batches(self, epoch: int, rank: int) -> list[np.ndarray]:

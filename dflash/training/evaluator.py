@@ -60,8 +60,8 @@ class Evaluator:
 
         if self._chunks is None:
             lengths = self.data.maker.store.lengths[self.data.eval_idx]
-            batches = heldout_batches(lengths, self.cfg.token_budget, sort=True, seed=self.cfg.seed)
-            forwards = [len(every_anchor(self._batch(b), self.cfg.block_size)) for b in batches]
+            batches = heldout_batches(lengths, self.cfg.batches.token_budget, sort=True, seed=self.cfg.run.seed)
+            forwards = [len(every_anchor(self._batch(b), self.cfg.drafter.block_size)) for b in batches]
             self._chunks = (batches, forwards)
         return self._chunks
 
@@ -69,9 +69,10 @@ class Evaluator:
         """The temperatures whose tau@T walks turns sampled by the target (`sampled_turns`): every T > 0
         of --eval-temperatures the held-out data were not sampled at (unknown counts as not), unless
         --eval-sample-turns is 0 or the target is partitioned (sampling needs it whole on each rank)."""
-        if not self.cfg.eval_sample_turns or self.data.eval_idx.size == 0 or self.cfg.target_partition != "none":
+        partitioned = self.cfg.device.target_partition != "none"
+        if not self.cfg.eval.eval_sample_turns or self.data.eval_idx.size == 0 or partitioned:
             return ()
-        return tuple(t for t in self.cfg.eval_temperatures if t > 0 and t != self.data.data_temperature)
+        return tuple(t for t in self.cfg.eval.eval_temperatures if t > 0 and t != self.data.data_temperature)
 
     @torch.no_grad()
     def walk(self) -> dict | None:
@@ -83,7 +84,7 @@ class Evaluator:
         if self.data.eval_idx.size == 0:
             return None
         sampled = self.sampled_temperatures()
-        record = self._walk_data(tuple(t for t in self.cfg.eval_temperatures if t not in sampled))
+        record = self._walk_data(tuple(t for t in self.cfg.eval.eval_temperatures if t not in sampled))
         if sampled:
             record.update(self._walk_sampled(sampled))
         return record
@@ -105,7 +106,7 @@ class Evaluator:
 
         batches, chunks = self._plan()
         batch = self._batch(batches[next((k for k, c in enumerate(chunks) if c), 0)]).to(self.device)
-        return batch, self.models.target.model.features(batch), every_anchor(batch, self.cfg.block_size)[0]
+        return batch, self.models.target.model.features(batch), every_anchor(batch, self.cfg.drafter.block_size)[0]
 
     def _repeat_forwards(self, count: int, stand_in) -> None:
         """`count` drafter forwards on the stand-in, discarded: every rank runs as many drafter
@@ -118,7 +119,7 @@ class Evaluator:
         `temperatures`."""
         from dflash.models.acceptance import WalkStats, every_anchor, score_and_walk, target_inputs
 
-        B, rank, world_size = self.cfg.block_size, dist.get_rank(), dist.get_world_size()
+        B, rank, world_size = self.cfg.drafter.block_size, dist.get_rank(), dist.get_world_size()
         target = self.models.target.model
         batches, chunks = self._plan()
         # Round robin over ranks, in rounds that every rank runs alike: one target forward and as
@@ -149,7 +150,7 @@ class Evaluator:
         summed over ranks)."""
         from dflash.models.acceptance import WalkStats, stderr_key, tau_key, walk_samples
 
-        B = self.cfg.block_size
+        B = self.cfg.drafter.block_size
         turns = {t: self.sampled_turns(t) for t in temperatures}
         forwards = 0
 
@@ -159,7 +160,7 @@ class Evaluator:
             return self._forward(*args, **kwargs)
 
         stats = [walk_samples(forward, self.models.target.model, turns[t], block_size=B, stop_ids=self.data.stop_ids,
-                              token_budget=self.cfg.token_budget, temperatures=(t,), device=self.device)
+                              token_budget=self.cfg.batches.token_budget, temperatures=(t,), device=self.device)
                  for t in temperatures]
         most = torch.tensor(forwards, device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -178,13 +179,14 @@ class Evaluator:
         from dflash.models.speculate import prompts_from_samples
 
         d = self.data
-        return prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), self.cfg.eval_sample_turns)
+        return prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), self.cfg.eval.eval_sample_turns)
 
     def _fingerprint(self, prompts, limit: int) -> dict:
         """What the sampled turns depend on, besides the temperature (a resumed run reuses them only if
         it is the same)."""
         digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
-        return {"target": str(self.cfg.target), "prompts": digest, "turns": len(prompts), "seed": self.cfg.seed,
+        return {"target": str(self.cfg.inputs.target), "prompts": digest, "turns": len(prompts),
+                "seed": self.cfg.run.seed,
                 "max_new_tokens": limit, "stop_ids": sorted(int(i) for i in self.data.stop_ids)}
 
     def sampled_turns(self, temperature: float) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -214,7 +216,7 @@ class Evaluator:
         """The turns sampled at `temperature` that eval_turns.json holds for this fingerprint (rank 0
         reads, every rank gets them), or None."""
         found = [None]
-        path = Path(self.cfg.output_dir) / TURNS_FILE
+        path = Path(self.cfg.run.output_dir) / TURNS_FILE
         if dist.get_rank() == 0 and path.is_file():
             try:
                 saved = json.loads(path.read_text())
@@ -241,16 +243,17 @@ class Evaluator:
                  f"alone (once per run; tau@{temperature:g} walks them, --eval-sample-turns)")
         mine = range(rank, len(prompts), world_size)
         outs = sample_turns(self.models.target.hf, [prompts[k] for k in mine],
-                            [turn_seed(self.cfg.seed, temperature, k) for k in mine], sampling=Sampling(temperature),
+                            [turn_seed(self.cfg.run.seed, temperature, k) for k in mine],
+                            sampling=Sampling(temperature),
                             max_new_tokens=fingerprint["max_new_tokens"], stop_ids=self.data.stop_ids,
-                            progress=self.cfg.progress and rank == 0)
+                            progress=self.cfg.run.progress and rank == 0)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, outs)
         turns = [None] * len(prompts)
         for r, part in enumerate(gathered):
             turns[r::world_size] = part
         if rank == 0:
-            path = Path(self.cfg.output_dir) / TURNS_FILE
+            path = Path(self.cfg.run.output_dir) / TURNS_FILE
             try:
                 saved = json.loads(path.read_text()) if path.is_file() else {}
             except (OSError, ValueError):
@@ -268,7 +271,7 @@ class Evaluator:
         """Once: what tau@T walks at each temperature of --eval-temperatures."""
         t = self.data.data_temperature
         sampled = self.sampled_temperatures()
-        others = [x for x in self.cfg.eval_temperatures if x > 0 and x != t and x not in sampled]
+        others = [x for x in self.cfg.eval.eval_temperatures if x > 0 and x != t and x not in sampled]
         if self._noted or not (others or sampled) or self.data.eval_idx.size == 0:
             return None
         self._noted = True
@@ -283,8 +286,9 @@ class Evaluator:
                       "regenerated greedily" if t == 0 else f"sampled at temperature {t:g}")
             notes.append(f"note: the held-out turns are {origin}; {', '.join(f'tau@{x:g}' for x in others)} follow "
                          "them, the acceptance decoding would have on them, exact for decoding at T only on turns "
-                         "sampled at T (" + ("a partitioned target does not sample them" if self.cfg.target_partition
-                                             != "none" else "--eval-sample-turns N > 0 samples them")
+                         "sampled at T (" + ("a partitioned target does not sample them"
+                                             if self.cfg.device.target_partition != "none"
+                                             else "--eval-sample-turns N > 0 samples them")
                          + "; docs/ARCHITECTURE.md)")
         return "\n".join(notes)
 
@@ -301,7 +305,7 @@ class Evaluator:
         drafter.to(self.device, self.dtype).eval()
         limit = d.turn_limit or DEFAULT_MAX_NEW_TOKENS
         report = speculate(target.hf, drafter, prompts, max_new_tokens=limit, stop_ids=d.stop_ids,
-                           reference=False, progress=self.cfg.progress).summary()
+                           reference=False, progress=self.cfg.run.progress).summary()
         result = {"step": step, "max_new_tokens": limit, **report}
         output.write_text(json.dumps(result, indent=2) + "\n")
         return result

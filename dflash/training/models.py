@@ -82,76 +82,25 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
     return LoadedTarget(tokenizer, hf, model, mask_id, spec)
 
 
-def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
-    """What shapes the drafter's weights and what they learn, by option, as a checkpoint records it
-    and `--resume` compares it (with the target, `TargetSpec.fingerprint`): the taps (resolved by the
-    official rule for a target of `num_target_layers` when not given), the drafter's size, block,
-    anchors, loss decay and mask token."""
-    from dflash.data.vocab import MASK_TOKEN
-    from dflash.models.config import default_target_layer_ids
-
-    types = list(cfg.drafter_layer_types or [])
-    settings = {"--block-size": cfg.block_size, "--draft-layers": cfg.draft_layers,
-                "--num-anchors": cfg.num_anchors, "--gamma": cfg.gamma,
-                # the mask each layer trains with (the weights have the same shapes whatever it is)
-                "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
-                "--sliding-window": cfg.sliding_window}
-    if cfg.drafter_kind != "dflash":  # recorded when not the default, so older checkpoints compare equal
-        settings["--drafter-kind"] = cfg.drafter_kind
-    if cfg.optimizer != "adamw":  # its state is another optimizer's
-        settings["--optimizer"] = cfg.optimizer
-    if not cfg.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
-        settings["--mask-token"] = cfg.mask_token or MASK_TOKEN
-    taps = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
-    if taps is None and num_target_layers is not None:
-        try:
-            taps = default_target_layer_ids(num_target_layers, cfg.num_target_features)
-        except ValueError:  # too few layers: loading the target says so
-            pass
-    if taps is not None:
-        settings.update({"--target-layer-ids": taps, "--num-target-features": len(taps)})
-    return settings
-
-
-def drafter_differences(before: dict, now: dict) -> list[str]:
-    """`option: checkpoint value -> value now` for every setting of `drafter_settings` that differs
-    (a target by its hash, shown by its folder; one recorded by path alone by its path)."""
-    def show(value):
-        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
-
-    diffs = []
-    for flag, new in now.items():
-        old = before.get(flag)
-        if old is None:
-            continue
-        if flag == "--target":
-            same = old["sha256"] == new["sha256"] if old.get("sha256") else old["path"] == new["path"]
-            if not same:
-                diffs.append(f"--target: {old['path']} -> {new['path']}" if old["path"] != new["path"]
-                             else f"--target: {new['path']} is another model now (its config or weights changed)")
-        elif old != new:
-            diffs.append(f"{flag}: {show(old)} -> {show(new)}")
-    return diffs
-
-
 def load_train_target(cfg: TrainConfig, spec: TargetSpec, device, dtype) -> LoadedTarget:
     """The run's target; with --init-drafter, the mask token id is the drafter's (what the engines
     feed its mask slots: nothing is added to the tokenizer), checked against the embedding's rows."""
-    target = load_target(spec, device, dtype, target_layer_ids=cfg.target_layer_ids,
-                         num_features=cfg.num_target_features, attention_backend=cfg.attention_backend,
-                         mask_token=not cfg.init_drafter, mask_text=cfg.mask_token,
+    target = load_target(spec, device, dtype, target_layer_ids=cfg.drafter.target_layer_ids,
+                         num_features=cfg.drafter.num_target_features, attention_backend=cfg.device.attention_backend,
+                         mask_token=not cfg.drafter.init_drafter, mask_text=cfg.drafter.mask_token,
                          chat_data=chat_data(cfg),
-                         partition=cfg.target_partition, offload=cfg.target_offload)
-    if not cfg.init_drafter:
+                         partition=cfg.device.target_partition, offload=cfg.device.target_offload)
+    if not cfg.drafter.init_drafter:
         return target
     from dflash.models.config import check_fits_target
     from dflash.training.config import init_drafter_config
 
-    drafter = init_drafter_config(cfg.init_drafter, spec)
+    drafter = init_drafter_config(cfg.drafter.init_drafter, spec)
     try:  # its layer count was checked with the options; now against the embedding's rows
         check_fits_target(drafter, target.hf.config, target.model.num_embedding_rows, num_target_layers_given=False)
     except ValueError as e:
-        raise UserError(f"--init-drafter {cfg.init_drafter} does not fit --target {cfg.target}: {e}") from None
+        raise UserError(f"--init-drafter {cfg.drafter.init_drafter} does not fit --target {cfg.inputs.target}: "
+                        f"{e}") from None
     return target._replace(mask_id=drafter.mask_token_id)
 
 
@@ -203,19 +152,18 @@ def training_loss(cfg: TrainConfig, drafter, *, recipe: bool = True):
     DFlash2 drafter its logits' scale and softcap and its selector's term (--selector-weight,
     --selector-stop-grad). Chunks of whole blocks when a term weighs blocks (D-PACE)."""
     from dflash.models import BlockLoss
-    from dflash.models.loss import DEFAULT_CHUNK_ROWS
-    from dflash.models.terms import block_chunk_rows, build_terms, parse_recipe
+    from dflash.models.terms import build_terms, chunk_rows_for, parse_recipe
 
-    weights = parse_recipe(cfg.loss) if recipe else {"ce": 1.0}
-    terms = build_terms(weights, lm_head=drafter.lm_head, dpace_alpha=cfg.dpace_alpha,
-                        temperature=cfg.distill_temperature)
-    chunk_rows = block_chunk_rows(DEFAULT_CHUNK_ROWS, cfg.block_size) if weights.get("dpace") else DEFAULT_CHUNK_ROWS
+    weights = parse_recipe(cfg.loss.loss) if recipe else {"ce": 1.0}
+    terms = build_terms(weights, lm_head=drafter.lm_head, dpace_alpha=cfg.loss.dpace_alpha,
+                        temperature=cfg.loss.distill_temperature)
+    chunk_rows = chunk_rows_for(weights, cfg.drafter.block_size)
     s = drafter.config.dflash2
     if s is None:
         return BlockLoss(chunk_rows, ce_weight=weights.get("ce", 0.0), terms=terms)
     from dflash.models.dflash2 import SelectorTerm
 
-    terms = [*terms, SelectorTerm(drafter.candidate_selector, cfg.selector_weight, cfg.selector_stop_grad)]
+    terms = [*terms, SelectorTerm(drafter.candidate_selector, cfg.loss.selector_weight, cfg.loss.selector_stop_grad)]
     return BlockLoss(chunk_rows, ce_weight=weights.get("ce", 0.0), terms=terms,
                      logit_scale=s.output_multiplier, softcap=s.final_logit_softcapping)
 
@@ -230,19 +178,19 @@ def engine_for(module: torch.nn.Module, ds_config: dict, cfg: TrainConfig, total
     from dflash.training.ds_config import offloads_optimizer
 
     params = list(module.parameters())
-    warmup = int(cfg.warmup_ratio * total_steps)
+    warmup = int(cfg.optim.warmup_ratio * total_steps)
 
     def schedule(optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, total_steps))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim.schedule, warmup, total_steps))
 
     if "optimizer" in ds_config:  # DeepSpeed builds it: scheduled once it exists
         optimizer = None
     elif offloads_optimizer(ds_config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        optimizer = DeepSpeedCPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
+        optimizer = DeepSpeedCPUAdam(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, adamw_mode=True)
     else:
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                       fused=torch.device(device).type == "cuda" or None)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=module, optimizer=optimizer, model_parameters=params, config=ds_config,
@@ -265,18 +213,20 @@ class Models:
         from dflash.training.ds_config import zero_stage
 
         self.target = target
-        torch.manual_seed(cfg.seed)  # after the target: the drafter's init must not depend on who loaded it
-        options = dict(attention_backend=cfg.attention_backend, activation_checkpointing=cfg.activation_checkpointing)
-        if cfg.init_drafter:
-            self.drafter = init_drafter(cfg.init_drafter, target, options)
+        torch.manual_seed(cfg.run.seed)  # after the target: the drafter's init must not depend on who loaded it
+        options = dict(attention_backend=cfg.device.attention_backend,
+                       activation_checkpointing=cfg.device.activation_checkpointing)
+        if cfg.drafter.init_drafter:
+            self.drafter = init_drafter(cfg.drafter.init_drafter, target, options)
         else:
             dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id,
-                                             block_size=cfg.block_size, num_draft_layers=cfg.draft_layers,
+                                             block_size=cfg.drafter.block_size,
+                                             num_draft_layers=cfg.drafter.draft_layers,
                                              target_layer_ids=target.model.target_layer_ids,
                                              vocab_size=target.model.num_embedding_rows,
-                                             layer_types=cfg.drafter_layer_types,
-                                             sliding_window=cfg.sliding_window or None,
-                                             **drafter_kind_settings(cfg.drafter_kind))
+                                             layer_types=cfg.drafter.drafter_layer_types,
+                                             sliding_window=cfg.drafter.sliding_window or None,
+                                             **drafter_kind_settings(cfg.drafter.drafter_kind))
             self.drafter = drafter_class(dcfg)(dcfg, target.model.shared_weights(), **options)
         self.loss = training_loss(cfg, self.drafter)  # the objective: hidden states + blocks -> loss sum and metrics
         self.eval_loss = training_loss(cfg, self.drafter, recipe=False)  # held out: what recipes are compared by

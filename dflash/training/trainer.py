@@ -9,7 +9,6 @@ epoch, with evaluation, checkpoints and the export around them.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import os
 import time
@@ -18,146 +17,35 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash.data.cost import FEATURES
 from dflash.data.synthetic import is_synthetic
 from dflash.distributed.partition import target_bytes, target_summary
+from dflash.distributed.process_group import init_distributed
 from dflash.distributed.ranks import on_rank0
 from dflash.distributed.run_folder import RunFolder
 from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError
 from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
-from dflash.sizing.memory import accelerator_memory, cuda_allocator, out_of_memory, run_plan, size_run
+from dflash.sizing.memory import accelerator_memory, cuda_allocator, out_of_memory
+from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
-from dflash.training.config import TrainConfig, speculate_turns
+from dflash.training.config import OPTIONS, TrainConfig, speculate_turns
 from dflash.training.data import TrainingData, check_data, prepare_token_store
-from dflash.training.ds_config import resolve_ds_config, training_ds_config, with_optimizer
+from dflash.training.ds_config import resolve_ds_config
 from dflash.training.evaluator import Evaluator
 from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
-from dflash.training.models import (
-    LoadedTarget,
-    Models,
-    drafter_differences,
-    drafter_settings,
-    load_train_target,
-)
+from dflash.training.models import LoadedTarget, Models, load_train_target
 from dflash.training.noise import FeatureNoise
 from dflash.training.phases import PhaseTimer
+from dflash.training.plan import drafter_settings, plan_run
 from dflash.training.steps import micro_batches
-
-ROW_KEYS = FEATURES.index("row_keys")
-
-
-def shape(micro_batch, block_size: int) -> tuple[int, int, int]:
-    """(computed tokens, drafter rows, rows x sample length summed): what the memory plan prices."""
-    m = micro_batch
-    return m.computed_tokens, m.blocks.num_blocks * block_size, int(m.cost_features[ROW_KEYS])
-
-
-class _Walked(list):
-    """A step's micro-batches; `current` is the one the latest walk over them reached (the one that
-    ran out of memory, when a step does)."""
-
-    current = None
-
-    def __iter__(self):
-        for item in super().__iter__():
-            self.current = item
-            yield item
-
-
-def accumulate_gradients(engine, target, loss, micro: list, device, block_size: int, timings: list | None = None,
-                         phases=None, *, noise=None, epoch: int = 0):
-    """Forward and backward of one step's micro-batches on this rank.
-
-    Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
-    micro-batches on all ranks), so the accumulated gradient is that of one big batch.
-    Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), the number of
-    skipped samples, and the sums of the loss's named metrics (`LossOutput.metrics`, e.g. a DFlash2
-    drafter's selector counts; the same names on every rank); nothing here waits for the device,
-    unless `timings` is a list: then each micro-batch's seconds (forward and backward, the device
-    synchronised) are appended.
-    `phases` (a PhaseTimer, started) is marked after each phase. `noise`: a `FeatureNoise` for the
-    tapped features of `epoch`. A loss whose terms read the target's distribution (KL, LK) gets the
-    target's final states, from the same target forward.
-    """
-    from dflash.models.anchors import to_packed
-    from dflash.models.terms import needs_target_states, target_context
-
-    if timings is not None:
-        from deepspeed.accelerator import get_accelerator
-    world_size = dist.get_world_size()
-    total = torch.tensor(sum(m.weight_sum for m in micro), dtype=torch.float64, device=device)
-    dist.all_reduce(total)  # the step's only collective of ours; the result stays on the device
-    # DeepSpeed averages gradients over ranks; scaling by the world size makes that a sum.
-    scale = (world_size / total.clamp_min(1e-12)).float()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
-    slot = torch.zeros(2, block_size - 1, dtype=torch.float64, device=device)
-    skipped, named = 0, {}
-    for mb in micro:
-        start = time.perf_counter()
-        batch, blocks = mb.batch.to(device, non_blocking=True), mb.blocks.to(device, non_blocking=True)
-        if phases:
-            phases.mark("other")
-        context = None
-        if needs_target_states(loss):
-            features, states = target.features(batch, with_output=True)
-            context = target_context(states, to_packed(batch))
-        else:
-            features = target.features(batch)
-        if noise is not None:
-            features = noise(features, to_packed(batch), epoch)
-        if phases:
-            phases.mark("target_forward")
-        # a hook marks the drafter's end
-        out = loss(engine(batch, features, blocks), blocks, engine.module.lm_head, context=context)
-        if phases:
-            phases.mark("loss")
-        engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
-        if phases:
-            phases.mark("drafter_backward")
-        if timings is not None:
-            get_accelerator().synchronize()
-            timings.append(time.perf_counter() - start)
-        sums += torch.stack([out.loss_sum.detach().double(), out.weight_sum.double(), out.tau_sum.double(),
-                             torch.tensor(float(out.num_blocks), dtype=torch.float64, device=device)])
-        slot += torch.stack([out.slot_correct, out.slot_count]).double()
-        skipped += out.num_skipped
-        for k, v in out.metrics.items():
-            named[k] = named.get(k, 0.0) + v.double()
-    return sums, slot, skipped, named
-
-
-def init_distributed() -> None:
-    """`deepspeed.init_distributed()` on this rank's device, without DeepSpeed's CPU shared-memory op.
-
-    The device comes first: DeepSpeed selects it only inside `deepspeed.initialize`, after the
-    target is loaded and the first collectives ran, so every rank of a node would use GPU 0.
-    On CPU ranks DeepSpeed JIT-builds a shared-memory all-reduce that only its inference
-    all-reduce calls (training reduces through gloo). Building it costs a minute on a fresh
-    machine, maps a 66 MB /dev/shm buffer per rank that is never unlinked, and runs under
-    torch's build lock: a rank killed while holding it leaves the lock behind and every later
-    run on the machine waits on it forever. DeepSpeed keeps the compatible-ops table as one dict
-    so that edits like this one persist.
-    """
-    # torch.distributed.nn before the world group exists: its functions' `group=group.WORLD`
-    # defaults, evaluated at import (DeepSpeed imports it in `initialize`), would keep that group,
-    # and its gloo threads, alive through interpreter shutdown (`dflash.errors.end_process_group`).
-    import deepspeed
-    import torch.distributed.nn  # noqa: F401
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if accelerator.device_name() == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed()
 
 
 def input_paths(cfg: TrainConfig) -> dict[str, Path]:
     """The files every rank reads, by flag (a random target and synthetic data are made in memory)."""
-    paths = {"--target": cfg.target, "--data": cfg.data, "--deepspeed_config": resolve_ds_config(cfg.deepspeed_config)}
-    made = {"--target": target_folder(cfg.target) is None, "--data": is_synthetic(cfg.data)}
+    paths = {"--target": cfg.inputs.target, "--data": cfg.inputs.data,
+             "--deepspeed_config": resolve_ds_config(cfg.device.deepspeed_config)}
+    made = {"--target": target_folder(cfg.inputs.target) is None, "--data": is_synthetic(cfg.inputs.data)}
     return {flag: Path(path) for flag, path in paths.items() if not made.get(flag)}
 
 
@@ -178,31 +66,23 @@ class Trainer:
         self.cfg = cfg
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.output_dir = Path(cfg.output_dir)
+        self.output_dir = Path(cfg.run.output_dir)
         check_shared_paths(self.output_dir, input_paths(cfg))
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
         self._allocator_line = cuda_allocator(os.environ, self.device)  # before anything is allocated
 
-        # everything that can be refused is refused before the target loads
-        ds_config, self.dtype = training_ds_config(cfg.deepspeed_config, cfg.dtype, device=self.device,
-                                                   world_size=self.world_size, grad_clip=cfg.grad_clip)
-        ds_config = with_optimizer(ds_config, cfg.optimizer, lr=cfg.lr, muon_lr=cfg.muon_lr,
-                                   momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
-                                   named=f"--deepspeed_config {cfg.deepspeed_config}")
+        # everything that can be refused is refused before the target loads: the data's format, the
+        # target's config (a family dflash lacks, a config without sizes), the DeepSpeed config, the
+        # memory plan (a run that cannot fit; the row budget that fits)
         check_data(cfg)
-        # the target, from its config alone: a family dflash lacks or a config without sizes is refused here
-        self.target_spec = spec = load_target_spec(cfg.target)
-        # the memory plan refuses a run that cannot fit, and sizes the row budget
-        self.memory_plan = run_plan(cfg, spec, ds_config, dtype_bytes=self.dtype.itemsize, world_size=self.world_size,
-                                    device=self.device)
-        row_budget, memory_line = size_run(self.memory_plan, accelerator_memory(self.device, cfg.memory_gib),
-                                           token_budget=cfg.token_budget, row_budget=cfg.row_budget)
-        self.cfg = cfg = dataclasses.replace(cfg, row_budget=row_budget)
+        self.target_spec = spec = load_target_spec(cfg.inputs.target)
+        plan = plan_run(cfg, spec, device=self.device, world_size=self.world_size)
+        self.cfg = cfg = plan.cfg
+        ds_config, self.dtype, self.memory_plan = plan.ds_config, plan.dtype, plan.memory
+        self.drafter_settings = dict(plan.drafter_settings)
         self.run_folder = RunFolder(self.output_dir)
-        self.checkpointer = Checkpointer(self.output_dir, cfg.keep_checkpoints)
-        self.drafter_settings = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
-        self._recorded = None  # (checkpoint, its drafter settings) of a resume, on rank 0
+        self.checkpointer = Checkpointer(self.output_dir, cfg.run.keep_checkpoints)
         on_rank0(self._claim, "claiming the run folder")
 
         target = target or load_train_target(cfg, spec, self.device, self.dtype)
@@ -210,17 +90,18 @@ class Trainer:
         # --init-drafter, else the one the tokenizer gives --mask-token) and the embedding's rows
         self.drafter_settings.update({"mask token id": target.mask_id,
                                       "embedding rows": target.model.num_embedding_rows})
-        if cfg.resume:  # every rank: the checkpoint's record is read on rank 0
-            on_rank0(self._refuse_another_drafter, "comparing the checkpoint's drafter with this run's")
+        if cfg.run.resume:  # every rank: the checkpoint's record is read on rank 0
+            on_rank0(lambda: self.checkpointer.refuse_another_drafter(self.drafter_settings, self.run_folder),
+                     "comparing the checkpoint's drafter with this run's")
         self.data = TrainingData(cfg, prepare_token_store(cfg, target.tokenizer, self._say),
                                  tokenizer=target.tokenizer, target_spec=spec,
                                  target_layer_ids=target.model.target_layer_ids,
                                  vocab_rows=target.model.num_embedding_rows, mask_token_id=target.mask_id,
-                                 gamma=cfg.gamma, world_size=self.world_size)
+                                 gamma=cfg.loss.gamma, world_size=self.world_size)
         self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
         self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype, say=self._say)
-        self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.time_phases else None
-        self.noise = FeatureNoise(cfg.feature_noise, cfg.seed) if cfg.feature_noise else None
+        self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.run.time_phases else None
+        self.noise = FeatureNoise(cfg.loss.feature_noise, cfg.run.seed) if cfg.loss.feature_noise else None
 
         self.step = 0
         self.micro_batch_shapes: list[tuple[int, int, int]] = []  # of the last step, this rank's
@@ -228,25 +109,26 @@ class Trainer:
         d = self.data
         self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, "
                   f"ZeRO-{self.models.zero_stage}; {len(d.train_idx):,} train / {len(d.eval_idx):,} eval samples "
-                  f"({len(d.store) - d.usable:,} too short for a block); {cfg.order}-{cfg.layout}, "
-                  f"budget {cfg.token_budget:,}, {cfg.step_tokens:,} tokens/rank/step, {d.total_steps} steps; "
+                  f"({len(d.store) - d.usable:,} too short for a block); {cfg.batches.order}-{cfg.batches.layout}, "
+                  f"budget {cfg.batches.token_budget:,}, {cfg.batches.step_tokens:,} tokens/rank/step, "
+                  f"{d.total_steps} steps; "
                   + ("micro-batches dealt to the ranks by cost (--balance: ranks wait less for each other)"
                      if d.balance else "round robin to the ranks (--no-balance)" if self.world_size > 1
                      else "one rank: no dealing"))
         self.target_bytes = target_bytes(target.model)
         self._say(target_summary(self.target_bytes, cfg, self.world_size))
-        self._say(memory_line)
+        self._say(plan.memory_line)
         if self._allocator_line:
             self._say(self._allocator_line)
-        if cfg.resume:
+        if cfg.run.resume:
             self._resume()
         if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
-            write_json(self.output_dir / "config.json", dataclasses.asdict(cfg))
+            write_json(self.output_dir / "config.json", cfg.options())
         # A resumed run's logs end at its checkpoint (step 0 without one): what the stopped attempt
         # wrote after it is redone, so no record is there twice.
         self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0,
-                                     resume_step=self.step if cfg.resume else None)
-        if cfg.resume and cfg.sample_log:
+                                     resume_step=self.step if cfg.run.resume else None)
+        if cfg.run.resume and cfg.run.sample_log:
             trim_jsonl(self._sample_log_path(), self.step)
         self._stream = self._micro_steps()
 
@@ -255,68 +137,45 @@ class Trainer:
             print(text, flush=True)
 
     def _claim(self) -> None:
-        """Lock the run folder (rank 0) and, for --resume, refuse options that would train another
+        """Rank 0: lock the run folder and, for --resume, refuse options that would train another
         drafter than the checkpoint's, before anything loads."""
         cfg = self.cfg
-        reads = {**input_paths(cfg), **({"--init-drafter": Path(cfg.init_drafter)} if cfg.init_drafter else {})}
-        self.run_folder.claim(resume=cfg.resume, overwrite=cfg.overwrite, reads=reads)
-        state = self.checkpointer.newest_state() if cfg.resume else None
-        if state is None:
-            return
-        recorded = state.get("drafter")
-        if recorded is None:  # a checkpoint of an older dflash: its options, and the target by its path
-            known = {f.name for f in dataclasses.fields(TrainConfig)}
-            old = dataclasses.replace(cfg, **{k: v for k, v in state.get("config", {}).items() if k in known})
-            recorded = {**drafter_settings(old, self.target_spec.num_layers),
-                        "--target": {"path": str(Path(old.target).resolve())}}
-        self._recorded = (state["checkpoint"], recorded)
-        self._refuse_another_drafter()
+        reads = {**input_paths(cfg), **({"--init-drafter": Path(cfg.drafter.init_drafter)}
+                                        if cfg.drafter.init_drafter else {})}
 
-    def _refuse_another_drafter(self) -> None:
-        """Refuse a resume whose drafter settings differ from the newest checkpoint's (rank 0): those
-        known from the options when the folder is claimed, then the ids the target gives."""
-        if self._recorded is None:
-            return
-        checkpoint, recorded = self._recorded
-        diffs = drafter_differences(recorded, self.drafter_settings)
-        if diffs:
-            self.run_folder.release()
-            raise UserError(f"--resume: {checkpoint} trained a drafter with other settings (checkpoint -> "
-                            "now):\n  " + "\n  ".join(diffs) + "\nthey shape its weights or what it learns: resume "
-                            "with the checkpoint's values (a run started with --init-drafter resumes with it), or "
-                            "train these in a new run (another --output-dir, or --overwrite)")
+        def settings_of(options: dict) -> dict:  # a checkpoint of an older dflash: its options, the target by path
+            old = cfg.replace(**{k: v for k, v in options.items() if k in OPTIONS})
+            return {**drafter_settings(old, self.target_spec.num_layers),
+                    "--target": {"path": str(Path(old.inputs.target).resolve())}}
 
-    def _resume(self) -> bool:
-        """Load the newest complete checkpoint; False when there is none. A checkpoint of other
-        data, planner settings, step size or world size is refused unless --force-resume."""
-        cfg, planner, steps = self.cfg, self.data.planner, self.data.steps
+        self.checkpointer.claim(self.run_folder, resume=cfg.run.resume, overwrite=cfg.run.overwrite, reads=reads,
+                                settings=self.drafter_settings, settings_of=settings_of)
 
-        def check(state):
-            diffs = planner.load_state_dict(state["planner"], force=True)
-            if state["step_tokens"] != cfg.step_tokens:
-                diffs.append(f"step_tokens: checkpoint {state['step_tokens']} -> now {cfg.step_tokens}")
-            if diffs and not cfg.force_resume:
-                raise UserError(f"--resume: {state['checkpoint']} was made with other "
-                                "data or settings:\n  " + "\n  ".join(diffs)
-                                + "\nresume with the same settings, or add --force-resume to continue anyway "
-                                "(the rest of the epoch is replanned)")
-            return diffs
+    def state_dict(self) -> dict:
+        """The run's state beside the engine's: what a checkpoint records to continue it."""
+        return {"step": self.step, "planner": self.data.planner.state_dict(),
+                "step_tokens": self.cfg.batches.step_tokens, "world_size": self.world_size,
+                "nonfinite_steps": self.nonfinite_total, "config": self.cfg.options(),
+                "drafter": self.drafter_settings,
+                "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
 
-        def world_changed(state):
-            return state["world_size"] != self.world_size
+    def _differences(self, state: dict) -> list[str]:
+        """What changed since the checkpoint of `state`: the planner's settings and data (its state
+        is loaded, as --force-resume continues with it) and the step size."""
+        diffs = self.data.planner.load_state_dict(state["planner"], force=True)
+        if state["step_tokens"] != self.cfg.batches.step_tokens:
+            diffs.append(f"step_tokens: checkpoint {state['step_tokens']} -> now {self.cfg.batches.step_tokens}")
+        return diffs
 
-        state = self.checkpointer.load_latest(self.models.engine, check, module_only=world_changed)
-        if state is None:
-            self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning "
-                      "(the records of the attempt before are removed)")
-            return False
-        for d in check(state):
-            self._say(f"--force-resume: {d}")
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's run state (its engine state loaded): the step, the non-finite
+        count, the RNG; with another world size the schedule is stepped to the step and the planner's
+        position rescaled; after a forced resume the planner moves to the next step of the new plan."""
+        planner, steps = self.data.planner, self.data.steps
         self.step = int(state["step"])
         self.nonfinite_total = int(state.get("nonfinite_steps", 0))
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch_rng"])), dtype=torch.uint8))
-        if world_changed(state):
-            # DeepSpeed cannot re-partition ZeRO optimizer state for another world size
+        if state["world_size"] != self.world_size:
             self._say(f"--force-resume: {state['world_size']} -> {self.world_size} ranks: the weights are loaded, "
                       "the optimizer state (AdamW moments) starts fresh")
             for _ in range(self.step):
@@ -333,6 +192,20 @@ class Trainer:
                 planner.position = boundary
             self._say(f"--force-resume: epoch {epoch} continues at micro-step {planner.position} of the new plan "
                       f"(was {position}); samples of this epoch may be repeated or skipped")
+
+    def _resume(self) -> bool:
+        """Load the newest complete checkpoint; False when there is none."""
+        resumed = self.checkpointer.resume(self.models.engine, differences=self._differences,
+                                           world_size=self.world_size, force=self.cfg.run.force_resume)
+        if resumed is None:
+            self._say(f"--resume: no complete checkpoint in {self.checkpointer.root}; starting from the beginning "
+                      "(the records of the attempt before are removed)")
+            return False
+        state, diffs = resumed
+        for d in diffs:
+            self._say(f"--force-resume: {d}")
+        self.load_state_dict(state)
+        planner = self.data.planner
         self._say(f"resumed from {state['checkpoint']} at step {self.step} (epoch {planner.epoch}, "
                   f"micro-step {planner.position})")
         return True
@@ -340,7 +213,7 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return self.step >= self.data.total_steps or self.data.planner.epoch >= self.cfg.epochs
+        return self.step >= self.data.total_steps or self.data.planner.epoch >= self.cfg.optim.epochs
 
     def _micro_steps(self):
         """This rank's micro-batches, one optimizer step's worth at a time, from where the
@@ -351,7 +224,7 @@ class Trainer:
             ranges = [r for r in self.data.steps[epoch] if r[0] >= planner.position]
             assert ranges and ranges[0][0] == planner.position, "_resume leaves the planner on a step boundary"
             loader = micro_batches(self.data.maker, self.data.batches(epoch, self.rank), epoch, planner.position,
-                                   num_workers=self.cfg.num_workers, pin_memory=self.device.type == "cuda")
+                                   num_workers=self.cfg.batches.num_workers, pin_memory=self.device.type == "cuda")
             for first, end in ranges:
                 if self.step >= self.data.total_steps:
                     return
@@ -378,25 +251,26 @@ class Trainer:
 
         cfg, total = self.cfg, self.data.total_steps
         bar = tqdm(total=total, initial=self.step, desc="train", unit="step",
-                   disable=self.rank != 0 or not cfg.progress, dynamic_ncols=True)
+                   disable=self.rank != 0 or not cfg.run.progress, dynamic_ncols=True)
         last_eval = None
         try:
             while not self.done:
                 epoch = self.data.planner.epoch
                 record = self.train_step()
                 bar.update(1)
-                if self.nonfinite_in_row >= cfg.max_nonfinite_steps:
+                if self.nonfinite_in_row >= cfg.run.max_nonfinite_steps:
                     self._stop_after_nonfinite_steps()
                 epoch_done = self.data.planner.epoch != epoch  # advance() rolled over
                 last = self.step >= total
                 if record is not None:
                     bar.set_postfix(loss=f"{record['loss']:.3f}", anchor_tau=f"{record['anchor_tau']:.2f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}")
-                if (cfg.eval_every and self.step % cfg.eval_every == 0) or (not cfg.eval_every and epoch_done) or last:
+                every = cfg.eval.eval_every
+                if (every and self.step % every == 0) or (not every and epoch_done) or last:
                     last_eval = self.evaluate()
-                stop = self.step == cfg.stop_at_step
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or \
-                        (not cfg.checkpoint_every and epoch_done) or last or stop:
+                stop = self.step == cfg.run.stop_at_step
+                if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or \
+                        (not cfg.run.checkpoint_every and epoch_done) or last or stop:
                     self.save_checkpoint()
                 if stop:
                     self._say(f"--stop-at-step {self.step}: stopped; continue with --resume")
@@ -407,7 +281,7 @@ class Trainer:
             self.metrics.close()
         result = {"step": self.step, "eval": last_eval}
         drafter_dir = self.output_dir / "drafter"
-        if cfg.export:
+        if cfg.run.export:
             try:
                 self.models.export(drafter_dir)
             except DiskFull as err:
@@ -419,7 +293,8 @@ class Trainer:
             self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
         turns = speculate_turns(cfg, self.data.total_steps)
         # a partitioned target cannot decode on one rank alone (its layers are gathered collectively)
-        if cfg.export and turns and self.data.eval_idx.size and self.rank == 0 and cfg.target_partition == "none":
+        whole = cfg.device.target_partition == "none"
+        if cfg.run.export and turns and self.data.eval_idx.size and self.rank == 0 and whole:
             result["speculate"] = self._speculate_heldout(drafter_dir, turns)
         self.run_folder.release()
         return result
@@ -433,17 +308,18 @@ class Trainer:
             self.phases.start()
         epoch, first, micro = next(self._stream)  # waiting for data is part of the step
         # this rank's micro-batches, as the memory plan prices them
-        self.micro_batch_shapes = [shape(m, cfg.block_size) for m in micro]
-        timings = [] if cfg.time_micro_batches else None
-        walked = _Walked(micro)
+        self.micro_batch_shapes = [shape(m, cfg.drafter.block_size) for m in micro]
+        timings = [] if cfg.run.time_micro_batches else None
+        walked = Walked(micro)
         try:
             sums, slot, skipped, named = accumulate_gradients(
-                engine, self.models.target.model, self.models.loss, walked, self.device, cfg.block_size, timings,
+                engine, self.models.target.model, self.models.loss, walked, self.device, cfg.drafter.block_size,
+                timings,
                 self.phases, noise=self.noise, epoch=epoch)
         except torch.OutOfMemoryError:
-            raise self._out_of_memory(shape(walked.current, cfg.block_size)) from None
+            raise self._out_of_memory(shape(walked.current, cfg.drafter.block_size)) from None
         busy = waited = float("nan")
-        if self.step % cfg.log_every == 0 or self.step + 1 >= self.data.total_steps:
+        if self.step % cfg.run.log_every == 0 or self.step + 1 >= self.data.total_steps:
             # A step that will be logged: the ranks meet before the step's collectives, and time spent
             # in this barrier is time spent waiting for the slowest rank (busy: everything before it;
             # under ZeRO-3, or ZeRO-2 with overlap_comm, ranks also meet inside each backward, and
@@ -467,11 +343,11 @@ class Trainer:
         if not applied:
             self._say(f"step {self.step + 1}: non-finite loss or gradients, update skipped "
                       f"({self.nonfinite_in_row} in a row, {self.nonfinite_total} in all)")
-        if cfg.sample_log:
+        if cfg.run.sample_log:
             self._log_samples(micro, epoch, first)
         self.data.planner.advance(len(micro))
         self.step += 1
-        if applied and (self.step - 1) % cfg.log_every and self.step < self.data.total_steps:
+        if applied and (self.step - 1) % cfg.run.log_every and self.step < self.data.total_steps:
             return None
         return self._step_record(t0, epoch, micro, sums, slot, skipped, busy, waited, applied, timings, named)
 
@@ -532,9 +408,10 @@ class Trainer:
     def _out_of_memory(self, micro_batch_shape) -> UserError:
         """A step ran out of memory: stop in one line (the checkpoints on disk stay as they are)."""
         complete = self.checkpointer.complete()
-        return UserError(out_of_memory(self.memory_plan, accelerator_memory(self.device, self.cfg.memory_gib),
-                                       step=self.step + 1, shape=micro_batch_shape, row_budget=self.cfg.row_budget,
-                                       token_budget=self.cfg.token_budget,
+        return UserError(out_of_memory(self.memory_plan, accelerator_memory(self.device, self.cfg.device.memory_gib),
+                                       step=self.step + 1, shape=micro_batch_shape,
+                                       row_budget=self.cfg.batches.row_budget,
+                                       token_budget=self.cfg.batches.token_budget,
                                        checkpoint=str(complete[-1]) if complete else None))
 
     def _stop_after_nonfinite_steps(self) -> None:
@@ -543,7 +420,7 @@ class Trainer:
         path = self.save_checkpoint()
         raise UserError(
             f"steps {first}-{self.step}: {self.nonfinite_in_row} optimizer steps in a row had non-finite loss or "
-            f"gradients and were skipped (--max-nonfinite-steps {self.cfg.max_nonfinite_steps}); stopped with a "
+            f"gradients and were skipped (--max-nonfinite-steps {self.cfg.run.max_nonfinite_steps}); stopped with a "
             f"checkpoint of the last good weights in {path}. Likely causes: a learning rate too high (--lr), "
             "bf16 overflow (--dtype fp32), or bad samples (--sample-log writes which samples each step used). "
             "--resume continues after these steps.")
@@ -583,9 +460,4 @@ class Trainer:
         return report
 
     def save_checkpoint(self) -> Path:
-        state = {"planner": self.data.planner.state_dict(), "step_tokens": self.cfg.step_tokens,
-                 "world_size": self.world_size,
-                 "nonfinite_steps": self.nonfinite_total, "config": dataclasses.asdict(self.cfg),
-                 "drafter": self.drafter_settings,
-                 "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-        return self.checkpointer.save(self.models.engine, self.step, state)
+        return self.checkpointer.save(self.models.engine, self.state_dict())

@@ -14,10 +14,11 @@ target_path, store_path, stages = args[0], args[1], [int(s) for s in args[2].spl
 import deepspeed  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from dflash.distributed.process_group import init_distributed  # noqa: E402
 from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, TargetModel, default_gamma, ensure_mask_token  # noqa: E402,E501
+from dflash.training.accumulate import accumulate_gradients  # noqa: E402
 from dflash.training.ds_config import load_ds_config  # noqa: E402
 from dflash.training.steps import MicroBatchMaker  # noqa: E402
-from dflash.training.trainer import accumulate_gradients, init_distributed  # noqa: E402
 
 init_distributed()
 rank = dist.get_rank()

@@ -15,10 +15,10 @@ stages = [int(s) for s in args[0].split(",")]
 import deepspeed  # noqa: E402
 from deepspeed.runtime.zero.muon.original_muon import muon_update  # noqa: E402
 
+from dflash.distributed.process_group import init_distributed  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
 from dflash.training.ds_config import load_ds_config, with_optimizer  # noqa: E402
 from dflash.training.models import engine_for, lr_lambda  # noqa: E402
-from dflash.training.trainer import init_distributed  # noqa: E402
 
 init_distributed()
 STEPS, TOTAL = 3, 4
@@ -36,28 +36,29 @@ def reference():
     """Weights after STEPS steps, and the first Muon update per unit of learning rate."""
     m = module()
     weight, norm = m[0].weight, list(m[1].parameters())
-    adam = torch.optim.AdamW(norm, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scale = lr_lambda(cfg.schedule, int(cfg.warmup_ratio * TOTAL), TOTAL)
+    adam = torch.optim.AdamW(norm, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    scale = lr_lambda(cfg.optim.schedule, int(cfg.optim.warmup_ratio * TOTAL), TOTAL)
     momentum, first = torch.zeros_like(weight), None
     for step in range(STEPS):
         for g in adam.param_groups:
-            g["lr"] = cfg.lr * scale(step)
+            g["lr"] = cfg.optim.lr * scale(step)
         m.zero_grad()
         m(x).pow(2).sum().backward()
         with torch.no_grad():
-            update = muon_update(weight.grad.clone(), momentum, cfg.muon_momentum)
+            update = muon_update(weight.grad.clone(), momentum, cfg.optim.muon_momentum)
             first = update if first is None else first
-            lr = cfg.muon_lr * scale(step)
-            weight.mul_(1 - lr * cfg.weight_decay).add_(update, alpha=-lr)
+            lr = cfg.optim.muon_lr * scale(step)
+            weight.mul_(1 - lr * cfg.optim.weight_decay).add_(update, alpha=-lr)
         adam.step()
     return m, first
 
 
 want, first_update = reference()
 for stage in stages:
-    ds_config = load_ds_config(f"ds_configs/zero{stage}.json", world_size=2, grad_clip=cfg.grad_clip, bf16=False)
-    ds_config = with_optimizer(ds_config, cfg.optimizer, lr=cfg.lr, muon_lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                               weight_decay=cfg.weight_decay, named="test")
+    ds_config = load_ds_config(f"ds_configs/zero{stage}.json", world_size=2, grad_clip=cfg.optim.grad_clip, bf16=False)
+    o = cfg.optim
+    ds_config = with_optimizer(ds_config, o.optimizer, lr=o.lr, muon_lr=o.muon_lr, momentum=o.muon_momentum,
+                               weight_decay=o.weight_decay, named="test")
     got = module()
     engine, optimizer, scheduler = engine_for(got, ds_config, cfg, TOTAL, "cpu")
     for _ in range(STEPS):

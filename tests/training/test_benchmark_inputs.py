@@ -34,9 +34,9 @@ def test_the_qwen3_8b_preset_builds_the_real_model_shape():
 
 def test_a_random_target_defaults_to_synthetic_data_and_refuses_text():
     cfg = load_config(["--target", "random:qwen3-8b"])
-    assert (cfg.data, cfg.output_dir, cfg.speculate_turns) == ("random", "runs/random", 0)
+    assert (cfg.inputs.data, cfg.run.output_dir, cfg.eval.speculate_turns) == ("random", "runs/random", 0)
     cfg = load_config(["--target", "random:qwen3-8b", "--data", "random:500", "--speculate-turns", "3"])
-    assert (cfg.data, cfg.speculate_turns) == ("random:500", 3)
+    assert (cfg.inputs.data, cfg.eval.speculate_turns) == ("random:500", 3)
     with pytest.raises(UserError, match="--data: --target random:qwen3-8b has random weights"):
         load_config(["--target", "random:qwen3-8b", "--data", "conversations.jsonl"])
     with pytest.raises(UserError, match=r"--data random:0: expected random or random:SAMPLES"):

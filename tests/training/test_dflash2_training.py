@@ -79,7 +79,8 @@ def test_a_released_dflash2_drafter_continues_training(tiny_run_inputs, tmp_path
     hf = json.loads((target / "config.json").read_text())
     folder, weights = released_dflash2(tmp_path / "released", hf)
     c = load_config(["--target", str(target), "--data", str(data), "--init-drafter", str(folder), "--gamma", "2"])
-    assert (c.drafter_kind, c.block_size, c.draft_layers, c.sliding_window) == ("dflash2", 4, 2, 64)
+    d = c.drafter
+    assert (d.drafter_kind, d.block_size, d.draft_layers, d.sliding_window) == ("dflash2", 4, 2, 64)
     out = tmp_path / "run"
     args = tiny_train_args(target, data, out, "--init-drafter", folder, "--max-steps", 2, "--lr", 1e-9, "--gamma", 2)
     for flag in ("--draft-layers", "--num-target-features"):  # taken from the drafter

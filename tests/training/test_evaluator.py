@@ -67,8 +67,8 @@ class Store(list):
 def evaluator(demo, drafter, out, *, sample_turns, seed=0):
     """The trainer's Evaluator over the demo's greedy turns (meta.temperature 0, limit LIMIT)."""
     store, B = Store(demo["samples"] * REPEATS), drafter.block_size
-    cfg = TrainConfig(target="demo", output_dir=str(out), block_size=drafter.block_size, token_budget=4096, seed=seed,
-                      eval_temperatures=(0.0, 1.0), eval_sample_turns=sample_turns, progress=False)
+    cfg = TrainConfig.of(target="demo", output_dir=str(out), block_size=drafter.block_size, token_budget=4096,
+                         seed=seed, eval_temperatures=(0.0, 1.0), eval_sample_turns=sample_turns, progress=False)
     maker = SimpleNamespace(store=store, mask_token_id=drafter.config.mask_token_id, weights=slot_weights(B, 4.0))
     data = SimpleNamespace(maker=maker, eval_idx=np.arange(len(store)), turn_limit=LIMIT,
                            stop_ids=demo["stops"], data_temperature=0.0)

@@ -40,8 +40,9 @@ def released_drafter(folder, **change):
 def test_the_drafter_sets_the_drafter_options(tmp_path):
     folder = released_drafter(tmp_path / "drafter")
     c = load_config(["--init-drafter", str(folder)])
-    assert (c.block_size, c.draft_layers, c.target_layer_ids, c.num_target_features) == (8, 3, (1, 3), 2)
-    assert (c.drafter_layer_types, c.sliding_window, c.gamma) == ((S, S, F), 4, 4.0)
+    d = c.drafter
+    assert (d.block_size, d.draft_layers, d.target_layer_ids, d.num_target_features) == (8, 3, (1, 3), 2)
+    assert (c.drafter.drafter_layer_types, c.drafter.sliding_window, c.loss.gamma) == ((S, S, F), 4, 4.0)
     # Options that agree with the drafter may be given; short type names count as the full ones.
     same = load_config(["--init-drafter", str(folder), "--block-size", "8", "--drafter-layer-types", "sliding,sliding,"
                         "full", "--sliding-window", "4"])
@@ -85,7 +86,7 @@ def test_num_target_layers_may_be_absent(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     del config["num_target_layers"]
     (folder / "config.json").write_text(json.dumps(config))
-    assert load_config(["--init-drafter", str(folder)]).target_layer_ids == (1, 3)
+    assert load_config(["--init-drafter", str(folder)]).drafter.target_layer_ids == (1, 3)
 
 
 @pytest.mark.slow
@@ -152,7 +153,8 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
 def test_resume_refuses_a_checkpoint_trained_with_other_layer_types():
     """The weights have the same shapes whatever mask a layer trains with, so the checkpoint's
     record of the drafter settings names the layer types and the window (`--resume` compares it)."""
-    from dflash.training.models import drafter_differences, drafter_settings
+    from dflash.training.checkpoint import drafter_differences
+    from dflash.training.plan import drafter_settings
 
     full = load_config(["--data", "d.jsonl", "--draft-layers", "2"])
     sliding = load_config(["--data", "d.jsonl", "--draft-layers", "2", "--drafter-layer-types", "sliding,full",
@@ -169,6 +171,7 @@ def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
     from types import SimpleNamespace
 
     from dflash.distributed.run_folder import RunFolder
+    from dflash.training.checkpoint import Checkpointer
     from dflash.training.trainer import Trainer
 
     run = tmp_path / "run"
@@ -176,7 +179,8 @@ def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
     (run / "metrics.jsonl").write_text("{}\n")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     cfg = load_config(["--init-drafter", str(folder), "--output-dir", str(run), "--overwrite"])
-    trainer = SimpleNamespace(cfg=cfg, run_folder=RunFolder(run), checkpointer=None, drafter_settings={})
+    trainer = SimpleNamespace(cfg=cfg, run_folder=RunFolder(run), checkpointer=Checkpointer(run, keep=1),
+                              drafter_settings={})
     with pytest.raises(UserError) as err:
         Trainer._claim(trainer)
     assert str(err.value) == (f"--overwrite would delete {folder}, and the run reads --init-drafter {folder} from "

@@ -23,13 +23,13 @@ from dflash.sizing.memory import (
     DrafterSizes,
     MemoryPlan,
     MemorySetup,
-    loss_setup,
     plan_for,
     size_run,
     target_sizes,
 )
 from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
+from dflash.training.plan import loss_setup
 
 from ..conftest import ROOT, launch_script
 from .conftest import run_deepspeed, tiny_train_args

@@ -172,7 +172,7 @@ def test_each_rank_takes_its_node_local_device_before_anything_runs_on_it(monkey
     import deepspeed
     import deepspeed.accelerator
 
-    from dflash.training import trainer
+    from dflash.distributed import process_group
 
     calls = []
 
@@ -186,5 +186,5 @@ def test_each_rank_takes_its_node_local_device_before_anything_runs_on_it(monkey
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", Accelerator)
     monkeypatch.setattr(deepspeed, "init_distributed", lambda: calls.append("init_distributed"))
-    trainer.init_distributed()
+    process_group.init_distributed()
     assert calls == [("set_device", 3), "init_distributed"]

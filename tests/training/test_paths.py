@@ -30,7 +30,7 @@ def test_shipped_configs_load_by_name_from_another_folder(given, tmp_path, monke
 
 def test_the_default_resolves_from_another_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = TrainConfig(target="random:qwen3-8b", data="random")
+    cfg = TrainConfig.of(target="random:qwen3-8b", data="random")
     assert input_paths(cfg) == {"--deepspeed_config": shipped_ds_configs() / "zero2.json"}
 
 

@@ -81,11 +81,11 @@ def test_the_recipe_builds_the_objective():
 
 def test_muon_defaults_and_the_deepspeed_configs_it_refuses():
     from dflash.training.ds_config import load_ds_config, with_optimizer
-    from dflash.training.models import drafter_settings
+    from dflash.training.plan import drafter_settings
 
     cfg = load_config(["--data", "d.jsonl", "--optimizer", "muon", "--lr", "2e-4"])
-    assert cfg.grad_clip == 0 and cfg.muon_lr == pytest.approx(2e-3)  # speculators' 10x
-    assert load_config(["--data", "d.jsonl"]).grad_clip == 1.0
+    assert cfg.optim.grad_clip == 0 and cfg.optim.muon_lr == pytest.approx(2e-3)  # speculators' 10x
+    assert load_config(["--data", "d.jsonl"]).optim.grad_clip == 1.0
 
     def config(name, **zero):
         c = load_ds_config(f"ds_configs/{name}.json", world_size=1, grad_clip=0.0, bf16=False)
@@ -156,9 +156,9 @@ def test_recipes_share_everything_but_the_recipe_options():
     from dflash.tools.recipes import parse_recipes
 
     recipes = parse_recipes("ce: ; mix: --loss ce=1,dpace=0.5 --feature-noise 0.05", ["--data", "d.jsonl"])
-    assert list(recipes) == ["ce", "mix"] and recipes["ce"].loss == "ce=1"
-    assert recipes["mix"].loss == "ce=1,dpace=0.5" and recipes["mix"].feature_noise == 0.05
-    assert recipes["mix"].data == recipes["ce"].data == "d.jsonl"
+    assert list(recipes) == ["ce", "mix"] and recipes["ce"].loss.loss == "ce=1"
+    assert recipes["mix"].loss.loss == "ce=1,dpace=0.5" and recipes["mix"].loss.feature_noise == 0.05
+    assert recipes["mix"].inputs.data == recipes["ce"].inputs.data == "d.jsonl"
     for text, message in (("a: --num-anchors 8", "--recipes a: sets --num-anchors, which every recipe shares"),
                           ("a: --loss foo=1", "--recipes a: --loss: unknown part 'foo'"),
                           ("a: ; a: --lr 1e-3", "--recipes: a is given twice"),

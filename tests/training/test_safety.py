@@ -56,7 +56,7 @@ class FileEngine:
 def saved(tmp_path, steps):
     ckpt = Checkpointer(tmp_path, keep=5)
     for step in steps:
-        ckpt.save(FileEngine(), step, {"planner": {}})
+        ckpt.save(FileEngine(), {"step": step, "planner": {}})
     return ckpt
 
 
@@ -82,7 +82,7 @@ def test_a_lost_or_cut_checkpoint_file_is_named_and_the_previous_one_loaded(one_
 def test_full_disk_during_a_save_is_one_clear_error_and_keeps_the_previous_checkpoint(one_rank, tmp_path):
     ckpt = saved(tmp_path, [2])
     with pytest.raises(UserError) as err:
-        ckpt.save(FileEngine(fail="zero_pp_rank_0_mp_rank_00_optim_states.pt"), 4, {"planner": {}})
+        ckpt.save(FileEngine(fail="zero_pp_rank_0_mp_rank_00_optim_states.pt"), {"step": 4, "planner": {}})
     message = str(err.value)
     assert message.startswith(f"checkpoint {ckpt.root / 'step-00000004'}: the disk is full (")
     assert "step-00000002 is the newest complete checkpoint" in message and "--resume" in message
@@ -95,7 +95,7 @@ def test_other_save_errors_are_not_taken_for_a_full_disk(one_rank, tmp_path):
             raise RuntimeError("CUDA error: an illegal memory access")
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        Checkpointer(tmp_path, keep=2).save(Broken(), 2, {"planner": {}})
+        Checkpointer(tmp_path, keep=2).save(Broken(), {"step": 2, "planner": {}})
 
 
 def test_export_refuses_non_finite_weights_and_leaves_nothing(tmp_path):
@@ -279,8 +279,8 @@ def test_the_run_trains_in_what_the_deepspeed_json_switches_on(tmp_path, dtype, 
     cfg = load_config(["--deepspeed_config", str(path), "--dtype", dtype])
 
     def train_dtype():  # what the trainer calls first, before anything loads
-        return training_ds_config(cfg.deepspeed_config, cfg.dtype, device="cpu", world_size=1,
-                                  grad_clip=cfg.grad_clip)[1]
+        return training_ds_config(cfg.device.deepspeed_config, cfg.device.dtype, device="cpu", world_size=1,
+                                  grad_clip=cfg.optim.grad_clip)[1]
 
     if isinstance(expected, str):
         with pytest.raises(UserError, match=expected):
@@ -372,7 +372,7 @@ def test_a_target_that_cannot_serve_the_run_is_refused_before_its_weights_load(t
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
     cfg = load_config(["--target", str(bad), "--data", str(data)])
     with pytest.raises(UserError) as err:
-        load_train_target(cfg, load_target_spec(cfg.target), torch.device("cpu"), torch.float32)
+        load_train_target(cfg, load_target_spec(cfg.inputs.target), torch.device("cpu"), torch.float32)
     assert str(err.value).startswith(message)
 
 

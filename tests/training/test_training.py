@@ -226,17 +226,18 @@ def test_config_file_errors_name_the_file_and_key(tmp_path):
     with pytest.raises(UserError, match=rf"--config {path}: not valid YAML"):
         load_config(["--config", str(path)])
     path.write_text("lr: 1e-3\nepochs: 2\n")
-    assert load_config(["--config", str(path), "--epochs", "3"]).epochs == 3, "flags override the file"
+    assert load_config(["--config", str(path), "--epochs", "3"]).optim.epochs == 3, "flags override the file"
 
 
 def test_options_are_resolved_once_into_typed_values():
     demo = load_config([])
-    assert (demo.target, demo.data) == (str(DEMO_TARGET), str(DEMO_DATA)), "the demo preset holds the demo paths"
-    assert (demo.step_tokens, demo.max_length, demo.gamma) == (2048, 1024, 7.0)
+    assert (demo.inputs.target, demo.inputs.data) == (str(DEMO_TARGET), str(DEMO_DATA)), "the demo preset's paths"
+    assert (demo.batches.step_tokens, demo.inputs.max_length, demo.loss.gamma) == (2048, 1024, 7.0)
     c = load_config(["--data", "d.jsonl", "--token-budget", "2048", "--block-size", "8", "--boundaries", "300,900"])
-    assert c.target == str(DEMO_TARGET) and c.output_dir == "runs/demo", "no preset once --data is given"
-    assert (c.step_tokens, c.max_length, c.gamma, c.boundaries) == (4 * 2048, 2048, 4.0, (300, 900))
-    assert load_config(["--data", "d", "--gamma", "3", "--step-tokens", "5"]).gamma == 3.0
+    assert c.inputs.target == str(DEMO_TARGET) and c.run.output_dir == "runs/demo", "no preset once --data is given"
+    assert (c.batches.step_tokens, c.inputs.max_length, c.loss.gamma, c.batches.boundaries) == \
+        (4 * 2048, 2048, 4.0, (300, 900))
+    assert load_config(["--data", "d", "--gamma", "3", "--step-tokens", "5"]).loss.gamma == 3.0
     assert resolve(c) == c, "resolving twice changes nothing"
 
 
@@ -250,14 +251,15 @@ def test_every_command_parses_lists_alike(tmp_path):
     bad = subprocess.run([sys.executable, script, *argv, "--boundaries", "250,150"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --boundaries: values must be strictly increasing, " \
         "got '250,150'"
-    assert load_config(["--data", "d", "--boundaries", "150,250"]).boundaries == (150, 250)
+    assert load_config(["--data", "d", "--boundaries", "150,250"]).batches.boundaries == (150, 250)
 
 
 def test_config_file_values_are_read_as_the_option_types(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 1e-3\nepochs: 2.0\ntarget_layer_ids: [1, 3]\nsample_log: true\n")
     config = load_config(["--config", str(path)])
-    assert (config.lr, config.epochs, config.target_layer_ids, config.sample_log) == (1e-3, 2, (1, 3), True)
+    assert (config.optim.lr, config.optim.epochs, config.drafter.target_layer_ids, config.run.sample_log) == \
+        (1e-3, 2, (1, 3), True)
     path.write_text("epochs: two\n")
     with pytest.raises(UserError, match=rf"--config {path}: 'epochs' must be an integer, got 'two'"):
         load_config(["--config", str(path)])

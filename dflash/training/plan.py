@@ -1,0 +1,110 @@
+"""What a run decides before anything loads, from its options and its target's config alone:
+`plan_run` -> `RunPlan` (the DeepSpeed config, the precision, the memory plan and the row budget
+that fits, the drafter settings a resume must match). Pure: it reads the DeepSpeed JSON and an
+--init-drafter's config, loads no weights, talks to no rank; a run that cannot fit is refused here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.models.target_spec import TargetSpec
+from dflash.sizing.memory import MemoryPlan, MemorySetup, accelerator_memory, plan_for, size_run
+from dflash.training.config import TrainConfig, init_drafter_config
+from dflash.training.ds_config import training_ds_config, with_optimizer
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: TrainConfig  # with the row budget that fits filled in
+    ds_config: dict  # the user's DeepSpeed JSON, "auto" values filled, the optimizer section of --optimizer
+    dtype: torch.dtype
+    memory: MemoryPlan
+    memory_line: str  # what the plan says of the run, for the log
+    drafter_settings: dict  # what shapes the drafter's weights, the target's fingerprint among them
+
+
+def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_size: int) -> RunPlan:
+    """The plan of the run `cfg` on `world_size` ranks of `device`s (raises UserError, naming the
+    option, for a DeepSpeed config or a run that cannot be)."""
+    ds_config, dtype = training_ds_config(cfg.device.deepspeed_config, cfg.device.dtype, device=device,
+                                          world_size=world_size, grad_clip=cfg.optim.grad_clip)
+    o = cfg.optim
+    ds_config = with_optimizer(ds_config, o.optimizer, lr=o.lr, muon_lr=o.muon_lr, momentum=o.muon_momentum,
+                               weight_decay=o.weight_decay, named=f"--deepspeed_config {cfg.device.deepspeed_config}")
+    memory = memory_plan(cfg, spec, ds_config, dtype_bytes=dtype.itemsize, world_size=world_size, device=device)
+    row_budget, memory_line = size_run(memory, accelerator_memory(device, cfg.device.memory_gib),
+                                       token_budget=cfg.batches.token_budget, row_budget=cfg.batches.row_budget)
+    cfg = cfg.replace(row_budget=row_budget)
+    settings = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
+    return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings)
+
+
+def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int,
+                device) -> MemoryPlan:
+    """The memory plan of the run `cfg` on the target `spec` and `device`, from its config alone."""
+    from dflash.ops.common.backend import resolve_backend
+
+    d, dev = cfg.drafter, cfg.device
+    features = len(d.target_layer_ids) if d.target_layer_ids else d.num_target_features
+    reference = resolve_backend(dev.attention_backend, torch.device(device), op="block") == "torch"
+    setup = MemorySetup.from_ds_config(
+        ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=dev.target_partition,
+        target_offload=dev.target_offload, activation_checkpointing=dev.activation_checkpointing,
+        block_size=d.block_size, num_anchors=d.num_anchors, attention="reference" if reference else "kernel",
+        **loss_setup(cfg))
+    dflash2 = None
+    if d.init_drafter:  # its own sizes (a DFlash2 one's selector and convolutions among them)
+        dflash2 = init_drafter_config(d.init_drafter, spec).dflash2
+    elif d.drafter_kind == "dflash2":
+        from dflash.models.dflash2 import released_settings
+
+        dflash2 = released_settings()
+    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, dflash2=dflash2)
+
+
+def loss_setup(cfg: TrainConfig) -> dict:
+    """The objective's share of the plan from the options alone (the run's `BlockLoss` is built later,
+    with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and
+    whether a term reads the target's final states. A DFlash2 drafter is counted with a softcap (a
+    released one may have it: the plan must not be low)."""
+    from dflash.models.loss import chunk_vocab_buffers
+    from dflash.models.terms import TERMS, chunk_rows_for, parse_recipe
+
+    weights = parse_recipe(cfg.loss.loss)
+    terms = [TERMS[name] for name, weight in weights.items() if name != "ce" and weight]
+    dflash2 = cfg.drafter.drafter_kind == "dflash2"
+    return {"vocab_buffers": chunk_vocab_buffers([t.vocab_buffers for t in terms], dflash2),
+            "chunk_rows": chunk_rows_for(weights, cfg.drafter.block_size),
+            "target_states": any(getattr(t, "needs_target_states", False) for t in terms)}
+
+
+def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
+    """What shapes the drafter's weights and what they learn, by option, as a checkpoint records it
+    and `--resume` compares it (with the target, `TargetSpec.fingerprint`): the taps (resolved by the
+    official rule for a target of `num_target_layers` when not given), the drafter's size, block,
+    anchors, loss decay and mask token."""
+    from dflash.data.vocab import MASK_TOKEN
+    from dflash.models.config import default_target_layer_ids
+
+    types = list(cfg.drafter.drafter_layer_types or [])
+    settings = {"--block-size": cfg.drafter.block_size, "--draft-layers": cfg.drafter.draft_layers,
+                "--num-anchors": cfg.drafter.num_anchors, "--gamma": cfg.loss.gamma,
+                # the mask each layer trains with (the weights have the same shapes whatever it is)
+                "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
+                "--sliding-window": cfg.drafter.sliding_window}
+    if cfg.drafter.drafter_kind != "dflash":  # recorded when not the default, so older checkpoints compare equal
+        settings["--drafter-kind"] = cfg.drafter.drafter_kind
+    if cfg.optim.optimizer != "adamw":  # its state is another optimizer's
+        settings["--optimizer"] = cfg.optim.optimizer
+    if not cfg.drafter.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
+        settings["--mask-token"] = cfg.drafter.mask_token or MASK_TOKEN
+    taps = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids else None
+    if taps is None and num_target_layers is not None:
+        try:
+            taps = default_target_layer_ids(num_target_layers, cfg.drafter.num_target_features)
+        except ValueError:  # too few layers: loading the target says so
+            pass
+    if taps is not None:
+        settings.update({"--target-layer-ids": taps, "--num-target-features": len(taps)})
+    return settings
