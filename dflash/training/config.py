@@ -18,7 +18,8 @@ from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
 from dflash.errors import UserError
-from dflash.models.config import DFLASH2_SLIDING_WINDOW, FULL, GAMMA_BY_BLOCK_SIZE, LAYER_TYPES, SLIDING
+from dflash.models.config_format import DFLASH2_SLIDING_WINDOW, FULL, LAYER_TYPES, SLIDING
+from dflash.models.loss import GAMMA_BY_BLOCK_SIZE
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.options import number, parse_list
 

@@ -88,7 +88,7 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     official rule for a target of `num_target_layers` when not given), the drafter's size, block,
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN
-    from dflash.models.config import default_target_layer_ids
+    from dflash.models.taps import default_target_layer_ids
 
     types = list(cfg.drafter_layer_types or [])
     settings = {"--block-size": cfg.block_size, "--draft-layers": cfg.draft_layers,
@@ -271,7 +271,7 @@ class Models:
             self.drafter = init_drafter(cfg.init_drafter, target, options)
         else:
             dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id,
-                                             block_size=cfg.block_size, num_draft_layers=cfg.draft_layers,
+                                             block_size=cfg.block_size, draft_layers=cfg.draft_layers,
                                              target_layer_ids=target.model.target_layer_ids,
                                              vocab_size=target.model.num_embedding_rows,
                                              layer_types=cfg.drafter_layer_types,

@@ -31,7 +31,8 @@ from dflash.models.acceptance import (
     walk,
     walk_tau,
 )
-from dflash.models.config import SLIDING, DFlash2Settings
+from dflash.models.config import DFlash2Settings
+from dflash.models.config_format import SLIDING
 from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm
 from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
@@ -49,7 +50,7 @@ from .official import official_dflash
 def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
     torch.manual_seed(seed)
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
-                                       num_draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
+                                       draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=layer_types,
                                        sliding_window=sliding_window)
     return DFlashDrafter(config, demo["target"].shared_weights(), attention_backend="torch")
@@ -358,7 +359,7 @@ def trained2(demo):
     selector's objective, and that objective: its path accepts far more than its backbone's argmax."""
     torch.manual_seed(1)
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
-                                       num_draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
+                                       draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=[SLIDING],
                                        sliding_window=2048, is_causal=False, dflash2=DFlash2Settings(
                                            conv_kernel_size=2, conv_group_size=16, selector_rank=32,
