@@ -144,7 +144,7 @@ def save_heldout(drafter_dir: Path, output: Path) -> int:
 def samples_from_conversations(path, tokenizer) -> list:
     """The conversations of a JSONL file that hold assistant turns, tokenized as the token store does."""
     from dflash.data.conversations import read_conversations
-    from dflash.data.prepare import tokenize_conversation
+    from dflash.data.tokenizing import tokenize_conversation
 
     samples = []
     for line, messages, _ in read_conversations(path, require_assistant=False):

@@ -39,7 +39,7 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
     memory; the model is then a `PartitionedTarget`."""
     from transformers import AutoTokenizer
 
-    from dflash.data.prepare import check_tokenizer_files
+    from dflash.data.tokenizing import check_tokenizer_files
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
     from dflash.models import TargetModel, load_language_model
     from dflash.models.folders import check_target_folder

@@ -242,7 +242,7 @@ def test_expected_blocks_of_hits_is_the_walk_and_of_ratios_the_mean_of_sampled_w
 
 
 def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
-    from dflash.data.prepare import tokenize_conversation
+    from dflash.data.tokenizing import tokenize_conversation
     from dflash.demo import DATA
 
     with open(DATA) as f:
@@ -258,8 +258,9 @@ def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
 def test_speculate_cli_saves_the_runs_heldout_conversations(demo, tmp_path, capsys):
     """--save-heldout writes the lines of the run's data that its held-out split holds (a sample a blank
     line before it moves to another line number, so the source lines, not the store order, are used)."""
-    from dflash.data.prepare import ensure_store, tokenize_conversation
+    from dflash.data.prepare import ensure_store
     from dflash.data.token_store import TokenStore
+    from dflash.data.tokenizing import tokenize_conversation
     from dflash.demo import DATA
     from dflash.training.data import held_out_split
 
