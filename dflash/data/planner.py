@@ -17,9 +17,10 @@ every micro-batch (`rows` per sample: block_size x its anchors; the drafter's ac
 with rows, the frozen target's with tokens).
 
 Dealing to ranks: round robin, or with `balance` by cost (`costs` per sample, from
-`dflash.data.cost`; the dealer: `dflash.data.dealing`): ZeRO-3 waits for the slowest rank at every forward, so the ranks of one
-micro-batch index get micro-batches of similar cost, and runs of `mix` indices (about a step)
-keep a mean length near the epoch's, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
+`dflash.data.cost`; the dealer: `dflash.data.dealing`): ZeRO-3 waits for the slowest rank at every
+forward, so the ranks of one micro-batch index get micro-batches of similar cost, and runs of `mix`
+indices (about a step) keep a mean length near the epoch's, so that a step still mixes lengths (see
+docs/ARCHITECTURE.md).
 
 Every sample is used exactly once per epoch, every rank gets the same number of
 micro-batches (`dflash.data.rank_counts`), and the plan is a pure function of (lengths, rows, costs, settings, seed,

@@ -21,19 +21,11 @@ from dflash.models import (
     DrafterConfig,
 )
 from dflash.models import sampling as sampling_module
-from dflash.models.acceptance import (
-    every_anchor,
-    expected_blocks,
-    limited,
-    slot_ratios,
-    target_inputs,
-    turn_spans,
-    walk,
-    walk_tau,
-)
+from dflash.models.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
 from dflash.models.config import DFlash2Settings
 from dflash.models.config_format import SLIDING
 from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm
+from dflash.models.expected_walk import expected_blocks, slot_ratios, target_inputs
 from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
     greedy_decode,
