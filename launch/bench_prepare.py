@@ -77,7 +77,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.conversations < 1 or args.num_proc < 1:
         raise UserError("--conversations and --num-proc must be at least 1")
-    from dflash.data.prepare import load_tokenizer, prepare_jsonl
+    from dflash.data.prepare import prepare_jsonl
+    from dflash.data.tokenizing import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     with tempfile.TemporaryDirectory(prefix="bench_prepare_", dir=args.workdir) as tmp:

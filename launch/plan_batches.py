@@ -53,7 +53,7 @@ from dflash.data.planner import (
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.data.supervision import candidates_from_supervised
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.config import default_target_layer_ids
+from dflash.models.taps import default_target_layer_ids
 from dflash.models.target_spec import PRESETS
 from dflash.options import number, parse_list
 from dflash.sizing.flops import flop_cost_model, load_target_config
@@ -84,7 +84,7 @@ def parse_args(argv=None):
                    "folder) of a dense, MoE, hybrid Gated DeltaNet, sliding-window or MLA target (default %(default)s)")
     p.add_argument("--target-layers", type=number(int, minimum=1),
                    help="target layers run for the features (default: last default tap + 1, e.g. 34 for Qwen3-8B)")
-    p.add_argument("--drafter-layers", type=number(int, minimum=1), default=5,
+    p.add_argument("--draft-layers", type=number(int, minimum=1), default=5,
                    help="drafter layers (default %(default)s)")
     p.add_argument("--block-size", type=number(int, minimum=2), default=16,
                    help="drafter block size (default %(default)s)")
@@ -173,14 +173,14 @@ def save_plans(path: str, plans: dict) -> None:
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    for flag in ("world_size", "micro_batches_per_step", "drafter_layers", "block_size", "anchors", "row_budget"):
+    for flag in ("world_size", "micro_batches_per_step", "draft_layers", "block_size", "anchors", "row_budget"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     lengths, supervised, candidates, source = load_data(args)
     lengths = check_lengths(lengths, args.token_budget)
     target = load_target_config(args.model)
     layers = args.target_layers or max(default_target_layer_ids(target.num_hidden_layers)) + 1
-    model = flop_cost_model(target, num_target_layers=layers, drafter_layers=args.drafter_layers,
+    model = flop_cost_model(target, num_target_layers=layers, draft_layers=args.draft_layers,
                             block_size=args.block_size)
     rows = drafter_rows(candidates, supervised, args.block_size, args.anchors)
     check_rows(rows, lengths, args.row_budget)
@@ -226,7 +226,7 @@ def main(argv=None):
         return
     print(f"{source}: {lengths.size:,} samples, {int(lengths.sum()):,} tokens, budget {args.token_budget:,}, "
           f"world size {args.world_size}, {k} micro-batches per step")
-    print(f"cost model ({args.model}, {layers} target layers, {args.drafter_layers}-layer drafter): "
+    print(f"cost model ({args.model}, {layers} target layers, {args.draft_layers}-layer drafter): "
           f"{model.per_token / 1e9:.2f} GFLOP/token + {model.per_pair / 1e9:.2e} GFLOP x length^2 + "
           f"{model.per_row / 1e9:.2f} GFLOP/row + {model.per_row_key / 1e9:.2e} GFLOP x rows x length; "
           f"row budget {args.row_budget:,} (balanced rows)")

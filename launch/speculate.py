@@ -144,7 +144,7 @@ def save_heldout(drafter_dir: Path, output: Path) -> int:
 def samples_from_conversations(path, tokenizer) -> list:
     """The conversations of a JSONL file that hold assistant turns, tokenized as the token store does."""
     from dflash.data.conversations import read_conversations
-    from dflash.data.prepare import tokenize_conversation
+    from dflash.data.tokenizing import tokenize_conversation
 
     samples = []
     for line, messages, _ in read_conversations(path, require_assistant=False):
@@ -176,8 +176,9 @@ def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
 def eval_walk(drafter, target, samples, device, *, limit: int, stops, sampling) -> dict:
     """The eval walk on the decoded turns' data: greedy tau, anchor tau and, when sampling, tau@T."""
     from dflash.models import BlockLoss, default_gamma, slot_weights
-    from dflash.models.acceptance import tau_key, walk_samples
+    from dflash.models.acceptance import walk_samples
     from dflash.models.blocks import block_scorer
+    from dflash.models.walk_stats import tau_key
 
     temperatures = (0.0,) if sampling.greedy else (0.0, sampling.temperature)
     B = drafter.block_size

@@ -17,12 +17,13 @@ every micro-batch (`rows` per sample: block_size x its anchors; the drafter's ac
 with rows, the frozen target's with tokens).
 
 Dealing to ranks: round robin, or with `balance` by cost (`costs` per sample, from
-`dflash.data.cost`): ZeRO-3 waits for the slowest rank at every forward, so the ranks of one
-micro-batch index get micro-batches of similar cost, and runs of `mix` indices (about a step)
-keep a mean length near the epoch's, so that a step still mixes lengths (see docs/ARCHITECTURE.md).
+`dflash.data.cost`; the dealer: `dflash.data.dealing`): ZeRO-3 waits for the slowest rank at every
+forward, so the ranks of one micro-batch index get micro-batches of similar cost, and runs of `mix`
+indices (about a step) keep a mean length near the epoch's, so that a step still mixes lengths (see
+docs/ARCHITECTURE.md).
 
 Every sample is used exactly once per epoch, every rank gets the same number of
-micro-batches, and the plan is a pure function of (lengths, rows, costs, settings, seed,
+micro-batches (`dflash.data.rank_counts`), and the plan is a pure function of (lengths, rows, costs, settings, seed,
 epoch, world_size).
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ import numpy as np
 
 from dflash.data import packing
 from dflash.data.buckets import optimal_buckets
+from dflash.data.dealing import deal
+from dflash.data.rank_counts import equal_counts
 from dflash.errors import UserError
 
 ORDERS = ("sorted", "shuffle", "bucketed")
@@ -41,9 +44,6 @@ LAYOUTS = ("padded", "packed")
 DEFAULT_WINDOW = 8  # open bins of the packer; 8 already fills > 99.9% on the seed lengths
 DEFAULT_BUCKETS = 6
 DEFAULT_MIX = 4  # micro-batch indices per run of the dealer (set it to the micro-batches per step)
-DEAL_DEPTH = 8  # runs per dealing window: wider windows match costs closer but line steps up by length
-COST_TOLERANCE = 0.02  # micro-batches whose costs differ by less are interchangeable when dealing
-SPREAD_IQR = 4.0  # micro-batches whose deviation from the mean length is an outlier by this are spread when dealing
 
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:
@@ -133,191 +133,6 @@ def _group(lengths: np.ndarray, stream: np.ndarray, token_budget: int, layout: s
     return np.split(stream[items], offsets[1:-1])
 
 
-def _cost(lengths: np.ndarray, batch: np.ndarray, layout: str) -> int:
-    return int(len(batch) * lengths[batch].max() if layout == "padded" else lengths[batch].sum())
-
-
-def _balance(batches: list, lengths: np.ndarray, token_budget: int, layout: str, world_size: int,
-             rows: np.ndarray | None = None, row_budget: int | None = None) -> list:
-    """Make the batch count divisible by world_size without dropping or repeating a sample.
-
-    ZeRO-3 needs every rank to run the same number of forward passes. The batches with the
-    most samples are split in two (never over budget); when there are too few samples to
-    split, batches are merged instead, if they fit together (see `_merge`).
-    """
-    batches = list(batches)
-    splits = -len(batches) % world_size
-    if int(lengths.size) - len(batches) >= splits:  # each split needs a batch of >= 2 samples
-        sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-        for _ in range(splits):
-            j = int(np.argmax(sizes))  # the first batch with the most samples
-            half = len(batches[j]) // 2
-            batches[j : j + 1] = [batches[j][:half], batches[j][half:]]
-            sizes = np.concatenate([sizes[:j], [half, sizes[j] - half], sizes[j + 1 :]])
-        return batches
-    merges = len(batches) % world_size
-    # fewer batches than ranks: merging cannot reach a multiple of the ranks
-    merged, searched = (None, True) if len(batches) < world_size else \
-        _merge(batches, lengths, token_budget, layout, merges, rows, row_budget)
-    if merged is None:
-        raise UserError(
-            f"cannot give {world_size} ranks the same number of micro-batches without dropping or "
-            f"repeating samples: {int(lengths.size)} samples in {len(batches)} micro-batches, too few "
-            f"with 2+ samples to split, and "
-            + (f"no {merges} merges of them fit together" if searched else
-               f"no {merges} merges that fit found in {MERGE_STATES} tries")
-            + f" in the token budget {token_budget}"
-            + ("" if row_budget is None else f" and the row budget {row_budget}")
-            + "; use fewer ranks, a larger budget or more data"
-        )
-    return merged
-
-
-MERGE_STATES = 20_000  # sets of unions the merge search visits before it gives up (and says so)
-
-
-def _merge(batches: list, lengths: np.ndarray, token_budget: int, layout: str, merges: int,
-           rows: np.ndarray | None, row_budget: int | None) -> tuple[list | None, bool]:
-    """Merge micro-batches `merges` times, each time two whose union fits both budgets.
-
-    Returns (batches or None, whether the search was exhaustive). A depth-first search whose first
-    branch merges the cheapest pair that fits (almost always enough: this path only runs when nearly
-    every batch holds one sample); it backtracks when that choice leaves too few pairs, and visits
-    each set of unions once. Only batches that fit with some other batch can take part, since every
-    part of a union that fits fits too.
-    """
-    def features(groups):
-        members = [np.concatenate([batches[i] for i in g]) for g in groups]
-        n = np.array([len(m) for m in members], dtype=np.int64)
-        tok = np.array([int(lengths[m].sum()) for m in members], dtype=np.int64)
-        top = np.array([int(lengths[m].max()) for m in members], dtype=np.int64)
-        rws = np.array([0 if rows is None else int(rows[m].sum()) for m in members], dtype=np.int64)
-        return n, tok, top, rws
-
-    def fitting_pairs(groups):
-        """Pairs (i < j) of groups whose union fits, cheapest union first (ties: lowest i, then j)."""
-        n, tok, top, rws = features(groups)
-        i, j = np.triu_indices(len(groups), 1)
-        cost = (n[i] + n[j]) * np.maximum(top[i], top[j]) if layout == "padded" else tok[i] + tok[j]
-        ok = cost <= token_budget
-        if row_budget is not None:
-            ok &= rws[i] + rws[j] <= row_budget
-        i, j, cost = i[ok], j[ok], cost[ok]
-        order = np.lexsort((j, i, cost))
-        return i[order], j[order]
-
-    i, j = fitting_pairs([(k,) for k in range(len(batches))])
-    able = np.zeros(len(batches), dtype=bool)
-    able[i] = able[j] = True
-    seen: set = set()
-
-    def search(groups: list, left: int) -> list | None:
-        if left == 0:
-            return groups
-        key = frozenset(g for g in groups if len(g) > 1)
-        if key in seen or len(seen) >= MERGE_STATES:
-            return None
-        seen.add(key)
-        where = [k for k, g in enumerate(groups) if able[g[0]]]  # a union holds only able batches
-        for a, b in zip(*fitting_pairs([groups[k] for k in where]), strict=True):
-            p, q = where[a], where[b]
-            found = search(groups[:p] + [groups[p] + groups[q]] + groups[p + 1 : q] + groups[q + 1 :], left - 1)
-            if found is not None:
-                return found
-        return None
-
-    found = search([(k,) for k in range(len(batches))], merges)
-    if found is None:
-        return None, len(seen) < MERGE_STATES
-    return [np.concatenate([batches[k] for k in g]) for g in found], True
-
-
-def _deal(batches: list, batch_costs: np.ndarray, batch_sizes: np.ndarray, batch_tokens: np.ndarray,
-          world_size: int, mix: int, rng: np.random.Generator) -> list:
-    """Reorder micro-batches so that global index i * W + r is rank r's i-th micro-batch, with
-    similar costs at every index i and mixed lengths over consecutive indices.
-
-    A step's mean length differs from the epoch's by D / samples, D = sum over its samples of
-    (length - epoch mean length) = the sum of its micro-batches' deviations `dev` (tokens -
-    samples x epoch mean); so the dealer keeps the D of every run of `mix` indices (about one
-    step) near zero.
-
-    Windows of W x mix x DEAL_DEPTH consecutive micro-batches (of the already random order) are
-    sorted by cost, compared in steps of COST_TOLERANCE (inside a step the random order stays,
-    so cost-alike micro-batches of different lengths share an index), and cut into groups of W:
-    one group per index, so the ranks of an index wait little. Outliers of `dev` (more than
-    SPREAD_IQR interquartile ranges from the median: micro-batches of very many short samples)
-    can form a cost level of their own whose D no other group offsets; before the cut they move
-    up the cost order (into slightly dearer groups, so their ranks wait a little, never the
-    others) to at most about ceil(outliers / runs) per group, so that every run can get some.
-    The groups of a window are then drafted into runs of `mix` indices: largest |D| first, a
-    negative group to the run of the highest D so far, a positive one to the lowest. Runs come
-    in random order inside their window (a short one last, so steps stay aligned with runs),
-    groups in random order inside their run. Inside a run the costliest micro-batch of each
-    group goes to the rank with the least work so far in the run, so that ranks also finish the
-    step together (ZeRO-1/2 wait once per step).
-    """
-    n = len(batches)
-    dev = batch_tokens - batch_sizes * (batch_tokens.sum() / batch_sizes.sum())
-    window = np.arange(n) // (world_size * mix * DEAL_DEPTH)
-    counts = np.bincount(window) // world_size  # groups per window (windows hold whole groups: n % W == 0)
-    runs_in = -(-counts // mix)
-    level = np.floor(np.log(np.maximum(batch_costs, 1e-300)) / np.log1p(COST_TOLERANCE))
-    order = np.lexsort((level, window))  # cost order inside each window
-    # outliers move up the cost order: the j-th of a window to position >= its own, spaced W / cap apart
-    q25, q50, q75 = np.percentile(dev, [25, 50, 75])
-    outlier = np.abs(dev[order] - q50) > SPREAD_IQR * (q75 - q25)
-    key = np.arange(n, dtype=np.float64)
-    at = np.flatnonzero(outlier)
-    if at.size:
-        win = window[at]
-        per_window = np.bincount(win, minlength=counts.size)
-        spacing = (world_size / np.maximum(1, -(-per_window // runs_in)))[win]
-        j = np.arange(at.size) - np.concatenate([[0], np.cumsum(per_window)[:-1]])[win]
-        # max over earlier outliers i of the window of (position_i + (j - i) x spacing); positions grow
-        # with the window, so one running maximum over all windows restarts at each window's first
-        key[at] = j * spacing + np.maximum.accumulate(at - j * spacing)
-    groups = order[np.lexsort((key, window[order]))].reshape(-1, world_size)
-    g_window = window[groups[:, 0]]
-    g_dev = dev[groups].sum(axis=1)
-    by_size = np.lexsort((-np.abs(g_dev), g_window))
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    run_dev = np.zeros((counts.size, int(runs_in.max())))
-    full = np.arange(run_dev.shape[1]) >= runs_in[:, None]  # windows with fewer runs
-    run_size = np.zeros(run_dev.shape, dtype=np.int64)
-    run_local = np.empty(len(groups), dtype=np.int64)
-    for p in range(int(counts.max())):
-        win = np.flatnonzero(counts > p)
-        g = by_size[first[win] + p]
-        r = np.argmin(np.where(full[win], np.inf, np.sign(g_dev[g])[:, None] * run_dev[win]), axis=1)
-        run_local[g] = r
-        run_dev[win, r] += g_dev[g]
-        run_size[win, r] += 1
-        full[win, r] |= run_size[win, r] == mix
-    run = np.concatenate([[0], np.cumsum(runs_in)[:-1]])[g_window] + run_local
-    # runs in random order inside their window (a short run last), groups in random order inside their run
-    run_key = rng.random(int(runs_in.sum()))
-    run_key[np.bincount(run, minlength=run_key.size) < mix] = 2.0
-    seq = np.lexsort((rng.random(len(groups)), run_key[run], g_window))
-    run, groups = run[seq], groups[seq]
-    # Inside a run, the costliest micro-batch of each group goes to the rank with the least work so far.
-    starts = np.flatnonzero(np.concatenate([[True], run[1:] != run[:-1]]))
-    run_index = np.repeat(np.arange(len(starts)), np.diff(np.concatenate([starts, [len(groups)]])))
-    slot = np.arange(len(groups)) - starts[run_index]
-    load = np.zeros((len(starts), world_size))
-    dealt = np.empty_like(groups)
-    for j in range(int(slot.max()) + 1):
-        at = np.flatnonzero(slot == j)
-        members = np.take_along_axis(groups[at], np.argsort(-batch_costs[groups[at]], axis=1, kind="stable"), axis=1)
-        ranks = np.argsort(load[run_index[at]], axis=1, kind="stable")
-        placed = np.empty_like(members)
-        np.put_along_axis(placed, ranks, members, axis=1)
-        dealt[at] = placed
-        load[run_index[at]] += batch_costs[placed]
-    order = dealt.reshape(-1)
-    return [batches[i] for i in order]
-
-
 @dataclass(frozen=True)
 class PlannerConfig:
     """How one epoch is planned (the data, `lengths`, `rows` and `costs`, are arguments of their own).
@@ -330,7 +145,7 @@ class PlannerConfig:
     world_size: number of ranks; rank r gets global micro-batches r, r + W, r + 2W, ...
     window: open bins of the packed layout's best-fit packer.
     row_budget: at most this many drafter rows per micro-batch (needs `rows`); None: no cap.
-    balance: deal micro-batches of similar cost to the ranks of each index (`_deal`); False:
+    balance: deal micro-batches of similar cost to the ranks of each index (`dflash.data.dealing.deal`); False:
         round robin in plan order.
     mix: indices per run when balancing (runs keep the epoch's mean length); set it to the
         micro-batches per rank and step, so that steps keep mixing lengths.
@@ -383,14 +198,14 @@ def plan_epoch(lengths, config: PlannerConfig, *, epoch: int = 0, rows=None, cos
             batches += _group(lengths, members[rng.permutation(members.size)], c.token_budget, c.layout, c.window,
                               *caps)
         batches = [batches[i] for i in rng.permutation(len(batches))]
-    batches = _balance(batches, lengths, c.token_budget, c.layout, c.world_size, *caps)
+    batches = equal_counts(batches, lengths, c.token_budget, c.layout, c.world_size, *caps)
     if not c.balance:
         return batches
     sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
     flat, starts = np.concatenate(batches), np.concatenate([[0], np.cumsum(sizes)[:-1]])
     batch_costs = np.add.reduceat(costs[flat], starts)
     batch_tokens = np.add.reduceat(lengths[flat], starts).astype(np.float64)
-    return _deal(batches, batch_costs, sizes, batch_tokens, c.world_size, c.mix, rng)
+    return deal(batches, batch_costs, sizes, batch_tokens, c.world_size, c.mix, rng)
 
 
 def plan_batches(lengths, config: PlannerConfig, *, epoch: int = 0, rows=None, costs=None) -> list:

@@ -11,13 +11,8 @@
 from dflash.data.vocab import MASK_TOKEN, ensure_mask_token
 from dflash.models.anchors import Anchors, BlockTensors, block_tensors, sample_anchors, to_packed
 from dflash.models.blocks import Blocks, draw_blocks
-from dflash.models.config import (
-    CONFIG_KEYS,
-    DrafterConfig,
-    check_target_layer_ids,
-    default_gamma,
-    default_target_layer_ids,
-)
+from dflash.models.config import DrafterConfig
+from dflash.models.config_format import CONFIG_KEYS
 from dflash.models.drafter import DFlashDrafter, DrafterCache
 from dflash.models.loss import (
     BlockLoss,
@@ -26,8 +21,10 @@ from dflash.models.loss import (
     acceptance_stats,
     chunked_loss,
     chunked_weighted_ce,
+    default_gamma,
     slot_weights,
 )
+from dflash.models.taps import check_target_layer_ids, default_target_layer_ids
 from dflash.models.target import SharedWeights, TargetModel, load_language_model
 from dflash.models.target_spec import TARGET_FAMILIES, TargetSpec, load_target_spec
 

@@ -4,13 +4,8 @@ The official format is a Qwen3 config (`model_type: "qwen3"`, `architectures:
 ["DFlashDraftModel"]`) plus `block_size`, `num_target_layers` and `dflash_config:
 {"mask_token_id", "target_layer_ids"}`. Serving engines build the drafter's layers from the
 Qwen3 fields, so every size is written explicitly (`head_dim` included: Qwen3Config's default
-of 128 would be silently wrong for other head sizes).
-
-Layer types: `layer_types` (one of LAYER_TYPES per layer) and `sliding_window` decide each layer's
-attention as vLLM and SGLang serve it (docs/ARCHITECTURE.md, "Drafter layer types as the engines
-serve them"): full layers are bidirectional over the context, sliding layers causal within the
-block and limited to the last `sliding_window` positions; a top-level `is_causal` overrides the
-causality of every layer.
+of 128 would be silently wrong for other head sizes). The format's keys, layer types and the
+refusals of what engines would serve differently: `dflash.models.config_format`.
 """
 from __future__ import annotations
 
@@ -19,73 +14,14 @@ from typing import Any
 
 import torch
 
-DEFAULT_NUM_TARGET_FEATURES = 5
-# Loss decay per block size from the paper; other block sizes must set gamma explicitly.
-GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
-
-# The exact key set of the config.json written by `DrafterConfig.to_json_dict`.
-CONFIG_KEYS = frozenset(
-    {
-        "architectures",
-        "model_type",
-        "dtype",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "rms_norm_eps",
-        "rope_theta",
-        "rope_scaling",
-        "rope_parameters",
-        "max_position_embeddings",
-        "vocab_size",
-        "attention_bias",
-        "attention_dropout",
-        "initializer_range",
-        "tie_word_embeddings",
-        "use_sliding_window",
-        "sliding_window",
-        "max_window_layers",
-        "layer_types",
-        "block_size",
-        "num_target_layers",
-        "dflash_config",
-    }
+from dflash.models.config_format import (
+    DFLASH2,
+    SLIDING,
+    check_engine_agreement,
+    check_layer_types,
+    check_supported,
 )
-
-# Written only when set: an `is_causal` key, even false, overrides every layer's default in the engines.
-OPTIONAL_CONFIG_KEYS = frozenset({"is_causal"})
-
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
-ARCHITECTURES = (DFLASH, DFLASH2)
-# The released DFlash2 drafters' attention: every layer sliding over this many positions, is_causal false.
-DFLASH2_SLIDING_WINDOW = 2048
-LAYER_TYPES = (FULL, SLIDING)
-
-# Config entries that change the drafter's computation in vLLM, SGLang or the official class and
-# that this drafter does not implement: (where, key, the value that means "off").
-_UNSUPPORTED = (
-    ("dflash_config", "attention_sink_bias", False),
-    ("top", "add_swa_attention_sink_bias", False),
-    ("dflash_config", "attention_value_scale", None),
-    ("top", "is_neox_style", True),
-    ("top", "rope_is_neox_style", True),
-    ("dflash_config", "use_aux_hidden_state", True),
-    ("dflash_config", "sample_from_anchor", False),
-    ("dflash_config", "input_embedding_scale", 1.0),
-    ("dflash_config", "output_multiplier", 1.0),
-    ("dflash_config", "final_logit_softcapping", None),
-    ("dflash_config", "conv_kernel_size", 0),
-    ("dflash_config", "selector_rank", 0),
-)
-# What a DFlash2DraftModel computes besides a DFlash drafter (`DFlash2Settings`), read from dflash_config first.
-_DFLASH2_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping", "conv_kernel_size",
-                 "conv_group_size", "selector_rank", "selector_top_k")
+from dflash.models.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
 
 @dataclass
@@ -155,51 +91,8 @@ class DFlash2Settings:
                    final_logit_softcapping=float(softcap) if softcap else None,
                    input_embedding_scale=float(pick("input_embedding_scale", 1.0)))
 
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def default_target_layer_ids(num_target_layers: int, num_features: int = DEFAULT_NUM_TARGET_FEATURES) -> list[int]:
-    """Official tap rule: spread from the 2nd layer to the 3rd-from-last.
-
-    layer_i = round(1 + i*(L-4)/(K-1)); a single tap is L//2. Qwen3-8B (L=36, K=5) -> [1, 9, 17, 25, 33].
-    Python's round() halves to even, which is also what the official helper gets from round().
-    """
-    if num_features < 1:
-        raise ValueError(f"num_features must be >= 1, got {num_features}")
-    if num_features == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ValueError(f"the default tap rule needs at least 4 target layers, got {num_target_layers}")
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_features - 1))) for i in range(num_features)]
-
-
-def check_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
-    """Refuse taps that Hugging Face would report after the final norm, or that do not exist.
-
-    `hidden_states[L]` of a Hugging Face forward is the final-normed output, not the residual
-    stream, so the last layer (id L-1) cannot be tapped consistently with serving engines.
-    """
-    layer_ids = [int(i) for i in layer_ids]
-    if not layer_ids:
-        raise ValueError("target_layer_ids is empty")
-    for i in layer_ids:
-        if i < 0 or i >= num_target_layers - 1:
-            raise ValueError(
-                f"target layer id {i} is out of range: the target has {num_target_layers} layers and "
-                f"ids must lie in [0, {num_target_layers - 2}] (hidden_states[L] of a Hugging Face "
-                f"forward is the final-normed output, so layer {num_target_layers - 1} cannot be tapped)"
-            )
-    return layer_ids
-
-
-def default_gamma(block_size: int) -> float:
-    if block_size not in GAMMA_BY_BLOCK_SIZE:
-        raise ValueError(
-            f"no default loss decay gamma for block_size={block_size} (known: "
-            f"{sorted(GAMMA_BY_BLOCK_SIZE)}); pass gamma explicitly"
-        )
-    return GAMMA_BY_BLOCK_SIZE[block_size]
 
 
 @dataclass
@@ -273,7 +166,7 @@ class DrafterConfig:
         *,
         mask_token_id: int,
         block_size: int = 16,
-        num_draft_layers: int = 5,
+        draft_layers: int = 5,
         target_layer_ids: list[int] | None = None,
         num_target_features: int = DEFAULT_NUM_TARGET_FEATURES,
         vocab_size: int | None = None,
@@ -301,7 +194,7 @@ class DrafterConfig:
         return cls(
             hidden_size=target_config.hidden_size,
             intermediate_size=drafter_intermediate_size(target_config),
-            num_hidden_layers=num_draft_layers,
+            num_hidden_layers=draft_layers,
             num_attention_heads=target_config.num_attention_heads,
             num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
             or target_config.num_attention_heads,
@@ -482,76 +375,6 @@ def check_fits_target(config: DrafterConfig, target_config, num_embedding_rows: 
         check_target_layer_ids(config.target_layer_ids, layers)
     except ValueError as e:
         raise ValueError(f"dflash_config.target_layer_ids: {e}") from None
-
-
-def check_layer_types(layer_types, num_layers: int, sliding_window) -> list[str]:
-    """The per-layer types, checked (default: all full_attention); sliding layers need a window."""
-    if layer_types is None:
-        layer_types = [FULL] * num_layers
-    layer_types = list(layer_types)
-    if len(layer_types) != num_layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} drafter layers "
-                         f"(one per layer): {layer_types}")
-    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
-    if bad:
-        raise ValueError(f"layer_types holds {bad}; each entry must be one of {list(LAYER_TYPES)}")
-    if SLIDING in layer_types:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"sliding_attention layers need sliding_window, an integer >= 1; got {sliding_window!r}")
-    elif sliding_window is not None:
-        raise ValueError(f"sliding_window {sliding_window} is given but no layer is sliding_attention "
-                         f"(layer_types {layer_types})")
-    return layer_types
-
-
-def check_engine_agreement(d: dict[str, Any]) -> None:
-    """Refuse a config.json whose layers vLLM and SGLang would serve with different masks.
-
-    vLLM alone reads `dflash_config.causal`, `use_swa` and `swa_window_size`
-    (qwen3_dflash.py `_dflash_layer_causal`, `_resolve_layer_attention`); both read `layer_types`,
-    `sliding_window` through transformers' Qwen3Config, which drops the window unless
-    `use_sliding_window` is true (docs/ARCHITECTURE.md, "Drafter layer types").
-    """
-    dflash = d.get("dflash_config") or {}
-    layer_types = d.get("layer_types") or []
-    sliding = [t == SLIDING for t in layer_types]
-    if any(sliding) and not d.get("use_sliding_window", False):
-        raise ValueError("config.json has sliding_attention layers but use_sliding_window is not true: transformers' "
-                         "Qwen3Config then drops sliding_window, and vLLM and SGLang refuse the drafter "
-                         "(set \"use_sliding_window\": true)")
-    causal = dflash.get("causal")
-    if causal is not None and d.get("is_causal") is None and any(bool(causal) != s for s in sliding or [False]):
-        raise ValueError(f"dflash_config.causal = {causal!r} is read by vLLM only: vLLM would serve "
-                         f"{'causal' if causal else 'bidirectional'} layers where SGLang serves the per-type "
-                         "default (full: bidirectional, sliding: causal); use the top-level is_causal, read by both")
-    if dflash.get("use_swa") and not any(sliding):
-        raise ValueError("dflash_config.use_swa is read by vLLM only: vLLM would serve every layer with a sliding "
-                         "window where SGLang serves full attention; give layer_types and sliding_window instead")
-    swa = dflash.get("swa_window_size")
-    if swa is not None and any(sliding) and swa != d.get("sliding_window"):
-        raise ValueError(f"dflash_config.swa_window_size = {swa} differs from sliding_window = "
-                         f"{d.get('sliding_window')}: vLLM would serve the first, SGLang the second")
-
-
-def check_supported(d: dict[str, Any]) -> None:
-    """Refuse a config.json that asks for what this drafter does not compute (naming the key)."""
-    architectures = d.get("architectures")
-    if architectures is not None and list(architectures) not in ([a] for a in ARCHITECTURES):
-        raise ValueError(f"architectures is {architectures}; this trains {' and '.join(ARCHITECTURES)} drafters only")
-    dflash = d.get("dflash_config") or {}
-    dflash2 = architectures is not None and list(architectures) == [DFLASH2]
-    for where, key, off in _UNSUPPORTED:
-        if dflash2 and key in _DFLASH2_KEYS:
-            continue
-        value = (dflash if where == "dflash_config" else d).get(key, off)
-        if value != off and not (off is None and not value):
-            name = f"dflash_config.{key}" if where == "dflash_config" else key
-            raise ValueError(f"config.json sets {name} = {value!r}, which this drafter does not implement "
-                             f"(supported: {off!r})")
-    for key, ref in (("target_hidden_size", "hidden_size"), ("draft_vocab_size", "vocab_size")):
-        if d.get(key) is not None and d[key] != d.get(ref):
-            raise ValueError(f"config.json sets {key} = {d[key]} != {ref} = {d.get(ref)}, which this drafter "
-                             "does not implement")
 
 
 def _rope_parameters(target_config) -> dict[str, Any]:

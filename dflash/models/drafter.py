@@ -28,7 +28,8 @@ from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import DiskFull, NonFiniteWeights, UserError, disk_full, free_space
 from dflash.models.anchors import Anchors, to_packed
 from dflash.models.blocks import Blocks
-from dflash.models.config import ARCHITECTURES, DrafterConfig
+from dflash.models.config import DrafterConfig
+from dflash.models.config_format import ARCHITECTURES
 from dflash.models.target import SharedWeights
 
 CONFIG_NAME = "config.json"

@@ -21,12 +21,23 @@ if TYPE_CHECKING:
     from dflash.models.blocks import Blocks
 
 DEFAULT_CHUNK_ROWS = 1024
+# Loss decay per block size from the paper; other block sizes must set gamma explicitly.
+GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for slots k = 1..B-1, as a (B-1,) float32 tensor."""
     k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(k - 1) / gamma)
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size not in GAMMA_BY_BLOCK_SIZE:
+        raise ValueError(
+            f"no default loss decay gamma for block_size={block_size} (known: "
+            f"{sorted(GAMMA_BY_BLOCK_SIZE)}); pass gamma explicitly"
+        )
+    return GAMMA_BY_BLOCK_SIZE[block_size]
 
 
 class LogitTerm:

@@ -202,7 +202,7 @@ def measure_flops(fn, *args, **kwargs) -> tuple[int, object]:
     return counter.get_total_flops(), result
 
 
-def flop_cost_model(target, *, num_target_layers: int, drafter_layers: int = 5, num_features: int = 5,
+def flop_cost_model(target, *, num_target_layers: int, draft_layers: int = 5, num_features: int = 5,
                     block_size: int = 16):
     """FLOP cost model of one training sample (`dflash.data.cost.CostModel`, unit FLOP).
 
@@ -222,8 +222,8 @@ def flop_cost_model(target, *, num_target_layers: int, drafter_layers: int = 5, 
     Hq = target.num_attention_heads
     Hkv = getattr(target, "num_key_value_heads", None) or Hq
     D = getattr(target, "head_dim", None) or H // Hq
-    per_row = 3 * drafter_layers * linear + 2 * 2 * H * target.vocab_size
-    context = 3 * (2 * num_features * H * H + drafter_layers * 2 * H * 2 * Hkv * D)
+    per_row = 3 * draft_layers * linear + 2 * 2 * H * target.vocab_size
+    context = 3 * (2 * num_features * H * H + draft_layers * 2 * H * 2 * Hkv * D)
     layers = layer_costs(target)[:num_target_layers]
     windows = {w for _, _, w in layers if w}
     if len(windows) > 1:
@@ -233,7 +233,7 @@ def flop_cost_model(target, *, num_target_layers: int, drafter_layers: int = 5, 
         per_token=float(sum(t for t, _, _ in layers) + context),
         per_pair=float(sum(p for _, p, w in layers if not w) / 2),
         per_row=float(per_row),
-        per_row_key=float(3 * drafter_layers * pair / 2),
+        per_row_key=float(3 * draft_layers * pair / 2),
         per_window_pair=float(sum(p for _, p, w in layers if w) / 2),
         unit="FLOP",
         window=windows.pop() if windows else 0,

@@ -161,7 +161,7 @@ class TrainingData:
         from dflash.sizing.flops import flop_cost_model
 
         self.flop_model = flop_cost_model(target_spec.config, num_target_layers=max(target_layer_ids) + 1,
-                                          drafter_layers=cfg.drafter.draft_layers, num_features=len(target_layer_ids),
+                                          draft_layers=cfg.drafter.draft_layers, num_features=len(target_layer_ids),
                                           block_size=cfg.drafter.block_size)
         rows = costs = None
         # dealing by cost is between ranks: one rank plans as without it (the same plan, the same checkpoints)

@@ -117,7 +117,9 @@ class Evaluator:
     def _walk_data(self, temperatures: tuple[float, ...]) -> dict:
         """The walk on the data's held-out turns, round robin over ranks: greedy tau and tau@T at
         `temperatures`."""
-        from dflash.models.acceptance import WalkStats, every_anchor, score_and_walk, target_inputs
+        from dflash.models.acceptance import every_anchor, score_and_walk
+        from dflash.models.expected_walk import target_inputs
+        from dflash.models.walk_stats import WalkStats
 
         B, rank, world_size = self.cfg.drafter.block_size, dist.get_rank(), dist.get_world_size()
         target = self.models.target.model
@@ -148,7 +150,8 @@ class Evaluator:
     def _walk_sampled(self, temperatures: tuple[float, ...]) -> dict:
         """tau@T and tau@T_stderr along the turns sampled at each of `temperatures` (this rank's share,
         summed over ranks)."""
-        from dflash.models.acceptance import WalkStats, stderr_key, tau_key, walk_samples
+        from dflash.models.acceptance import walk_samples
+        from dflash.models.walk_stats import WalkStats, stderr_key, tau_key
 
         B = self.cfg.drafter.block_size
         turns = {t: self.sampled_turns(t) for t in temperatures}

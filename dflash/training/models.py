@@ -39,7 +39,7 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
     memory; the model is then a `PartitionedTarget`."""
     from transformers import AutoTokenizer
 
-    from dflash.data.prepare import check_tokenizer_files
+    from dflash.data.tokenizing import check_tokenizer_files
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
     from dflash.models import TargetModel, load_language_model
     from dflash.models.folders import check_target_folder
@@ -220,8 +220,7 @@ class Models:
             self.drafter = init_drafter(cfg.drafter.init_drafter, target, options)
         else:
             dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id,
-                                             block_size=cfg.drafter.block_size,
-                                             num_draft_layers=cfg.drafter.draft_layers,
+                                             block_size=cfg.drafter.block_size, draft_layers=cfg.drafter.draft_layers,
                                              target_layer_ids=target.model.target_layer_ids,
                                              vocab_size=target.model.num_embedding_rows,
                                              layer_types=cfg.drafter.drafter_layer_types,

@@ -85,7 +85,7 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     official rule for a target of `num_target_layers` when not given), the drafter's size, block,
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN
-    from dflash.models.config import default_target_layer_ids
+    from dflash.models.taps import default_target_layer_ids
 
     types = list(cfg.drafter.drafter_layer_types or [])
     settings = {"--block-size": cfg.drafter.block_size, "--draft-layers": cfg.drafter.draft_layers,

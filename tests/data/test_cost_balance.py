@@ -35,7 +35,7 @@ def data():
 
 
 def test_flop_coefficients_of_qwen3_8b_by_hand():
-    m = flop_cost_model(load_target_config("qwen3-8b"), num_target_layers=34, drafter_layers=5)
+    m = flop_cost_model(load_target_config("qwen3-8b"), num_target_layers=34, draft_layers=5)
     layer = 2 * 4096 * (32 * 128 + 2 * 8 * 128) + 2 * 32 * 128 * 4096 + 3 * 2 * 4096 * 12288  # 385.9 MFLOP/token
     assert m.per_row == 3 * 5 * layer + 4 * 4096 * 151936  # ~8.3 GFLOP: drafter fwd+bwd, lm_head fwd+input grad
     assert m.per_pair == 34 * 4 * 32 * 128 / 2  # causal: n^2/2 query-key pairs, QK^T and PV

@@ -94,22 +94,22 @@ def test_packed_shuffle_batches_mix_lengths_like_iid_draws(lengths):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_single_sample_batches_are_merged_to_balance_ranks_or_refused(layout):
-    from dflash.data.planner import _balance
+    from dflash.data.rank_counts import equal_counts
 
     lengths = np.array([45, 95, 30])
-    balanced = _balance([np.array([0]), np.array([1]), np.array([2])], lengths, 100, layout, 2)
+    balanced = equal_counts([np.array([0]), np.array([1]), np.array([2])], lengths, 100, layout, 2)
     assert sorted(sorted(b.tolist()) for b in balanced) == [[0, 2], [1]]
     with pytest.raises(UserError, match="no 1 merges of them fit together in the token budget 100"):
         plan_batches(np.array([60, 90, 95]), PlannerConfig(100, "shuffle", layout, world_size=2))
 
 
 def test_merging_backtracks_when_the_cheapest_pair_leaves_too_few():
-    from dflash.data.planner import _balance
+    from dflash.data.rank_counts import equal_counts
 
     # 5 batches on 3 ranks need 2 merges: the cheapest pair (10 + 15) leaves none that fits,
     # 10 + 88 and 15 + 85 do
     lengths = np.array([10, 15, 85, 88, 95])
-    balanced = _balance([np.array([i]) for i in range(5)], lengths, 100, "packed", 3)
+    balanced = equal_counts([np.array([i]) for i in range(5)], lengths, 100, "packed", 3)
     assert [b.tolist() for b in balanced] == [[0, 3], [1, 2], [4]]
 
 

@@ -64,7 +64,7 @@ def test_store_holds_template_tokens_and_assistant_only_mask(tmp_path, tokenizer
 def test_the_batched_encoder_is_the_tokenizers_own_call(tokenizer):
     """`Encoder` (one backend call per batch) against `tokenizer(text)`, also when the tokenizer's
     backend was left truncating and a text holds special tokens."""
-    from dflash.data.prepare import Encoder
+    from dflash.data.tokenizing import Encoder
 
     texts = ["<|im_start|>user\nhello world<|im_end|>\n", "w1 w2 " * 30 + "<|im_end|>", ""]
     tokenizer.backend_tokenizer.enable_truncation(4)
@@ -247,7 +247,8 @@ def test_store_records_fingerprints_and_notices_every_change(tmp_path, tokenizer
     import hashlib
     import os
 
-    from dflash.data.prepare import load_tokenizer, settings_of, store_differences
+    from dflash.data.prepare import settings_of, store_differences
+    from dflash.data.tokenizing import load_tokenizer
 
     src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
     prepare_jsonl(src, tokenizer, tmp_path / "store", max_length=64, progress=False)
@@ -320,7 +321,7 @@ def test_partial_folders_of_dead_runs_are_removed_and_no_other(tmp_path, tokeniz
 
 
 def test_folder_without_tokenizer_files_is_refused(tmp_path):
-    from dflash.data.prepare import load_tokenizer
+    from dflash.data.tokenizing import load_tokenizer
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with pytest.raises(UserError, match=r"--target .*: no tokenizer files there"):

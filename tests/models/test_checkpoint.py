@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash.models import CONFIG_KEYS, Anchors, DFlashDrafter, DrafterConfig
-from dflash.models.config import OPTIONAL_CONFIG_KEYS
+from dflash.models.config_format import OPTIONAL_CONFIG_KEYS
 from dflash.models.target import SharedWeights
 
 from .official import official_dflash
@@ -31,7 +31,7 @@ def target_config(**kw):
 def make_drafter(num_layers=3, taps=(1, 3, 6), dtype=torch.float32, layer_types=None, sliding_window=None,
                  block_size=16, is_causal=None):
     config = DrafterConfig.from_target(target_config(), mask_token_id=MASK_ID, block_size=block_size,
-                                       num_draft_layers=num_layers, target_layer_ids=list(taps),
+                                       draft_layers=num_layers, target_layer_ids=list(taps),
                                        layer_types=layer_types, sliding_window=sliding_window)
     config = dataclasses.replace(config, is_causal=is_causal)
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def test_scaled_rope_round_trips(tmp_path):
                         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 1024})
-    config = DrafterConfig.from_target(llama, mask_token_id=MASK_ID, num_draft_layers=1)
+    config = DrafterConfig.from_target(llama, mask_token_id=MASK_ID, draft_layers=1)
     DFlashDrafter(config).save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["head_dim"] == H // HEADS

@@ -11,7 +11,8 @@ from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, Draft
 from dflash.models.acceptance import walk_tau
 from dflash.models.anchors import to_packed
 from dflash.models.blocks import Blocks, block_scorer
-from dflash.models.config import SLIDING, DFlash2Settings
+from dflash.models.config import DFlash2Settings
+from dflash.models.config_format import SLIDING
 from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm, block_conv, selector_figures, unary_logits
 
 from .test_drafter import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
@@ -21,7 +22,7 @@ SETTINGS = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank
 
 
 def tiny_config(target, settings=SETTINGS, window=6):
-    return DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, num_draft_layers=2,
+    return DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, draft_layers=2,
                                      target_layer_ids=TAPS, layer_types=[SLIDING] * 2, sliding_window=window,
                                      is_causal=False, dflash2=settings)
 

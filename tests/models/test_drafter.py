@@ -36,7 +36,7 @@ def tiny_target(seed=0):
 
 
 def tiny_drafter(target, seed=0, layer_types=None, sliding_window=None, **kwargs):
-    config = DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, num_draft_layers=2,
+    config = DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, draft_layers=2,
                                        target_layer_ids=TAPS, layer_types=layer_types, sliding_window=sliding_window)
     drafter = DFlashDrafter(config, target.shared_weights(), **kwargs)
     # Larger than the 0.02 init, and non-trivial norms, so every term shows in the outputs.

@@ -21,18 +21,11 @@ from dflash.models import (
     DrafterConfig,
 )
 from dflash.models import sampling as sampling_module
-from dflash.models.acceptance import (
-    every_anchor,
-    expected_blocks,
-    limited,
-    slot_ratios,
-    target_inputs,
-    turn_spans,
-    walk,
-    walk_tau,
-)
-from dflash.models.config import SLIDING, DFlash2Settings
+from dflash.models.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
+from dflash.models.config import DFlash2Settings
+from dflash.models.config_format import SLIDING
 from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm
+from dflash.models.expected_walk import expected_blocks, slot_ratios, target_inputs
 from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
     greedy_decode,
@@ -49,7 +42,7 @@ from .official import official_dflash
 def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):
     torch.manual_seed(seed)
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
-                                       num_draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
+                                       draft_layers=layers, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=layer_types,
                                        sliding_window=sliding_window)
     return DFlashDrafter(config, demo["target"].shared_weights(), attention_backend="torch")
@@ -241,7 +234,7 @@ def test_expected_blocks_of_hits_is_the_walk_and_of_ratios_the_mean_of_sampled_w
 
 
 def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
-    from dflash.data.prepare import tokenize_conversation
+    from dflash.data.tokenizing import tokenize_conversation
     from dflash.demo import DATA
 
     with open(DATA) as f:
@@ -257,8 +250,9 @@ def test_prompts_from_conversations_match_the_tokenized_data(demo, tmp_path):
 def test_speculate_cli_saves_the_runs_heldout_conversations(demo, tmp_path, capsys):
     """--save-heldout writes the lines of the run's data that its held-out split holds (a sample a blank
     line before it moves to another line number, so the source lines, not the store order, are used)."""
-    from dflash.data.prepare import ensure_store, tokenize_conversation
+    from dflash.data.prepare import ensure_store
     from dflash.data.token_store import TokenStore
+    from dflash.data.tokenizing import tokenize_conversation
     from dflash.demo import DATA
     from dflash.training.data import held_out_split
 
@@ -358,7 +352,7 @@ def trained2(demo):
     selector's objective, and that objective: its path accepts far more than its backbone's argmax."""
     torch.manual_seed(1)
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
-                                       num_draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
+                                       draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=[SLIDING],
                                        sliding_window=2048, is_causal=False, dflash2=DFlash2Settings(
                                            conv_kernel_size=2, conv_group_size=16, selector_rank=32,

@@ -16,7 +16,7 @@ B = 8
 
 def _scripted_drafter(hf, reference: list[int], prompt_len: int):
     target = TargetModel(hf, [0, 1])
-    config = DrafterConfig.from_target(hf.config, mask_token_id=VOCAB - 1, block_size=B, num_draft_layers=1,
+    config = DrafterConfig.from_target(hf.config, mask_token_id=VOCAB - 1, block_size=B, draft_layers=1,
                                        target_layer_ids=[0, 1], vocab_size=VOCAB)
     drafter = DFlashDrafter(config, target.shared_weights(), attention_backend="torch")
     draft, turns = drafter.draft, itertools.count()

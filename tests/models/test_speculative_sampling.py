@@ -45,7 +45,7 @@ def tiny():
     hf = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         hf.lm_head.weight.mul_(16.0)  # logits of order 1: spread distributions, about 17 likely outcomes
-    dconfig = DrafterConfig.from_target(config, mask_token_id=VOCAB - 1, block_size=3, num_draft_layers=1,
+    dconfig = DrafterConfig.from_target(config, mask_token_id=VOCAB - 1, block_size=3, draft_layers=1,
                                         target_layer_ids=[0])
     drafter = DFlashDrafter(dconfig, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight),
                             attention_backend="torch").eval()
@@ -57,7 +57,7 @@ def tiny2(tiny):
     """A random DFlash2 drafter on the same target: selector top-2 of the 4 tokens, every part away from
     its identity start (its transitions matter)."""
     hf, _ = tiny
-    config = DrafterConfig.from_target(hf.config, mask_token_id=VOCAB - 1, block_size=3, num_draft_layers=1,
+    config = DrafterConfig.from_target(hf.config, mask_token_id=VOCAB - 1, block_size=3, draft_layers=1,
                                        target_layer_ids=[0], dflash2=DFlash2Settings(
                                            conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=2))
     drafter2 = DFlash2Drafter(config, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight),

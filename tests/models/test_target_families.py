@@ -130,8 +130,8 @@ def test_cost_model_of_a_config_file_prices_the_family(family, tmp_path):
     config = CONFIGS[family]()
     config.save_pretrained(tmp_path)
     layers = config.num_hidden_layers - 1
-    live = flop_cost_model(config, num_target_layers=layers, drafter_layers=2, num_features=3)
-    assert flop_cost_model(load_target_config(str(tmp_path)), num_target_layers=layers, drafter_layers=2,
+    live = flop_cost_model(config, num_target_layers=layers, draft_layers=2, num_features=3)
+    assert flop_cost_model(load_target_config(str(tmp_path)), num_target_layers=layers, draft_layers=2,
                            num_features=3) == live
     assert live.window == (WINDOW if family == "gpt_oss" else 0)
     assert (live.per_window_pair > 0) == (family == "gpt_oss")
@@ -153,7 +153,7 @@ def test_drafter_config_of_each_family(family):
     from dflash.models import DrafterConfig
 
     config = CONFIGS[family]()
-    drafter = DrafterConfig.from_target(config, mask_token_id=VOCAB - 1, num_draft_layers=1)
+    drafter = DrafterConfig.from_target(config, mask_token_id=VOCAB - 1, draft_layers=1)
     assert drafter.hidden_size == config.hidden_size and drafter.num_attention_heads == config.num_attention_heads
     dense = getattr(config, "intermediate_size", None)
     assert drafter.intermediate_size == (dense or config.num_experts_per_tok * config.moe_intermediate_size)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from dflash.errors import UserError
-from dflash.models.config import default_target_layer_ids
+from dflash.models.taps import default_target_layer_ids
 from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.sizing.flops import load_target_config
 

@@ -29,7 +29,7 @@ tok = AutoTokenizer.from_pretrained(target_path)
 hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
 target = TargetModel(hf, [1, 2], attention_backend="torch")
 mask_id = ensure_mask_token(tok, target.num_embedding_rows)
-config = DrafterConfig.from_target(hf.config, mask_token_id=mask_id, block_size=8, num_draft_layers=2,
+config = DrafterConfig.from_target(hf.config, mask_token_id=mask_id, block_size=8, draft_layers=2,
                                    target_layer_ids=[1, 2], vocab_size=target.num_embedding_rows)
 maker = MicroBatchMaker(store_path, "packed", pad_id=0, mask_token_id=mask_id, block_size=8, num_anchors=6,
                         gamma=default_gamma(8), seed=0)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.models import DFlashDrafter, DrafterConfig
-from dflash.models.config import SLIDING
+from dflash.models.config_format import SLIDING
 from dflash.models.dflash2 import DFlash2Drafter
 from dflash.training.config import load_config
 

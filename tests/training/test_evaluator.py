@@ -50,7 +50,7 @@ def fitted(demo):
     far more than along the target's samples at temperature 1."""
     torch.manual_seed(1)
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=4,
-                                       num_draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
+                                       draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows)
     drafter = DFlashDrafter(config, demo["target"].shared_weights(), attention_backend="torch")
     return fit(demo, drafter, steps=150, gamma=4.0)

@@ -23,7 +23,7 @@ def released_drafter(folder, **change):
     edits config.json."""
     target = json.loads((DEMO_TARGET / "config.json").read_text())
     config = DrafterConfig.from_target(type("T", (), {**target, "rope_parameters": target["rope_parameters"]}),
-                                       mask_token_id=511, block_size=8, num_draft_layers=3, target_layer_ids=[1, 3],
+                                       mask_token_id=511, block_size=8, draft_layers=3, target_layer_ids=[1, 3],
                                        layer_types=[S, S, F], sliding_window=4)
     drafter = DFlashDrafter(config)
     folder.mkdir(parents=True, exist_ok=True)
@@ -102,7 +102,7 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
     hf = json.loads((target / "config.json").read_text())
     config = DrafterConfig.from_target(type("T", (), {**hf, "rope_parameters": {"rope_type": "default",
                                                                                "rope_theta": 1e6}}),
-                                       mask_token_id=hf["vocab_size"] - 1, block_size=8, num_draft_layers=2,
+                                       mask_token_id=hf["vocab_size"] - 1, block_size=8, draft_layers=2,
                                        target_layer_ids=[0, 1], layer_types=[S, F], sliding_window=5)
     folder = tmp_path / "released"
     folder.mkdir()

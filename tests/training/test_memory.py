@@ -48,13 +48,13 @@ def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
 
 def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
     config = load_target_spec(tiny_run_inputs[0], bare_presets=True).config
-    drafter = DFlashDrafter(DrafterConfig.from_target(config, mask_token_id=0, num_draft_layers=3,
+    drafter = DFlashDrafter(DrafterConfig.from_target(config, mask_token_id=0, draft_layers=3,
                                                       target_layer_ids=[0, 1, 2]))
     sizes = DrafterSizes.from_target(config, layers=3, features=3)
     assert sizes.params == sum(p.numel() for p in drafter.parameters())
     assert sizes.layer_params == sum(p.numel() for p in drafter.layers[0].parameters())
     settings = drafter_kind_settings("dflash2")
-    dcfg = DrafterConfig.from_target(config, mask_token_id=0, num_draft_layers=3, target_layer_ids=[0, 1, 2],
+    dcfg = DrafterConfig.from_target(config, mask_token_id=0, draft_layers=3, target_layer_ids=[0, 1, 2],
                                      **settings)
     drafter2 = drafter_class(dcfg)(dcfg)
     sizes2 = DrafterSizes.from_target(config, layers=3, features=3, dflash2=settings["dflash2"])
@@ -87,7 +87,7 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
     config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024)
     target = TargetModel(AutoModelForCausalLM.from_config(config).to(dtype), [0, 1], attention_backend="triton")
-    dcfg = DrafterConfig.from_target(config, mask_token_id=511, num_draft_layers=2, target_layer_ids=[0, 1],
+    dcfg = DrafterConfig.from_target(config, mask_token_id=511, draft_layers=2, target_layer_ids=[0, 1],
                                      **drafter_kind_settings(kind))
     drafter = drafter_class(dcfg)(dcfg, target.shared_weights(), attention_backend="triton",
                                   activation_checkpointing=checkpointing).to(dtype)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dflash import demo
 from dflash.errors import UserError
-from dflash.models.config import DFLASH2_SLIDING_WINDOW, GAMMA_BY_BLOCK_SIZE, SLIDING
+from dflash.models.config_format import DFLASH2_SLIDING_WINDOW, SLIDING
+from dflash.models.loss import GAMMA_BY_BLOCK_SIZE
 from dflash.options import number, parse_list
 from dflash.training.config.sections import OPTIONS, SECTION_OF, SECTIONS, TrainConfig, flag, layer_type
 from dflash.training.config.validate import validate

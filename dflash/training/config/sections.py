@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
-from dflash.models.config import DFLASH2_SLIDING_WINDOW, FULL, LAYER_TYPES, SLIDING
+from dflash.models.config_format import DFLASH2_SLIDING_WINDOW, FULL, LAYER_TYPES, SLIDING
 from dflash.ops import ATTENTION_BACKENDS
 
 TARGET_PARTITIONS = ("none", "zero3")

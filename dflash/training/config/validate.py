@@ -6,7 +6,8 @@ import math
 
 from dflash.data.planner import LAYOUTS, ORDERS
 from dflash.errors import UserError
-from dflash.models.config import GAMMA_BY_BLOCK_SIZE, SLIDING
+from dflash.models.config_format import SLIDING
+from dflash.models.loss import GAMMA_BY_BLOCK_SIZE
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.training.config.sections import (
     DRAFTER_KINDS,
