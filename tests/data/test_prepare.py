@@ -11,20 +11,7 @@ from dflash.data.collate import collate_packed, collate_padded
 from dflash.errors import UserError
 
 from ..conftest import ROOT, make_chat_tokenizer
-
-CONVERSATIONS = [
-    {"messages": [{"role": "system", "content": "the answer"}, {"role": "user", "content": "hello world"},
-                  {"role": "assistant", "content": "w1 w2 w3"}, {"role": "user", "content": "w4"},
-                  {"role": "assistant", "content": "w5 is the answer"}]},
-    {"conversations": [{"from": "human", "value": "w6 w7"}, {"from": "gpt", "value": "w8 w9 w10 w11"}]},
-    {"messages": [{"role": "user", "content": "hello"},
-                  {"role": "assistant", "content": " ".join(f"w{i % 50}" for i in range(40))}]},
-]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
+from .helpers import CONVERSATIONS, write_jsonl
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from dflash.models.config import DFlash2Settings
 from dflash.models.config_format import SLIDING
 from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm, block_conv, selector_figures, unary_logits
 
-from .test_drafter import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
+from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
 
 SETTINGS = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=5,
                            output_multiplier=0.7, final_logit_softcapping=4.0, input_embedding_scale=1.5)

@@ -7,32 +7,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
 
-from dflash.data.batch import PackedBatch, PaddedBatch
+from dflash.data.batch import PaddedBatch
 from dflash.models import (
     Anchors,
     BlockLoss,
     DFlashDrafter,
     DrafterCache,
     DrafterConfig,
-    TargetModel,
-    block_tensors,
     draw_blocks,
     slot_weights,
 )
 
-VOCAB, MASK_ID, B = 300, 299, 4
-TAPS = [1, 3]
-
-
-def tiny_target(seed=0):
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    return TargetModel(AutoModelForCausalLM.from_config(config).float(), TAPS)
+from .drafter_helpers import MASK_ID, TAPS, VOCAB, B, make_batch, run_blocks, tiny_target
 
 
 def tiny_drafter(target, seed=0, layer_types=None, sliding_window=None, **kwargs):
@@ -46,15 +34,6 @@ def tiny_drafter(target, seed=0, layer_types=None, sliding_window=None, **kwargs
             p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
                     else 0.15 * torch.randn(p.shape, generator=g))
     return drafter
-
-
-def make_batch(lengths, seed=0, prompt=5):
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, VOCAB - 1, (n,), generator=g) for n in lengths]
-    masks = [torch.arange(n) >= prompt for n in lengths]
-    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
-    return PackedBatch(torch.cat(ids), torch.cat(masks), torch.cat([torch.arange(n) for n in lengths]), cu,
-                       cu.clone(), max(lengths), torch.arange(len(lengths)))
 
 
 def rope(x, cos, sin):
@@ -99,13 +78,6 @@ def train_forward(drafter, batch, feats, *, num_anchors=512, chunk_rows=1024, ep
     blocks = draw_blocks(batch, block_size=B, num_anchors=num_anchors, mask_token_id=MASK_ID,
                          slot_weights=slot_weights(B, 2.0), seed=seed, epoch=epoch)
     return BlockLoss(chunk_rows)(drafter(batch, feats, blocks), blocks, drafter.lm_head), blocks
-
-
-def run_blocks(drafter, batch, feats, anchors):
-    bt = block_tensors(anchors, batch, MASK_ID)
-    hidden = drafter.block_hidden(feats, bt.input_ids, bt.position_ids, batch.position_ids,
-                                  (batch.cu_seqlens, batch.cu_seqlens_cpu), anchors)
-    return hidden.view(-1, B, hidden.shape[-1])
 
 
 @pytest.mark.parametrize("layer_types,window", [

@@ -103,19 +103,33 @@ def test_limit_cuts_turns_as_decoding_does(demo, trained):
 
 def test_speculate_report(demo, trained, monkeypatch):
     """The report's figures against the turns decoded one by one: acceptance length = tokens after the
-    first per verify forward, speedup = the ratio of the two tokens/s; a turn the target alone decodes
-    otherwise is named; without the reference run its figures are None."""
+    first per verify forward; with a clock that ticks once per target forward, tokens/s is tokens per
+    target forward (the target alone: 1 exactly) and the speedup the forwards decoding saves; a turn
+    the target alone decodes otherwise is named; without the reference run its figures are None."""
+    from types import SimpleNamespace
+
     import dflash.models.speculate as speculate_module
 
     hf, stops, prompts = demo["hf"], demo["stops"], demo["prompts"][:3]
     alone = [speculative_decode(hf, trained, p, max_new_tokens=LIMIT, stop_ids=stops) for p in prompts]
+    target_calls, forward = [0], hf.forward
+
+    def counted(*args, **kwargs):
+        target_calls[0] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "forward", counted)
+    monkeypatch.setattr(speculate_module, "time", SimpleNamespace(perf_counter=lambda: float(target_calls[0])))
     s = speculate(hf, trained, prompts, max_new_tokens=LIMIT, stop_ids=stops, progress=False).summary()
     assert s["lossless"] is True and s["mismatched_turns"] == [] and s["turns"] == 3
     assert s["tokens"] == s["reference_tokens"] == sum(len(out) for out in demo["outs"][:3])
     assert s["target_forwards"] == sum(d.forwards for d in alone)
     assert s["acceptance_length"] == sum(len(d.tokens) - 1 for d in alone) / sum(d.forwards for d in alone)
     assert s["acceptance_length"] > 1.05  # drafts are accepted: the ratio counts real acceptance
-    assert s["speedup"] == pytest.approx(s["speculative_tokens_per_s"] / s["target_tokens_per_s"])
+    # one prefill per turn, then the verify forwards; the target alone: a prefill, then one forward per token
+    tokens, forwards = s["tokens"], s["target_forwards"] + 3
+    assert s["target_tokens_per_s"] == 1.0 and s["speculative_tokens_per_s"] == tokens / forwards
+    assert s["speedup"] == pytest.approx(tokens / forwards) and s["speedup"] > 1
     assert s["acceptance_length_stderr"] is None and s["temperature"] == 0 and s["seed"] is None
 
     decode = speculate_module.greedy_decode
@@ -135,7 +149,8 @@ def test_speculate_report(demo, trained, monkeypatch):
                   progress=False).summary()
     assert len(calls) == 3, "no reference run"
     assert s["lossless"] is s["speedup"] is s["target_tokens_per_s"] is s["reference_tokens"] is None
-    assert s["tokens"] == len(alone[0].tokens) and s["speculative_tokens_per_s"] > 0
+    assert s["tokens"] == len(alone[0].tokens)
+    assert s["speculative_tokens_per_s"] == len(alone[0].tokens) / (alone[0].forwards + 1)
 
 
 def walk_at(demo, drafter, samples, temperature):

@@ -6,16 +6,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.models import (
     TargetModel,
     default_target_layer_ids,
     ensure_mask_token,
-    measure_flops,
-    target_forward_flops,
 )
+from dflash.sizing.flops import measure_flops, target_forward_flops
 
-VOCAB = 300
+from .target_helpers import VOCAB, make_batches, reference_features
+
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -25,6 +24,7 @@ COMMON = dict(
     num_key_value_heads=2,  # GQA
     max_position_embeddings=256,
 )
+
 CONFIGS = {
     "qwen3": lambda: Qwen3Config(head_dim=16, **COMMON),
     "llama": lambda: LlamaConfig(**COMMON),
@@ -42,39 +42,6 @@ def tiny_models(family: str, seed: int = 0):
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     reference.load_state_dict(model.state_dict())
     return model, reference
-
-
-def make_batches(lengths, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    samples = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
-    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
-    packed = PackedBatch(
-        input_ids=torch.cat(samples),
-        loss_mask=torch.ones(int(cu[-1]), dtype=torch.bool),
-        position_ids=torch.cat([torch.arange(n) for n in lengths]),
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu.clone(),
-        max_seqlen=max(lengths),
-        sample_ids=torch.arange(len(lengths)),
-    )
-    S, L = len(lengths), max(lengths)
-    ids = torch.zeros(S, L, dtype=torch.long)
-    mask = torch.zeros(S, L, dtype=torch.bool)
-    pos = torch.zeros(S, L, dtype=torch.long)
-    for i, s in enumerate(samples):
-        ids[i, : len(s)], mask[i, : len(s)], pos[i, : len(s)] = s, True, torch.arange(len(s))
-    padded = PaddedBatch(ids, mask, mask.clone(), pos, torch.tensor(lengths), torch.arange(S))
-    return samples, packed, padded
-
-
-def reference_features(reference, samples, taps):
-    """Per-sample, unpacked Hugging Face forward: hidden_states[id + 1] concatenated."""
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            hs = reference(s[None], output_hidden_states=True).hidden_states
-            out.append(torch.cat([hs[i + 1][0] for i in taps], dim=-1))
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

@@ -9,7 +9,7 @@ import torch
 from dflash.demo.families import CONFIGS, VOCAB, WINDOW, tiny_target
 from dflash.models import TargetModel, load_language_model
 
-from .test_target import make_batches, reference_features
+from .target_helpers import make_batches, reference_features
 
 FAMILIES = [f for f in CONFIGS if f != "qwen3"]
 LENGTHS = [3 * WINDOW + 5, 1, 17, 1, 2 * WINDOW, 40]  # past the window, one token, at 2x the window

@@ -6,32 +6,7 @@ import torch
 from dflash.ops import dflash_block_attention
 
 from .conftest import DEVICE
-
-
-def _batch(lengths, blocks_per_seq, block_size, hq, hkv, d, dtype, seed=0, anchors=None):
-    """Packed context of `lengths`, blocks with random anchors in [0, length] in shuffled order
-    (or the given (sample, anchor) pairs), random q/k/v and output gradient."""
-    g = torch.Generator().manual_seed(seed)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    if anchors is None:
-        anchors = [(s, int(torch.randint(0, n + 1, (1,), generator=g))) for s, n in enumerate(lengths)
-                   for _ in range(blocks_per_seq)]
-        anchors = [anchors[i] for i in torch.randperm(len(anchors), generator=g).tolist()]
-    seq = torch.tensor([s for s, _ in anchors], dtype=torch.int32)
-    anchor = torch.tensor([a for _, a in anchors], dtype=torch.int32)
-    rows, t = len(anchors) * block_size, sum(lengths)
-    tensors = [torch.randn(n, h, d, generator=g) for n, h in
-               ((rows, hq), (t, hkv), (t, hkv), (rows, hkv), (rows, hkv), (rows, hq))]
-    tensors = [x.to(DEVICE, dtype) for x in tensors]
-    return tensors[:5], tensors[5], cu.to(DEVICE), seq.to(DEVICE), anchor.to(DEVICE)
-
-
-def _run(inputs, do, cu, seq, anchor, block_size, backend, dtype=None, deterministic=None, window=None,
-         causal=False):
-    leaves = [x.to(dtype or x.dtype).requires_grad_() for x in inputs]
-    out = dflash_block_attention(*leaves, cu, seq, anchor, block_size, backend=backend, deterministic=deterministic,
-                                 window=window, causal=causal)
-    return out, torch.autograd.grad(out, leaves, do.to(out.dtype))
+from .helpers import block_batch, run_block
 
 
 def _dense(q, k_ctx, v_ctx, k_blk, v_blk, cu, seq, anchor, block_size, window=None, causal=False):
@@ -81,10 +56,10 @@ VARIANTS = [
     pytest.param([0, 6], 2, 3, id="empty-sample"),
 ])
 def test_reference_matches_dense_mask(lengths, per_seq, block_size, window, causal):
-    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, 4, 2, 16, torch.float64)
+    inputs, do, cu, seq, anchor = block_batch(lengths, per_seq, block_size, 4, 2, 16, torch.float64)
     if lengths[0] == 0:
         seq[:] = 1  # no blocks in the empty sample
-    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", window=window, causal=causal)
+    out, grads = run_block(inputs, do, cu, seq, anchor, block_size, "torch", window=window, causal=causal)
     leaves = [x.clone().requires_grad_() for x in inputs]
     ref = _dense(*leaves, cu, seq, anchor, block_size, window, causal)
     torch.testing.assert_close(out, ref)
@@ -99,7 +74,7 @@ def test_reference_matches_dense_mask(lengths, per_seq, block_size, window, caus
 def test_reference_visibility_is_the_documented_example(window, causal, expected):
     """The interface docstring's picture (sample of 6 tokens, B = 2, anchors 3 and 0), read off
     the reference: row r sees key c iff the output row's gradient w.r.t. that value is non-zero."""
-    inputs, _, cu, seq, anchor = _batch([6], 0, 2, 1, 1, 4, torch.float64, anchors=[(0, 3), (0, 0)])
+    inputs, _, cu, seq, anchor = block_batch([6], 0, 2, 1, 1, 4, torch.float64, anchors=[(0, 3), (0, 0)])
     seen = []
     for r in range(4):
         leaves = [x.clone().requires_grad_() for x in inputs]
@@ -124,10 +99,10 @@ CASES = [
 @pytest.mark.parametrize("lengths,per_seq,block_size,hq,hkv,d,dtype,anchors", CASES)
 def test_triton_matches_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, deterministic,
                                   check_close):
-    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
-    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic)
-    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64)
-    low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch")
+    inputs, do, cu, seq, anchor = block_batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
+    out, grads = run_block(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic)
+    ref, ref_grads = run_block(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64)
+    low, low_grads = run_block(inputs, do, cu, seq, anchor, block_size, "torch")
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
                                    strict=True):
@@ -153,11 +128,11 @@ SLIDING_CASES = [
 @pytest.mark.parametrize("lengths,per_seq,block_size,hq,hkv,d,dtype,anchors,window,causal", SLIDING_CASES)
 def test_triton_sliding_variants_match_reference(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors, window,
                                                  causal, deterministic, check_close):
-    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
+    inputs, do, cu, seq, anchor = block_batch(lengths, per_seq, block_size, hq, hkv, d, dtype, anchors=anchors)
     variant = dict(window=window, causal=causal)
-    out, grads = _run(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic, **variant)
-    ref, ref_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64, **variant)
-    low, low_grads = _run(inputs, do, cu, seq, anchor, block_size, "torch", **variant)
+    out, grads = run_block(inputs, do, cu, seq, anchor, block_size, "triton", deterministic=deterministic, **variant)
+    ref, ref_grads = run_block(inputs, do, cu, seq, anchor, block_size, "torch", torch.float64, **variant)
+    low, low_grads = run_block(inputs, do, cu, seq, anchor, block_size, "torch", **variant)
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
                                    strict=True):
@@ -169,13 +144,13 @@ def test_triton_matches_reference_random_batches(seed, check_close):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 40, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
     per_seq = int(torch.randint(1, 7, (1,), generator=g))
-    inputs, do, cu, seq, anchor = _batch(lengths, per_seq, 4, 4, 2, 32, torch.float32, seed)
+    inputs, do, cu, seq, anchor = block_batch(lengths, per_seq, 4, 4, 2, 32, torch.float32, seed)
     leaves = [x.clone().requires_grad_() for x in inputs]
     # One seed passes the CPU copy of cu_seqlens (exact tile count), the other does not.
     cu_cpu = cu.cpu() if seed % 2 else None
     out = dflash_block_attention(*leaves, cu, seq, anchor, 4, backend="triton", cu_seqlens_cpu=cu_cpu)
     grads = torch.autograd.grad(out, leaves, do)
-    ref, ref_grads = _run(inputs, do, cu, seq, anchor, 4, "torch")
+    ref, ref_grads = run_block(inputs, do, cu, seq, anchor, 4, "torch")
     for name, got, want in zip(("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), (out, *grads), (ref, *ref_grads),
                                    strict=True):
         check_close(name, got, want)
@@ -187,8 +162,8 @@ def test_new_batches_do_not_recompile(count_specializations):
     compiled = count_specializations([tk._fwd_kernel, tk._bwd_ctx_kernel, tk._bwd_own_kernel])
     first = None
     for i, (lengths, per_seq) in enumerate((([30, 9], 3), ([5, 1, 60, 17], 2), ([64], 7), ([8] * 5, 1))):
-        inputs, do, cu, seq, anchor = _batch(lengths, per_seq, 4, 2, 1, 16, torch.float32, seed=i)
-        _run(inputs, do, cu, seq, anchor, 4, "triton")
+        inputs, do, cu, seq, anchor = block_batch(lengths, per_seq, 4, 2, 1, 16, torch.float32, seed=i)
+        run_block(inputs, do, cu, seq, anchor, 4, "triton")
         first = compiled() if first is None else first
         assert compiled() == first, f"recompiled for lengths {lengths}, {per_seq} blocks per sample"
     assert first <= 3
@@ -209,19 +184,19 @@ def test_deterministic_follows_torch_and_repeats_bitwise(monkeypatch):
         return launch(tuner, *args, **kwargs)
 
     monkeypatch.setattr(tk, "launch", spy)
-    inputs, do, cu, seq, anchor = _batch([37, 5], 3, 4, 4, 2, 32, torch.float32)
-    _run(inputs, do, cu, seq, anchor, 4, "triton")
+    inputs, do, cu, seq, anchor = block_batch([37, 5], 3, 4, 4, 2, 32, torch.float32)
+    run_block(inputs, do, cu, seq, anchor, 4, "triton")
     assert not launches
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    first = _run(inputs, do, cu, seq, anchor, 4, "triton")[1]
+    first = run_block(inputs, do, cu, seq, anchor, 4, "triton")[1]
     assert len(launches) == 1
-    again = _run(inputs, do, cu, seq, anchor, 4, "triton")[1]
+    again = run_block(inputs, do, cu, seq, anchor, 4, "triton")[1]
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
 
 
 def test_errors_name_the_problem():
-    inputs, _, cu, seq, anchor = _batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
+    inputs, _, cu, seq, anchor = block_batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="num_blocks"):
         dflash_block_attention(*inputs, cu, seq, anchor, 3)
     with pytest.raises(TypeError, match="int32"):
@@ -237,7 +212,7 @@ def test_errors_name_the_problem():
 @pytest.mark.parametrize("bad", ["anchor", "sample"])
 def test_triton_refuses_blocks_outside_their_sample(bad):
     """An anchor past its sample's length made the kernels read the next sample's rows."""
-    inputs, _, cu, seq, anchor = _batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
+    inputs, _, cu, seq, anchor = block_batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
     if bad == "anchor":
         anchor = torch.where(seq == 0, 7, anchor).to(torch.int32)
     else:
@@ -257,16 +232,16 @@ def test_flex_backend_matches_the_float64_reference(backend, window, causal, che
     """FlexAttention with the block mask (also what torch_varlen / flash_attn select for this op):
     forward on the CPU (no CPU backward in torch), forward and backward on CUDA."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    inputs, do, cu, seq, anchor = _batch([40, 1, 23], 5, 4, 4, 2, 64, dtype, anchors=None)
+    inputs, do, cu, seq, anchor = block_batch([40, 1, 23], 5, 4, 4, 2, 64, dtype, anchors=None)
     variant = dict(window=window, causal=causal)
-    ref, ref_grads = _run(inputs, do, cu, seq, anchor, 4, "torch", torch.float64, **variant)
-    low, low_grads = _run(inputs, do, cu, seq, anchor, 4, "torch", **variant)
+    ref, ref_grads = run_block(inputs, do, cu, seq, anchor, 4, "torch", torch.float64, **variant)
+    low, low_grads = run_block(inputs, do, cu, seq, anchor, 4, "torch", **variant)
     if DEVICE != "cuda":
-        detached = [x.detach() for x in inputs]  # _run made the inputs themselves leaves
+        detached = [x.detach() for x in inputs]  # run_block made the inputs themselves leaves
         out = dflash_block_attention(*detached, cu, seq, anchor, 4, backend=backend, **variant)
         check_close("out", out, ref, low)
         return
-    out, grads = _run(inputs, do, cu, seq, anchor, 4, backend, **variant)
+    out, grads = run_block(inputs, do, cu, seq, anchor, 4, backend, **variant)
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads, low_grads,
                                    strict=True):
@@ -284,7 +259,7 @@ def test_auto_falls_back_to_flex_where_no_triton_config_fits(monkeypatch, check_
     monkeypatch.setattr(compile_check, "current_capability", lambda: 120)
     asked = []
     monkeypatch.setattr(tk, "unservable", lambda *case: asked.append(case) or "_bwd_own_kernel: no config fits sm_120a")
-    inputs, do, cu, seq, anchor = _batch([23, 9], 2, 4, 4, 2, 32, torch.float32)
+    inputs, do, cu, seq, anchor = block_batch([23, 9], 2, 4, 4, 2, 32, torch.float32)
     with pytest.warns(UserWarning, match='no config fits sm_120a.*backend="auto" uses FlexAttention'):
         out = dflash_block_attention(*inputs, cu, seq, anchor, 4)
     check_close("out", out, dflash_block_attention(*inputs, cu, seq, anchor, 4, backend="torch"))

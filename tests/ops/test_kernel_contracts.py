@@ -24,10 +24,7 @@ from dflash.ops.dflash_block import triton_kernels as bk
 from dflash.ops.varlen import triton_kernels as vk
 
 from .conftest import DEVICE
-from .test_dflash_block_attention import _batch
-from .test_dflash_block_attention import _run as _run_block
-from .test_varlen_attention import _cu, _inputs
-from .test_varlen_attention import _run as _run_varlen
+from .helpers import block_batch, cu_seqlens, run_block, run_varlen, varlen_inputs
 
 pytestmark = pytest.mark.skipif(DEVICE == "cuda", reason="simulates a GPU's autotuner in the interpreter")
 
@@ -75,11 +72,11 @@ def test_first_varlen_call_after_autotuning_matches_the_reference(monkeypatch, c
     benchmark run's adds too (relative error about 7 with two configs timed 3 times each)."""
     calls = _simulate_gpu_tuning(monkeypatch, VARLEN, [2.0, 1.0])
     lengths = [40, 1, 20]
-    q, k, v, do = _inputs(lengths, 2, 1, 32, torch.float32)
-    cu = _cu(lengths)
-    out, grads = _run_varlen(q, k, v, do, cu, 40, True, "triton", deterministic=False)
+    q, k, v, do = varlen_inputs(lengths, 2, 1, 32, torch.float32)
+    cu = cu_seqlens(lengths)
+    out, grads = run_varlen(q, k, v, do, cu, 40, True, "triton", deterministic=False)
     assert calls[vk._bwd_dkdv_kernel] == 2  # the first call did tune
-    ref, ref_grads = _run_varlen(q, k, v, do, cu, 40, True, "torch", torch.float64)
+    ref, ref_grads = run_varlen(q, k, v, do, cu, 40, True, "torch", torch.float64)
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
         check_close(name, got, want)
 
@@ -90,11 +87,11 @@ def test_first_block_call_after_autotuning_matches_the_reference(monkeypatch, ch
     """As for varlen: the block dK/dV kernel adds the context's dQ into DQ_ACC (error 4.6 before);
     also for a drafter's sliding layers (DFlash2's: sliding, not causal), each variant tuned anew."""
     calls = _simulate_gpu_tuning(monkeypatch, BLOCK, [2.0, 1.0])
-    inputs, do, cu, seq, anchor = _batch([40, 1, 23], 3, 4, 2, 1, 32, torch.float32)
-    out, grads = _run_block(inputs, do, cu, seq, anchor, 4, "triton", deterministic=False, window=window,
+    inputs, do, cu, seq, anchor = block_batch([40, 1, 23], 3, 4, 2, 1, 32, torch.float32)
+    out, grads = run_block(inputs, do, cu, seq, anchor, 4, "triton", deterministic=False, window=window,
                             causal=causal)
     assert calls[bk._bwd_ctx_kernel] == 2 and calls[bk._fwd_kernel] == 2
-    ref, ref_grads = _run_block(inputs, do, cu, seq, anchor, 4, "torch", torch.float64, window=window, causal=causal)
+    ref, ref_grads = run_block(inputs, do, cu, seq, anchor, 4, "torch", torch.float64, window=window, causal=causal)
     for name, got, want in zip(("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), (out, *grads),
                                (ref, *ref_grads), strict=True):
         check_close(name, got, want)
@@ -110,11 +107,11 @@ def test_deterministic_mode_runs_one_config_whatever_the_timings(monkeypatch, op
         calls = _simulate_gpu_tuning(monkeypatch, VARLEN if op == "varlen" else BLOCK, timings)
         if op == "varlen":
             lengths = [40, 1, 20]
-            q, k, v, do = _inputs(lengths, 2, 1, 32, torch.float32)
-            out, grads = _run_varlen(q, k, v, do, _cu(lengths), 40, True, "triton", deterministic=True)
+            q, k, v, do = varlen_inputs(lengths, 2, 1, 32, torch.float32)
+            out, grads = run_varlen(q, k, v, do, cu_seqlens(lengths), 40, True, "triton", deterministic=True)
         else:
-            inputs, do, cu, seq, anchor = _batch([40, 1, 23], 3, 4, 2, 1, 32, torch.float32)
-            out, grads = _run_block(inputs, do, cu, seq, anchor, 4, "triton", deterministic=True)
+            inputs, do, cu, seq, anchor = block_batch([40, 1, 23], 3, 4, 2, 1, 32, torch.float32)
+            out, grads = run_block(inputs, do, cu, seq, anchor, 4, "triton", deterministic=True)
         assert not calls, f"deterministic mode timed configs: {calls}"
         results.append((out, *grads))
     for a, b in zip(*results, strict=True):
@@ -151,12 +148,12 @@ def test_every_config_the_autotuner_may_choose_is_right(monkeypatch, check_close
     """A causal dK/dV query step larger than the key tile (64 > 32 here; 64 > 32 for fp32 at head dim
     128 on a GPU) counted the rows past the key tile twice."""
     lengths = [70, 9, 33]
-    q, k, v, do = _inputs(lengths, 2, 1, 32, torch.float32)
-    cu = _cu(lengths)
-    ref, ref_grads = _run_varlen(q, k, v, do, cu, 70, True, "torch", torch.float64)
+    q, k, v, do = varlen_inputs(lengths, 2, 1, 32, torch.float32)
+    cu = cu_seqlens(lengths)
+    ref, ref_grads = run_varlen(q, k, v, do, cu, 70, True, "torch", torch.float64)
     for step in (16, 32, 64):
         monkeypatch.setattr(vk._bwd_dkdv_kernel, "configs", [triton.Config({"BLOCK_M": step}, num_warps=4)])
-        _, grads = _run_varlen(q, k, v, do, cu, 70, True, "triton", deterministic=step == 32)
+        _, grads = run_varlen(q, k, v, do, cu, 70, True, "triton", deterministic=step == 32)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
             check_close(f"{name} (query step {step})", got, want)
 
@@ -176,16 +173,16 @@ def test_int64_offsets_give_the_same_results(monkeypatch, op, check_close):
         monkeypatch.setattr(module, "offsets_need_int64", lambda *args: True)
     if op == "varlen":
         lengths = [40, 1, 20]
-        q, k, v, do = _inputs(lengths, 2, 1, 32, torch.float32)
-        cu = _cu(lengths)
+        q, k, v, do = varlen_inputs(lengths, 2, 1, 32, torch.float32)
+        cu = cu_seqlens(lengths)
         assert vk._offs64(q, None)
-        runs = [_run_varlen(q, k, v, do, cu, 40, True, b, deterministic=d) for b, d in
+        runs = [run_varlen(q, k, v, do, cu, 40, True, b, deterministic=d) for b, d in
                 (("triton", False), ("triton", True), ("torch", None))]
         names = ("out", "dq", "dk", "dv")
     else:
-        inputs, do, cu, seq, anchor = _batch([40, 1, 23], 3, 4, 2, 1, 32, torch.float32)
+        inputs, do, cu, seq, anchor = block_batch([40, 1, 23], 3, 4, 2, 1, 32, torch.float32)
         assert bk._offs64(inputs[0], inputs[1], None)
-        runs = [_run_block(inputs, do, cu, seq, anchor, 4, b, deterministic=d) for b, d in
+        runs = [run_block(inputs, do, cu, seq, anchor, 4, b, deterministic=d) for b, d in
                 (("triton", False), ("triton", True), ("torch", None))]
         names = ("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk")
     ref = (runs[2][0], *runs[2][1])
@@ -251,7 +248,7 @@ def test_a_sample_past_int32_offsets_reads_its_own_rows():
 
 
 def _varlen(cu, t=None, cu_cpu=None, backend="triton"):
-    q, k, v, _ = _inputs([t or int(cu[-1])], 2, 1, 16, torch.float32)
+    q, k, v, _ = varlen_inputs([t or int(cu[-1])], 2, 1, 16, torch.float32)
     return varlen_attention(q, k, v, torch.tensor(cu, dtype=torch.int32, device=DEVICE), 64, backend=backend,
                             cu_seqlens_cpu=cu_cpu)
 
@@ -270,7 +267,7 @@ def test_cu_seqlens_must_end_at_the_rows_and_never_decrease(backend):
 
 
 def test_cu_seqlens_ctx_is_checked_too():
-    inputs, _, cu, seq, anchor = _batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
+    inputs, _, cu, seq, anchor = block_batch([6, 4], 2, 4, 4, 2, 16, torch.float32)
     k_ctx, v_ctx = (torch.cat([x, x[:3]]) for x in inputs[1:3])  # 3 context rows past cu[-1]
     with pytest.raises(ValueError, match="cu_seqlens_ctx must start at 0 and end at 13"):
         dflash_block_attention(inputs[0], k_ctx, v_ctx, *inputs[3:], cu, seq, anchor, 4, backend="triton")

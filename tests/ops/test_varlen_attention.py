@@ -6,24 +6,7 @@ import torch
 from dflash.ops import varlen_attention
 
 from .conftest import DEVICE
-
-
-def _cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-
-
-def _inputs(lengths, hq, hkv, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lengths)
-    q, k, v, do = (torch.randn(t, h, d, generator=g).to(DEVICE, dtype) for h in (hq, hkv, hkv, hq))
-    return q, k, v, do
-
-
-def _run(q, k, v, do, cu, max_len, causal, backend, dtype=None, deterministic=None):
-    """Output and (dq, dk, dv), computed on copies cast to `dtype` (default: the inputs')."""
-    leaves = [x.to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
-    out = varlen_attention(*leaves, cu, max_len, causal=causal, backend=backend, deterministic=deterministic)
-    return out, torch.autograd.grad(out, leaves, do.to(out.dtype))
+from .helpers import cu_seqlens, run_varlen, varlen_inputs
 
 
 def _dense(q, k, v, cu, causal):
@@ -43,9 +26,9 @@ def _dense(q, k, v, cu, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("lengths", [[5, 1, 12, 0, 7], [1], [9, 9]], ids=["mixed", "one-token", "equal"])
 def test_reference_matches_dense_mask(lengths, causal):
-    q, k, v, do = _inputs(lengths, 4, 2, 16, torch.float64)
-    cu = _cu(lengths)
-    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
+    q, k, v, do = varlen_inputs(lengths, 4, 2, 16, torch.float64)
+    cu = cu_seqlens(lengths)
+    out, grads = run_varlen(q, k, v, do, cu, max(lengths), causal, "torch")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = _dense(*leaves, cu, causal)
     ref_grads = torch.autograd.grad(ref, leaves, do)
@@ -67,11 +50,11 @@ CASES = [
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("lengths,hq,hkv,d,dtype,causal", CASES)
 def test_triton_matches_reference(lengths, hq, hkv, d, dtype, causal, deterministic, check_close):
-    q, k, v, do = _inputs(lengths, hq, hkv, d, dtype)
-    cu = _cu(lengths)
-    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton", deterministic=deterministic)
-    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch", torch.float64)
-    low, low_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
+    q, k, v, do = varlen_inputs(lengths, hq, hkv, d, dtype)
+    cu = cu_seqlens(lengths)
+    out, grads = run_varlen(q, k, v, do, cu, max(lengths), causal, "triton", deterministic=deterministic)
+    ref, ref_grads = run_varlen(q, k, v, do, cu, max(lengths), causal, "torch", torch.float64)
+    low, low_grads = run_varlen(q, k, v, do, cu, max(lengths), causal, "torch")
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
         check_close(name, got, want, lo)
@@ -83,18 +66,18 @@ def test_triton_matches_reference_random_batches(seed, check_close):
     lengths = torch.randint(0, 48, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
     lengths[0] = max(lengths[0], 1)
     causal = bool(seed % 2)
-    q, k, v, do = _inputs(lengths, 4, 2, 32, torch.float32, seed)
-    cu = _cu(lengths)
-    out, grads = _run(q, k, v, do, cu, max(lengths), causal, "triton")
-    ref, ref_grads = _run(q, k, v, do, cu, max(lengths), causal, "torch")
+    q, k, v, do = varlen_inputs(lengths, 4, 2, 32, torch.float32, seed)
+    cu = cu_seqlens(lengths)
+    out, grads = run_varlen(q, k, v, do, cu, max(lengths), causal, "triton")
+    ref, ref_grads = run_varlen(q, k, v, do, cu, max(lengths), causal, "torch")
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
         check_close(name, got, want)
 
 
 def test_cpu_copy_of_cu_seqlens_gives_the_same_result(check_close):
     lengths = [20, 3, 41]
-    q, k, v, _ = _inputs(lengths, 2, 1, 32, torch.float32)
-    cu = _cu(lengths)
+    q, k, v, _ = varlen_inputs(lengths, 2, 1, 32, torch.float32)
+    cu = cu_seqlens(lengths)
     exact = varlen_attention(q, k, v, cu, 41, backend="triton", cu_seqlens_cpu=cu.cpu())
     bounded = varlen_attention(q, k, v, cu, 41, backend="triton")
     check_close("out", exact, bounded)
@@ -106,16 +89,16 @@ def test_new_lengths_do_not_recompile(count_specializations):
     compiled = count_specializations([tk._fwd_kernel, tk._bwd_dkdv_kernel, tk._bwd_dq_kernel])
     first = None
     for lengths in ([20, 7], [3, 1, 40, 16, 9], [64], [5] * 9):
-        q, k, v, do = _inputs(lengths, 2, 1, 16, torch.float32)
-        _run(q, k, v, do, _cu(lengths), max(lengths), True, "triton")
+        q, k, v, do = varlen_inputs(lengths, 2, 1, 16, torch.float32)
+        run_varlen(q, k, v, do, cu_seqlens(lengths), max(lengths), True, "triton")
         first = compiled() if first is None else first
         assert compiled() == first, f"recompiled for lengths {lengths}"
     assert first <= 3
 
 
 def test_auto_backend_and_errors():
-    q, k, v, _ = _inputs([4, 3], 4, 2, 16, torch.float32)
-    cu = _cu([4, 3])
+    q, k, v, _ = varlen_inputs([4, 3], 4, 2, 16, torch.float32)
+    cu = cu_seqlens([4, 3])
     if DEVICE == "cpu":  # auto is the reference off CUDA: exactly the same numbers
         assert torch.equal(varlen_attention(q, k, v, cu, 4), varlen_attention(q, k, v, cu, 4, backend="torch"))
     with pytest.raises(ValueError, match="multiple"):
@@ -137,10 +120,10 @@ def test_full_attention_backward_masks_keys_past_the_end_in_float16(deterministi
     q = (4 + 0.1 * torch.randn(t, 2, d, generator=g)).to(DEVICE, torch.float16)
     k = (-1.2 + torch.randn(t, 1, d, generator=g)).to(DEVICE, torch.float16)
     v, do = (torch.randn(t, h, d, generator=g).to(DEVICE, torch.float16) for h in (1, 2))
-    cu = _cu(lengths)
-    out, grads = _run(q, k, v, do, cu, 20, False, "triton", deterministic=deterministic)
-    ref, ref_grads = _run(q, k, v, do, cu, 20, False, "torch", torch.float64)
-    low, low_grads = _run(q, k, v, do, cu, 20, False, "torch")
+    cu = cu_seqlens(lengths)
+    out, grads = run_varlen(q, k, v, do, cu, 20, False, "triton", deterministic=deterministic)
+    ref, ref_grads = run_varlen(q, k, v, do, cu, 20, False, "torch", torch.float64)
+    low, low_grads = run_varlen(q, k, v, do, cu, 20, False, "torch")
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
         check_close(name, got, want, lo)
@@ -150,10 +133,10 @@ def test_max_seqlen_below_the_longest_sample(check_close):
     """Without a host copy of cu_seqlens the kernels must not trust max_seqlen (too small a value
     dropped tiles); with one, a wrong max_seqlen is refused."""
     lengths = [40, 3, 70]
-    q, k, v, do = _inputs(lengths, 2, 1, 16, torch.float32)
-    cu = _cu(lengths)
-    out, grads = _run(q, k, v, do, cu, 8, True, "triton")
-    ref, ref_grads = _run(q, k, v, do, cu, 70, True, "torch")
+    q, k, v, do = varlen_inputs(lengths, 2, 1, 16, torch.float32)
+    cu = cu_seqlens(lengths)
+    out, grads = run_varlen(q, k, v, do, cu, 8, True, "triton")
+    ref, ref_grads = run_varlen(q, k, v, do, cu, 70, True, "torch")
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
         check_close(name, got, want)
     with pytest.raises(ValueError, match="max_seqlen is 8 but sample 2 has 70 rows"):
@@ -167,21 +150,21 @@ def test_library_backends_match_the_float64_reference(backend, causal, check_clo
     run (FlexAttention runs forward-only on the CPU), backward on CUDA."""
     if backend != "flex" and DEVICE != "cuda":
         with pytest.raises(RuntimeError, match="runs on CUDA tensors"):
-            varlen_attention(*_inputs([4], 2, 1, 16, torch.float32)[:3], _cu([4]), 4, backend=backend)
+            varlen_attention(*varlen_inputs([4], 2, 1, 16, torch.float32)[:3], cu_seqlens([4]), 4, backend=backend)
         return
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")
     lengths = [37, 1, 64, 5, 0, 20]
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    q, k, v, do = _inputs(lengths, 4, 2, 64, dtype)
-    cu = _cu(lengths)
-    ref, ref_grads = _run(q, k, v, do, cu, 64, causal, "torch", torch.float64)
-    low, low_grads = _run(q, k, v, do, cu, 64, causal, "torch")
+    q, k, v, do = varlen_inputs(lengths, 4, 2, 64, dtype)
+    cu = cu_seqlens(lengths)
+    ref, ref_grads = run_varlen(q, k, v, do, cu, 64, causal, "torch", torch.float64)
+    low, low_grads = run_varlen(q, k, v, do, cu, 64, causal, "torch")
     if DEVICE != "cuda":
         out = varlen_attention(q.detach(), k.detach(), v.detach(), cu, 64, causal=causal, backend=backend)
         check_close("out", out, ref, low)
         return
-    out, grads = _run(q, k, v, do, cu, 64, causal, backend)
+    out, grads = run_varlen(q, k, v, do, cu, 64, causal, backend)
     check_close("out", out, ref, low)
     for name, got, want, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, strict=True):
         check_close(name, got, want, lo)
@@ -203,13 +186,13 @@ def test_auto_falls_back_to_flex_where_no_triton_config_fits(monkeypatch, check_
     monkeypatch.setattr(tk, "varlen_attention_triton", lambda *args: launched.append(args) or args[0])
     lengths = [9, 4]
     for d in (32, 64):
-        q, k, v, _ = _inputs(lengths, 2, 1, d, torch.float32, seed=d)
+        q, k, v, _ = varlen_inputs(lengths, 2, 1, d, torch.float32, seed=d)
         if d == 32:
-            assert varlen_attention(q, k, v, _cu(lengths), 9, deterministic=True) is q and len(launched) == 1
+            assert varlen_attention(q, k, v, cu_seqlens(lengths), 9, deterministic=True) is q and len(launched) == 1
             continue
         with pytest.warns(UserWarning, match='no config fits sm_120a.*backend="auto" uses FlexAttention'):
-            out = varlen_attention(q, k, v, _cu(lengths), 9)
-        check_close("out", out, varlen_attention(q, k, v, _cu(lengths), 9, backend="torch"))
+            out = varlen_attention(q, k, v, cu_seqlens(lengths), 9)
+        check_close("out", out, varlen_attention(q, k, v, cu_seqlens(lengths), 9, backend="torch"))
     assert len(launched) == 1
     assert asked == [(32, 2, 1, torch.float32, True, True, 120), (64, 2, 1, torch.float32, True, False, 120)]
 
@@ -260,14 +243,14 @@ def test_torch_varlen_backend_serves_gqa_with_or_without_enable_gqa(monkeypatch,
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", _fake_varlen_attn(with_gqa))
     lengths = [9, 1, 14]
-    q, k, v, do = _inputs(lengths, 4, 2, 16, torch.float32)
+    q, k, v, do = varlen_inputs(lengths, 4, 2, 16, torch.float32)
     results = []
     for backend in ("torch_varlen", "torch"):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         if backend == "torch":
-            out = varlen_attention(*leaves, _cu(lengths), 14, backend="torch", softmax_scale=0.25)
+            out = varlen_attention(*leaves, cu_seqlens(lengths), 14, backend="torch", softmax_scale=0.25)
         else:
-            out = varlen_attention_library(backend, *leaves, _cu(lengths), 14, True, 0.25)
+            out = varlen_attention_library(backend, *leaves, cu_seqlens(lengths), 14, True, 0.25)
         results.append((out, *torch.autograd.grad(out, leaves, do)))
     for name, got, want in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         check_close(name, got, want)

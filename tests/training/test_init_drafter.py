@@ -9,32 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.demo import TARGET as DEMO_TARGET
 from dflash.errors import UserError
 from dflash.models import DFlashDrafter, DrafterConfig
 from dflash.training.config import load_config
 
+from .conftest import released_drafter
+
 S, F = "sliding_attention", "full_attention"
-
-
-def released_drafter(folder, **change):
-    """A drafter folder for the demo target (hidden 128, 512 rows, 6 layers) written the way released
-    drafters are: torch_dtype, rope_theta, block_size at the top level, bf16 tensors; `change`
-    edits config.json."""
-    target = json.loads((DEMO_TARGET / "config.json").read_text())
-    config = DrafterConfig.from_target(type("T", (), {**target, "rope_parameters": target["rope_parameters"]}),
-                                       mask_token_id=511, block_size=8, draft_layers=3, target_layer_ids=[1, 3],
-                                       layer_types=[S, S, F], sliding_window=4)
-    drafter = DFlashDrafter(config)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()},
-              folder / "model.safetensors")
-    d = config.to_json_dict()
-    d["torch_dtype"] = d.pop("dtype")
-    d.pop("rope_parameters")
-    d.update(change)
-    (folder / "config.json").write_text(json.dumps(d))
-    return folder
 
 
 def test_the_drafter_sets_the_drafter_options(tmp_path):

@@ -17,7 +17,7 @@ from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
 
 from ..conftest import ROOT, launch_script
-from ..models.test_checkpoint import make_drafter
+from ..models.checkpoint_helpers import make_drafter
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_run_store_is_rebuilt_when_its_input_changes_and_refused_on_resume(tmp_p
     from dflash.data.token_store import TokenStore
 
     from ..conftest import make_chat_tokenizer
-    from ..data.test_prepare import CONVERSATIONS, write_jsonl
+    from ..data.helpers import CONVERSATIONS, write_jsonl
 
     tok = make_chat_tokenizer()
     src = write_jsonl(tmp_path / "train.jsonl", CONVERSATIONS)

@@ -80,7 +80,7 @@ def check_official_export(drafter_dir):
 
     from dflash.models import CONFIG_KEYS, DFlashDrafter
 
-    from ..models.test_checkpoint import expected_names
+    from ..models.checkpoint_helpers import expected_names
 
     exported = json.loads((drafter_dir / "config.json").read_text())
     assert set(exported) == CONFIG_KEYS and exported["architectures"] == ["DFlashDraftModel"]
