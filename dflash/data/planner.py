@@ -284,6 +284,21 @@ class BatchPlanner:
             "costs_crc32": None if self.costs is None else zlib.crc32(self.costs.tobytes()),
         }
 
+    def to_step_boundary(self, steps) -> int | None:
+        """Move to the first optimizer step at or after the position (the next epoch when none is
+        left); `steps`: per epoch, its steps as (first, end) micro-step ranges. Returns the position
+        it left, None when it stood on a step's first micro-step (always, but after a forced resume)."""
+        epoch, position = self.epoch, self.position
+        boundary = next((first for first, _ in steps[epoch] if first >= position), None) \
+            if epoch < len(steps) else position
+        if boundary == position:
+            return None
+        if boundary is None:
+            self.epoch, self.position = epoch + 1, 0
+        else:
+            self.position = boundary
+        return position
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "fingerprint": self.fingerprint()}
 

@@ -298,7 +298,7 @@ class Evaluator:
     def speculate_heldout(self, drafter_dir: Path, step: int, output: Path, turns: int) -> dict:
         """Greedy speculative decoding of the first `turns` held-out turns with the exported drafter
         (call on one rank): the acceptance length decoding reaches, to set beside the eval walk tau;
-        written to `output` as JSON."""
+        written to `output` as JSON, and said."""
         from dflash.models import DFlashDrafter
         from dflash.models.speculate import DEFAULT_MAX_NEW_TOKENS, prompts_from_samples, speculate
 
@@ -311,4 +311,8 @@ class Evaluator:
                            reference=False, progress=self.cfg.run.progress).summary()
         result = {"step": step, "max_new_tokens": limit, **report}
         output.write_text(json.dumps(result, indent=2) + "\n")
+        self.say(f"speculative decoding of {report['turns']} held-out turns: acceptance length "
+                 f"{report['acceptance_length']:.3f} ({report['tokens']:,} tokens, {report['target_forwards']:,} "
+                 f"target forwards after the prefills, {report['speculative_tokens_per_s']:.0f} tokens/s); "
+                 f"against the target alone: python launch/speculate.py --drafter {drafter_dir}")
         return result

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash.models.target_spec import TargetSpec
-from dflash.sizing.memory import MemoryPlan, MemorySetup, accelerator_memory, plan_for, size_run
+from dflash.sizing.fit import accelerator_memory, size_run
+from dflash.sizing.memory import MemoryPlan, MemorySetup, plan_for
 from dflash.training.config import TrainConfig, init_drafter_config
 from dflash.training.ds_config import training_ds_config, with_optimizer
 

@@ -26,7 +26,7 @@ from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError
 from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
-from dflash.sizing.memory import accelerator_memory, cuda_allocator, out_of_memory
+from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import OPTIONS, TrainConfig, speculate_turns
@@ -171,7 +171,7 @@ class Trainer:
         """Continue from a checkpoint's run state (its engine state loaded): the step, the non-finite
         count, the RNG; with another world size the schedule is stepped to the step and the planner's
         position rescaled; after a forced resume the planner moves to the next step of the new plan."""
-        planner, steps = self.data.planner, self.data.steps
+        planner = self.data.planner
         self.step = int(state["step"])
         self.nonfinite_total = int(state.get("nonfinite_steps", 0))
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch_rng"])), dtype=torch.uint8))
@@ -181,15 +181,9 @@ class Trainer:
             for _ in range(self.step):
                 self.models.scheduler.step()
             planner.position = planner.position * state["world_size"] // self.world_size
-        epoch, position = planner.epoch, planner.position
-        boundary = next((first for first, _ in steps[epoch] if first >= position), None) \
-            if epoch < len(steps) else position
-        if boundary != position:
-            # only after a forced resume: continue at the next step of the new plan
-            if boundary is None:
-                planner.epoch, planner.position = epoch + 1, 0
-            else:
-                planner.position = boundary
+        epoch = planner.epoch
+        position = planner.to_step_boundary(self.data.steps)  # moves only after a forced resume
+        if position is not None:
             self._say(f"--force-resume: epoch {epoch} continues at micro-step {planner.position} of the new plan "
                       f"(was {position}); samples of this epoch may be repeated or skipped")
 
@@ -295,7 +289,8 @@ class Trainer:
         # a partitioned target cannot decode on one rank alone (its layers are gathered collectively)
         whole = cfg.device.target_partition == "none"
         if cfg.run.export and turns and self.data.eval_idx.size and self.rank == 0 and whole:
-            result["speculate"] = self._speculate_heldout(drafter_dir, turns)
+            result["speculate"] = self.evaluator.speculate_heldout(drafter_dir, self.step,
+                                                                   self.output_dir / "speculate.json", turns)
         self.run_folder.release()
         return result
 
@@ -450,14 +445,6 @@ class Trainer:
                   f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns){sampled}, "
                   f"anchor_tau {record['anchor_tau']:.3f}")
         return record
-
-    def _speculate_heldout(self, drafter_dir: Path, turns: int) -> dict:
-        report = self.evaluator.speculate_heldout(drafter_dir, self.step, self.output_dir / "speculate.json", turns)
-        self._say(f"speculative decoding of {report['turns']} held-out turns: acceptance length "
-                  f"{report['acceptance_length']:.3f} ({report['tokens']:,} tokens, {report['target_forwards']:,} "
-                  f"target forwards after the prefills, {report['speculative_tokens_per_s']:.0f} tokens/s); "
-                  f"against the target alone: python launch/speculate.py --drafter {drafter_dir}")
-        return report
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(self.models.engine, self.state_dict())

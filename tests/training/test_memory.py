@@ -18,13 +18,13 @@ from dflash.models.drafter import drafter_class
 from dflash.models.target_spec import load_target_spec
 from dflash.models.tensor_bytes import measure_peak_tensor_bytes
 from dflash.models.terms import needs_target_states, target_context
+from dflash.sizing.fit import size_run
 from dflash.sizing.memory import (
     GIB,
     DrafterSizes,
     MemoryPlan,
     MemorySetup,
     plan_for,
-    size_run,
     target_sizes,
 )
 from dflash.training.config import load_config

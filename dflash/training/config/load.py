@@ -79,7 +79,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
     """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
-    from dflash.models.target_spec import is_random_target
+    from dflash.models.target_spec import target_folder
 
     args = build_parser(description).parse_args(argv)
     values = {}
@@ -92,7 +92,7 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
         values["grad_clip"] = 0.0  # see MUON_NO_CLIP
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
-    elif is_random_target(values.get("target", "")):
+    elif "target" in values and target_folder(values["target"]) is None:  # random:...
         values = {**RANDOM_TARGET_PRESET, **values}
     if values.get("init_drafter"):
         values = _from_init_drafter(values, explicit)

@@ -121,13 +121,13 @@ def _validate_relations(c: TrainConfig) -> None:
 def _validate_synthetic(c: TrainConfig) -> None:
     """A random target's shape is known before anything loads, and it has no text to tokenize data with."""
     from dflash.data.synthetic import is_synthetic, parse_samples
-    from dflash.models.target_spec import is_random_target, load_target_spec
+    from dflash.models.target_spec import load_target_spec, target_folder
 
     if is_synthetic(c.inputs.data):
         parse_samples(c.inputs.data)
         if c.inputs.messages_field:
             _bad("messages_field", f"names a column of conversations; --data {c.inputs.data} makes synthetic token ids")
-    if is_random_target(c.inputs.target):
+    if target_folder(c.inputs.target) is None:  # random:...
         load_target_spec(c.inputs.target)
         if c.device.target_partition != "none":
             _bad("target_partition", f"--target {c.inputs.target} is built whole in memory; a model folder's "
