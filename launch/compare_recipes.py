@@ -73,7 +73,7 @@ def main(argv=None):
     from dflash.tools import recipes as rec
 
     recipes = rec.parse_recipes(args.recipes, cfg_argv)
-    if next(iter(recipes.values())).output_dir == "runs/demo":  # the demo's default run folder: keep runs apart
+    if next(iter(recipes.values())).run.output_dir == "runs/demo":  # the demo's default run folder: keep runs apart
         recipes = {name: c.replace(output_dir="runs/recipes") for name, c in recipes.items()}
     base = next(iter(recipes.values()))
     out = Path(base.run.output_dir)

@@ -68,7 +68,7 @@ def released_drafter(folder, **change):
 
     from dflash.demo import TARGET as DEMO_TARGET
     from dflash.models import DFlashDrafter, DrafterConfig
-    from dflash.models.config import FULL, SLIDING
+    from dflash.models.config_format import FULL, SLIDING
 
     target = json.loads((DEMO_TARGET / "config.json").read_text())
     config = DrafterConfig.from_target(type("T", (), {**target, "rope_parameters": target["rope_parameters"]}),
