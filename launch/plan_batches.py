@@ -12,12 +12,13 @@ rows per micro-batch (p50 / max) and planning seconds.
 
 The cost of a sample comes from the target's and drafter's sizes (--model: a preset or a
 config.json of any target family: MoE layers priced by their active experts, Gated DeltaNet
-layers per token, sliding-window layers by the pairs their window leaves, MLA by its head dims)
-and its drafter rows, block_size x min(anchors, candidates), from the supervised
-token counts (--supervised with --lengths, else every token counts as supervised; the store's
-loss masks with --data). Without --lengths or --data it plans the built-in seed-like
-distribution (902,000 samples shaped like the seed run's data set) with supervised shares drawn
-from Beta(4, 2) (as shared/data/make_seed_supervised.py).
+layers per token, sliding-window layers by the pairs their window leaves, MLA by its head dims;
+--drafter-kind dflash2: a DFlash2 drafter's convolutions and selector too) and its drafter
+rows, block_size x min(anchors, candidates), from the supervised token counts (--supervised
+with --lengths, else every token counts as supervised; the store's loss masks with --data).
+Without --lengths or --data it plans the built-in seed-like distribution (902,000 samples shaped
+like the seed run's data set) with supervised shares drawn from Beta(4, 2) (as
+shared/data/make_seed_supervised.py).
 
 --save-plan PLAN.npz writes every mode's plan: `<order>-<layout>/samples` (all sample indices),
 `/offsets` (micro-batch boundaries into samples), `/ranks` (each micro-batch's rank); micro-batches
@@ -86,6 +87,11 @@ def parse_args(argv=None):
                    help="target layers run for the features (default: last default tap + 1, e.g. 34 for Qwen3-8B)")
     p.add_argument("--draft-layers", type=number(int, minimum=1), default=5,
                    help="drafter layers (default %(default)s)")
+    p.add_argument("--drafter-kind", choices=("dflash", "dflash2"), default="dflash",
+                   help="dflash2: price the released DFlash2 drafter's convolutions and selector too, as "
+                   "train.py --drafter-kind dflash2 builds it (default %(default)s)")
+    p.add_argument("--selector-stop-grad", action="store_true",
+                   help="dflash2: the selector's gradient stops at its input, as train.py --selector-stop-grad")
     p.add_argument("--block-size", type=number(int, minimum=2), default=16,
                    help="drafter block size (default %(default)s)")
     p.add_argument("--anchors", type=number(int, minimum=1), default=512,
@@ -180,8 +186,15 @@ def main(argv=None):
     lengths = check_lengths(lengths, args.token_budget)
     target = load_target_config(args.model)
     layers = args.target_layers or max(default_target_layer_ids(target.num_hidden_layers)) + 1
+    dflash2 = None
+    if args.drafter_kind == "dflash2":
+        from dflash.models.dflash2 import released_settings
+
+        dflash2 = released_settings()
+    elif args.selector_stop_grad:
+        raise UserError("--selector-stop-grad prices a DFlash2 drafter's selector: give --drafter-kind dflash2")
     model = flop_cost_model(target, num_target_layers=layers, draft_layers=args.draft_layers,
-                            block_size=args.block_size)
+                            block_size=args.block_size, dflash2=dflash2, selector_stop_grad=args.selector_stop_grad)
     rows = drafter_rows(candidates, supervised, args.block_size, args.anchors)
     check_rows(rows, lengths, args.row_budget)
     costs = model.sample_costs(lengths, rows)
@@ -220,13 +233,15 @@ def main(argv=None):
         json.dump({"source": source, "samples": int(lengths.size), "tokens": int(lengths.sum()),
                    "token_budget": args.token_budget, "world_size": args.world_size, "seed": args.seed,
                    "row_budget": args.row_budget, "micro_batches_per_step": k, "model": args.model,
+                   "drafter_kind": args.drafter_kind,
                    "cost_model": model.to_dict(), "lower_bound_batches": -(-int(lengths.sum()) // args.token_budget),
                    **results, "buckets": buckets}, sys.stdout, indent=2)
         print()
         return
     print(f"{source}: {lengths.size:,} samples, {int(lengths.sum()):,} tokens, budget {args.token_budget:,}, "
           f"world size {args.world_size}, {k} micro-batches per step")
-    print(f"cost model ({args.model}, {layers} target layers, {args.draft_layers}-layer drafter): "
+    print(f"cost model ({args.model}, {layers} target layers, {args.draft_layers}-layer {args.drafter_kind} "
+          "drafter): "
           f"{model.per_token / 1e9:.2f} GFLOP/token + {model.per_pair / 1e9:.2e} GFLOP x length^2 + "
           f"{model.per_row / 1e9:.2f} GFLOP/row + {model.per_row_key / 1e9:.2e} GFLOP x rows x length; "
           f"row budget {args.row_budget:,} (balanced rows)")

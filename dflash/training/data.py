@@ -127,7 +127,8 @@ class TrainingData:
     """What the run trains and evaluates on, and in which order.
 
     Attributes: `store` (the token store at `store_path`), `train_idx` / `eval_idx` (store
-    indices), `lengths` (of the training samples), `flop_model` (the FLOP cost of a sample),
+    indices), `lengths` (of the training samples), `flop_model` (the FLOP cost of a sample;
+    `dflash2`: the drafter's DFlash2 settings, `RunPlan.dflash2`),
     `planner` (epoch plans and the run's position), `balance` (dealt by cost: --balance on
     several ranks), `steps[epoch]` (micro-step ranges of each
     optimizer step), `total_steps`, `maker` (collates a micro-batch and draws its anchors),
@@ -136,7 +137,7 @@ class TrainingData:
     """
 
     def __init__(self, cfg: TrainConfig, path: Path | SyntheticStore, *, tokenizer, target_spec, target_layer_ids,
-                 vocab_rows: int, mask_token_id: int, gamma: float, world_size: int):
+                 vocab_rows: int, mask_token_id: int, gamma: float, world_size: int, dflash2=None):
         self.store_path = path
         self.store = store = open_store(path)
         store.check_tokenizer(tokenizer, f"--target {cfg.inputs.target}")
@@ -162,7 +163,8 @@ class TrainingData:
 
         self.flop_model = flop_cost_model(target_spec.config, num_target_layers=max(target_layer_ids) + 1,
                                           draft_layers=cfg.drafter.draft_layers, num_features=len(target_layer_ids),
-                                          block_size=cfg.drafter.block_size)
+                                          block_size=cfg.drafter.block_size, dflash2=dflash2,
+                                          selector_stop_grad=cfg.loss.selector_stop_grad)
         rows = costs = None
         # dealing by cost is between ranks: one rank plans as without it (the same plan, the same checkpoints)
         self.balance = balance = cfg.batches.balance and world_size > 1

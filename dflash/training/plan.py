@@ -1,13 +1,15 @@
 """What a run decides before anything loads, from its options and its target's config alone:
 `plan_run` -> `RunPlan` (the DeepSpeed config, the precision, the memory plan and the row budget
-that fits, the drafter settings a resume must match). Pure: it reads the DeepSpeed JSON and an
---init-drafter's config, loads no weights, talks to no rank; a run that cannot fit is refused here."""
+that fits, a DFlash2 drafter's sizes, the drafter settings a resume must match). Pure: it reads
+the DeepSpeed JSON and an --init-drafter's config, loads no weights, talks to no rank; a run that
+cannot fit is refused here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from dflash.models.config import DFlash2Settings
 from dflash.models.target_spec import TargetSpec
 from dflash.sizing.fit import accelerator_memory, size_run
 from dflash.sizing.memory import MemoryPlan, MemorySetup, plan_for
@@ -22,6 +24,7 @@ class RunPlan:
     dtype: torch.dtype
     memory: MemoryPlan
     memory_line: str  # what the plan says of the run, for the log
+    dflash2: DFlash2Settings | None  # a DFlash2 drafter's sizes (`drafter_dflash2`), None for DFlash
     drafter_settings: dict  # what shapes the drafter's weights, the target's fingerprint among them
 
 
@@ -33,17 +36,32 @@ def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_
     o = cfg.optim
     ds_config = with_optimizer(ds_config, o.optimizer, lr=o.lr, muon_lr=o.muon_lr, momentum=o.muon_momentum,
                                weight_decay=o.weight_decay, named=f"--deepspeed_config {cfg.device.deepspeed_config}")
-    memory = memory_plan(cfg, spec, ds_config, dtype_bytes=dtype.itemsize, world_size=world_size, device=device)
+    dflash2 = drafter_dflash2(cfg, spec)
+    memory = memory_plan(cfg, spec, ds_config, dtype_bytes=dtype.itemsize, world_size=world_size, device=device,
+                         dflash2=dflash2)
     row_budget, memory_line = size_run(memory, accelerator_memory(device, cfg.device.memory_gib),
                                        token_budget=cfg.batches.token_budget, row_budget=cfg.batches.row_budget)
     cfg = cfg.replace(row_budget=row_budget)
     settings = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
-    return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings)
+    return RunPlan(cfg, ds_config, dtype, memory, memory_line, dflash2, settings)
+
+
+def drafter_dflash2(cfg: TrainConfig, spec: TargetSpec) -> DFlash2Settings | None:
+    """The DFlash2 settings of the drafter the run trains (None: a DFlash drafter): an --init-drafter's
+    own (its selector and convolutions sized as it was), else the released sizes for --drafter-kind dflash2."""
+    if cfg.drafter.init_drafter:
+        return init_drafter_config(cfg.drafter.init_drafter, spec).dflash2
+    if cfg.drafter.drafter_kind == "dflash2":
+        from dflash.models.dflash2 import released_settings
+
+        return released_settings()
+    return None
 
 
 def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int,
-                device) -> MemoryPlan:
-    """The memory plan of the run `cfg` on the target `spec` and `device`, from its config alone."""
+                device, dflash2: DFlash2Settings | None) -> MemoryPlan:
+    """The memory plan of the run `cfg` on the target `spec` and `device`, from its config alone
+    (`dflash2`: `drafter_dflash2`)."""
     from dflash.ops.common.backend import resolve_backend
 
     d, dev = cfg.drafter, cfg.device
@@ -54,13 +72,6 @@ def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_by
         target_offload=dev.target_offload, activation_checkpointing=dev.activation_checkpointing,
         block_size=d.block_size, num_anchors=d.num_anchors, attention="reference" if reference else "kernel",
         **loss_setup(cfg))
-    dflash2 = None
-    if d.init_drafter:  # its own sizes (a DFlash2 one's selector and convolutions among them)
-        dflash2 = init_drafter_config(d.init_drafter, spec).dflash2
-    elif d.drafter_kind == "dflash2":
-        from dflash.models.dflash2 import released_settings
-
-        dflash2 = released_settings()
     return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, dflash2=dflash2)
 
 

@@ -97,7 +97,7 @@ class Trainer:
                                  tokenizer=target.tokenizer, target_spec=spec,
                                  target_layer_ids=target.model.target_layer_ids,
                                  vocab_rows=target.model.num_embedding_rows, mask_token_id=target.mask_id,
-                                 gamma=cfg.loss.gamma, world_size=self.world_size)
+                                 gamma=cfg.loss.gamma, world_size=self.world_size, dflash2=plan.dflash2)
         self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
         self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype, say=self._say)
         self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.run.time_phases else None

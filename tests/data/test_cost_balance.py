@@ -43,6 +43,24 @@ def test_flop_coefficients_of_qwen3_8b_by_hand():
     assert 13e9 < m.per_token < 14.5e9 and 8.2e9 < m.per_row < 8.4e9
 
 
+def test_plan_batches_prices_the_released_dflash2_drafter(tmp_path, capsys):
+    from dflash.models.dflash2 import released_settings
+
+    np.save(tmp_path / "l.npy", np.full(64, 600, dtype=np.int64))
+    args = ["--lengths", str(tmp_path / "l.npy"), "--token-budget", "4096", "--json"]
+    cli = _plan_cli()
+    for extra, stop_grad in (([], False), (["--selector-stop-grad"], True)):
+        cli.main([*args, "--drafter-kind", "dflash2", *extra])
+        report = json.loads(capsys.readouterr().out)
+        assert report["drafter_kind"] == "dflash2"
+        assert CostModel(**report["cost_model"]) == flop_cost_model(
+            load_target_config("qwen3-8b"), num_target_layers=34, draft_layers=5, dflash2=released_settings(),
+            selector_stop_grad=stop_grad)
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--selector-stop-grad"])
+    assert "--selector-stop-grad prices a DFlash2 drafter's selector" in capsys.readouterr().err
+
+
 def test_model_config_is_read_from_a_file_and_bad_names_are_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, '
                                           '"num_hidden_layers": 2, "vocab_size": 32}')

@@ -174,6 +174,40 @@ def test_selector_term_is_the_dense_objective_with_its_gradients(stop_grad):
                                                                           blocks).detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("stop_grad", [False, True])
+def test_the_flop_model_prices_the_convolutions_and_the_selector_as_a_flop_counter_counts_a_step(stop_grad):
+    """A training step (forward, loss, backward) of a DFlash2 drafter minus the same step of the DFlash
+    drafter of its sizes, under FlopCounterMode, is exactly the DFlash2 cost model's per_row minus the
+    DFlash one's, times the block rows (convolution projections in every layer, the selector on the
+    scored rows; the taps' element-wise products are no matmuls, uncounted on both sides)."""
+    import dataclasses
+
+    from dflash.sizing.flops import flop_cost_model, measure_flops
+
+    target = tiny_target(9)
+    settings = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=5)
+    config = tiny_config(target, settings)
+    batch = make_batch([11, 18], seed=9)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=4, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+    dflash2 = DFlash2Drafter(config, target.shared_weights())
+    dflash = DFlashDrafter(dataclasses.replace(config, dflash2=None), target.shared_weights())
+
+    def step(drafter, terms):
+        BlockLoss(chunk_rows=5, terms=terms)(drafter(batch, feats, blocks), blocks, drafter.lm_head).loss_sum.backward()
+
+    measured = measure_flops(step, dflash2, [SelectorTerm(dflash2.candidate_selector, 0.3, stop_grad)])[0] \
+        - measure_flops(step, dflash, [])[0]
+    sizes = dict(num_target_layers=max(TAPS) + 1, draft_layers=2, num_features=len(TAPS), block_size=B)
+    priced = flop_cost_model(target.config, **sizes, dflash2=settings, selector_stop_grad=stop_grad)
+    plain = flop_cost_model(target.config, **sizes)
+    rows = blocks.input_ids.numel()
+    assert rows == blocks.num_blocks * B > 0
+    assert rows * (priced.per_row - plain.per_row) == measured > 0
+    assert dataclasses.replace(priced, per_row=plain.per_row) == plain, "only the block rows cost more"
+
+
 def test_selector_path_greedy_and_sampled_against_a_plain_walk():
     target = tiny_target(6)
     drafter = tiny_dflash2(target, seed=6)
