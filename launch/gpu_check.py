@@ -12,14 +12,27 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
   kernels      OUT/bench_kernels.json: TFLOP/s, forward and forward+backward, ours (atomic and
                deterministic) vs torch varlen (FlashAttention-2 inside torch), padded SDPA and
                FlexAttention, seed-like lengths sorted and shuffled (launch/bench_kernels.py).
-  e2e          OUT/e2e.json: end to end, drafter training steps (DeepSpeed ZeRO-2, bf16) on a
-               randomly initialised Qwen3-8B-shaped target (`--target random:qwen3-8b`, synthetic
-               seed-like data: nothing downloaded), tokens/s for sorted-padded, shuffle-packed and
+  e2e          OUT/e2e.json: end to end, drafter training steps of the default recipe (`recipe`:
+               the slot-weighted cross-entropy, AdamW; DeepSpeed ZeRO-2, bf16) on a randomly
+               initialised Qwen3-8B-shaped target (`--target random:qwen3-8b`, synthetic seed-like
+               data: nothing downloaded), tokens/s for sorted-padded, shuffle-packed and
                bucketed-packed, each timed on the SAME random samples of the epoch (planned by the
                mode, one whole pass after a warm-up step), with the share of device time in target
-               forward, drafter forward + backward, loss and optimizer. Its own time cap
-               (--e2e-seconds, kept free of the stages before it); the JSON is rewritten after
-               every mode. DeepSpeed, absent from the image, comes as wheels in wheels/.
+               forward, drafter forward + backward, loss and optimizer, and each mode's peak memory.
+               The JSON is rewritten after every mode. DeepSpeed, absent from the image, comes as
+               wheels in wheels/.
+  memory       OUT/memory.json: the memory plan against the measured peak, a few steps (the
+               default recipe and mode, on e2e's target and data) at two row budgets: one sample's
+               blocks per micro-batch and the plan's own; per budget the plan's peak for the
+               dearest micro-batch that ran, torch.cuda.max_memory_allocated (reset per budget; on
+               the CPU the tensor bytes counted after every op) and their ratio, what the first run
+               on a GPU calibrates the plan by. Rewritten after each budget.
+  dflash2      OUT/dflash2.json: DFlash2 drafter training steps (`--drafter-kind dflash2`, sized as
+               released), the default recipe and mode on e2e's target and samples: tokens/s (and
+               the ratio to DFlash's shuffle-packed pass), step times, peak memory.
+The training stages (dflash/tools/gpu_check_training.py) share one target, loaded by the first of
+them; each has seconds of its own (--e2e-seconds, --memory-seconds, --dflash2-seconds), kept free
+of the stages before it, and what its deadline leaves unmeasured is recorded as skipped.
 
     bash launch/gpu_check.sh OUT                 # what the GPU machine runs
     python3 launch/gpu_check.py OUT --dry-run    # tiny shapes on the CPU (Triton interpreter), seconds
@@ -27,7 +40,6 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import site as site_module
@@ -38,10 +50,15 @@ import zipfile
 from pathlib import Path
 
 from dflash.options import number
+from dflash.tools.gpu_check_training import Report, stage_dflash2, stage_e2e, stage_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minutes)
-E2E_S = 200  # kept for the end-to-end stage: the stages before it stop at BUDGET_S - E2E_S
+# kept for each training stage: every stage stops the seconds kept for those after it before the
+# budget's end (the correctness and kernel stages at 450 - 290 = 160 s)
+E2E_S = 200
+MEMORY_S = 40
+DFLASH2_S = 50
 
 
 def parse_args(argv=None):
@@ -50,8 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated, of {', '.join(STAGE_NAMES)}")
     p.add_argument("--budget", type=number(float, minimum=0), default=BUDGET_S,
                    help="seconds for all stages; the benchmark stops measuring when it runs out")
-    p.add_argument("--e2e-seconds", type=number(float, minimum=0), default=E2E_S,
-                   help="seconds of the budget kept for the end-to-end stage (the stages before it stop earlier)")
+    for stage, seconds in (("e2e", E2E_S), ("memory", MEMORY_S), ("dflash2", DFLASH2_S)):
+        p.add_argument(f"--{stage}-seconds", type=number(float, minimum=0), default=seconds,
+                       help=f"seconds of the budget kept for the {stage} stage (the stages before it stop earlier)")
     p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
                    help="folder of wheels carried in for what the image lacks (DeepSpeed and its dependencies)")
     p.add_argument("--dry-run", action="store_true",
@@ -86,23 +104,6 @@ def use_carried_wheels(folder: Path) -> tuple[list[str], list[str]]:
     sys.path.remove(str(site))
     sys.path.insert(0, str(site))
     return [w.name for w in used], [w.name for w in skipped]
-
-
-class Report:
-    """One stage's JSON file, rewritten (atomically) at every update."""
-
-    def __init__(self, path: Path, **fields):
-        self.path, self.data = path, dict(fields)
-        self.save()
-
-    def update(self, **fields):
-        self.data.update(fields)
-        self.save()
-
-    def save(self):
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.path)
 
 
 def shapes(dry_run: bool) -> dict:
@@ -242,63 +243,9 @@ def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
     return True
 
 
-E2E_MODES = ("sorted-padded", "shuffle-packed", "bucketed-packed")
-
-
-def e2e_options(dry_run: bool) -> tuple[list[str], int]:
-    """Training options of the end-to-end stage and its measured steps' worth of tokens: the
-    trainer's defaults (the paper's recipe: 512 anchors, block 16, 5 drafter layers, 16,384-token
-    micro-batches, 4 per step) on Qwen3-8B; for the dry run the demo target's tiny shape."""
-    if dry_run:
-        target = f"random:{ROOT / 'dflash' / 'demo' / 'assets' / 'target'}"
-        return ["--target", target, "--data", "random:300", "--token-budget", "512", "--num-anchors", "8",
-                "--draft-layers", "1", "--num-target-features", "2", "--num-workers", "0"], 2
-    return ["--target", "random:qwen3-8b", "--data", "random"], 4
-
-
-def stage_e2e(out: Path, cfg: dict, deadline: float) -> bool:
-    """Drafter training steps on a random Qwen3-8B-shaped target, three batching modes on the same
-    samples (`dflash.tools.compare.measure_sequentially`), one after the other; OUT/e2e.json is
-    rewritten after each mode. Our kernels run their pinned configs (DFLASH_PIN_CONFIGS=1): no
-    autotuning inside a timed pass. Passes when every mode was measured."""
-    import torch
-
-    from dflash.distributed.ranks import single_process_env
-    from dflash.tools import compare
-    from dflash.tools.compare_report import throughput_table
-    from dflash.training.config import load_config
-
-    options, steps = e2e_options(cfg["dry_run"])
-    runs = out / "e2e_runs"
-    train_cfg = load_config([*options, "--output-dir", str(runs), "--time-phases", "--no-progress"])
-    single_process_env(os.environ, min(torch.cuda.device_count(), 1))
-    report = Report(out / "e2e.json", options=options, measured_steps=steps, warmup_steps=1, modes=list(E2E_MODES),
-                    kernel_configs="pinned (DFLASH_PIN_CONFIGS=1)", results={},
-                    method="every mode trains on the same random subset of the split (about `measured_steps` steps "
-                           "of tokens), planned by the mode: a warm-up step, then one whole pass, timed")
-    pinned = os.environ.get("DFLASH_PIN_CONFIGS")
-    os.environ["DFLASH_PIN_CONFIGS"] = "1"
-
-    def record(result):
-        report.update(results=result)
-        print(throughput_table(result), flush=True)
-
-    try:
-        result = compare.measure_sequentially(train_cfg, list(E2E_MODES), runs, steps=steps, warmup=1,
-                                              say=lambda text: print(text, flush=True), deadline=deadline,
-                                              on_result=record, keep_going=True)
-    finally:
-        if pinned is None:
-            os.environ.pop("DFLASH_PIN_CONFIGS")
-        else:
-            os.environ["DFLASH_PIN_CONFIGS"] = pinned
-    ok = all("tokens_per_s" in result.get(mode, {}) for mode in E2E_MODES)
-    report.update(results=result, passed=ok)
-    return ok
-
-
 # The stages in order, each with the deadline main() gives it.
-STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "e2e": stage_e2e}
+STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "e2e": stage_e2e,
+          "memory": stage_memory, "dflash2": stage_dflash2}
 STAGE_NAMES = tuple(STAGES)
 
 
@@ -319,12 +266,11 @@ def environment(wheels: list[str]) -> dict:
     return env
 
 
-def stage_deadline(name: str, stages: list[str], deadline: float, e2e_seconds: float) -> float:
-    """The end-to-end stage has the budget's end; the stages before it stop `e2e_seconds` earlier,
-    so that autotuning and compiles there cannot eat its time."""
-    if name != "e2e" and "e2e" in stages[stages.index(name) + 1:]:
-        return deadline - e2e_seconds
-    return deadline
+def stage_deadline(name: str, stages: list[str], deadline: float, kept: dict[str, float]) -> float:
+    """The last stage has the budget's end; every stage stops the seconds `kept` for the stages
+    after it earlier, so that autotuning and compiles there cannot eat their time (a stage done
+    early leaves its time to the next)."""
+    return deadline - sum(kept.get(later, 0.0) for later in stages[stages.index(name) + 1:])
 
 
 def main(argv=None) -> int:
@@ -351,13 +297,14 @@ def main(argv=None) -> int:
         return 2
     Report(out / "env.json", **environment(wheels), carried_wheels_skipped=skipped)
     cfg = shapes(args.dry_run)
+    kept = {"e2e": args.e2e_seconds, "memory": args.memory_seconds, "dflash2": args.dflash2_seconds}
     summary = Report(out / "summary.json", stages={}, budget_s=args.budget)
     ok = True
     for name in stages:
         began = time.monotonic()
         print(f"== {name} ({began - start:.0f} s in)", flush=True)
         try:
-            passed = STAGES[name](out, cfg, stage_deadline(name, stages, deadline, args.e2e_seconds))
+            passed = STAGES[name](out, cfg, stage_deadline(name, stages, deadline, kept))
         except Exception:  # a stage that breaks is recorded; the next still runs
             traceback.print_exc()
             passed = False

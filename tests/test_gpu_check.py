@@ -9,6 +9,7 @@ import sys
 import time
 import zipfile
 
+import numpy as np
 import pytest
 
 from .conftest import ROOT, launch_script
@@ -32,8 +33,8 @@ def test_gpu_check_dry_run(tmp_path):
     env = json.loads((out / "env.json").read_text())
     assert env["interpreter"] and env["torch"] and env["triton"]
     summary = json.loads((out / "summary.json").read_text())
-    assert {name: s["passed"] for name, s in summary["stages"].items()} == {"correctness": True, "kernels": True,
-                                                                             "e2e": True}
+    assert {name: s["passed"] for name, s in summary["stages"].items()} == {
+        "correctness": True, "kernels": True, "e2e": True, "memory": True, "dflash2": True}
     checks = json.loads((out / "correctness.json").read_text())["checks"]
     seen = {(c["op"], c["mode"], c["call"]) for c in checks if c["passed"]}
     assert seen == {(op, mode, call) for op in ("varlen", "block", "block-sliding")
@@ -46,12 +47,34 @@ def test_gpu_check_dry_run(tmp_path):
         for op in ("varlen", "block"):
             ours = bench["results"][case][op]["dflash-triton"]
             assert ours["fwd_ms"] > 0 and ours["fwdbwd_ms"] > 0
-    check_e2e(json.loads((out / "e2e.json").read_text()))
+    e2e = json.loads((out / "e2e.json").read_text())
+    check_e2e(e2e, out / "e2e_runs")
+    check_memory(json.loads((out / "memory.json").read_text()))
+    check_dflash2(json.loads((out / "dflash2.json").read_text()), e2e, out / "dflash2_runs")
 
 
-def check_e2e(e2e):
-    """Every mode timed on the same samples, one whole pass, with the phases of its steps."""
+# the default recipe, as the README gives it: the slot-weighted cross-entropy with AdamW
+DEFAULT_RECIPE = {"loss": "ce=1", "optimizer": "adamw", "lr": 6e-4, "weight_decay": 0.0, "warmup_ratio": 0.04,
+                  "schedule": "cosine", "grad_clip": 1.0, "gamma": 7.0, "feature_noise": 0.0}
+
+
+def check_recipe(report, runs, kind):
+    """The report says its steps trained the default recipe, and so do the config.json files the
+    timed trainers wrote (with their drafter kind)."""
+    assert report["recipe_is_default"] and DEFAULT_RECIPE.items() <= report["recipe"].items()
+    configs = list(runs.glob("seed0/*/config.json"))
+    assert configs
+    for path in configs:
+        options = json.loads(path.read_text())
+        assert {k: options[k] for k in report["recipe"]} == report["recipe"], path
+        assert options["drafter_kind"] == kind, path
+
+
+def check_e2e(e2e, runs):
+    """Every mode timed on the same samples, one whole pass, with the phases of its steps, the
+    default recipe."""
     assert e2e["passed"] and e2e["kernel_configs"].startswith("pinned")
+    check_recipe(e2e, runs, "dflash")
     results = e2e["results"]
     assert list(results) == ["sorted-padded", "shuffle-packed", "bucketed-packed"]
     seen = results["sorted-padded"]["lengths_seen"]
@@ -67,26 +90,72 @@ def check_e2e(e2e):
                                            "optimizer")), shares
         assert (s["efficiency"] < 1) == mode.endswith("padded") and s["epoch_efficiency"] <= 1
     assert results["sorted-padded"]["ratio_to_sorted_padded"] == 1.0
+    assert all("selector_accuracy" not in r for s in results.values() for r in s["steps_log"])  # DFlash's
 
 
-def test_stages_before_the_end_to_end_one_leave_it_its_time(tmp_path):
+def check_memory(memory):
+    """Both row budgets ran, each micro-batch within its budget, the tight one with clearly fewer
+    rows; the plan's estimate against the measured peak (tensor bytes counted after every op on the
+    CPU): they agree as a whole (ZeRO-2's buckets are most of it here) and in what the budgets'
+    micro-batches add (the rows' part alone: the plan prices the CPU's reference attention high)."""
+    assert memory["passed"] and memory["measured_by"].startswith("tensor bytes")
+    tight, planned = memory["budgets"]["one-sample"], memory["budgets"]["planned"]
+    assert tight["row_budget"] == 16 * 8 and planned["row_budget"] == 0  # block x anchors; no cap on the CPU
+    for b in (tight, planned):
+        assert b["steps"] == memory["steps_per_budget"] == 2 and b["micro_batches"] >= b["steps"]
+        assert b["dearest_micro_batch"]["rows"] <= b["most_rows"]
+        assert b["estimate_bytes"] == b["estimate_items"]["total"] > 0 and b["measured_bytes"] > 0
+        assert b["ratio"] == pytest.approx(b["measured_bytes"] / b["estimate_bytes"])
+        assert 0.9 <= b["ratio"] <= 1.1, b  # 0.99-1.0, 2026-12-03
+    assert tight["most_rows"] <= 128 and planned["most_rows"] >= 3 * 128  # several samples' blocks
+    assert tight["estimate_at_budgets_bytes"] >= tight["estimate_bytes"]
+    extra = memory["between_budgets"]
+    assert extra["estimate_bytes"] == planned["estimate_bytes"] - tight["estimate_bytes"] > 0
+    assert extra["measured_bytes"] == planned["measured_bytes"] - tight["measured_bytes"] > 0
+    assert 0.7 <= extra["ratio"] <= 1.15, extra  # 0.87, 2026-12-03
+
+
+def check_dflash2(dflash2, e2e, runs):
+    """DFlash2 steps ran with their own drafter (its selector's figures in every step's record), the
+    default recipe, on the samples of e2e's shuffle-packed pass, timed."""
+    assert dflash2["passed"] and dflash2["drafter_kind"] == "dflash2"
+    check_recipe(dflash2, runs, "dflash2")
+    assert set(dflash2["drafter_layer_types"]) == {"sliding_attention"}  # the release's layers
+    s, dflash = dflash2["results"]["shuffle-packed"], e2e["results"]["shuffle-packed"]
+    assert s["complete"] and s["lengths_seen"] == dflash["lengths_seen"] and s["warmup_steps"] == 1
+    assert all({"selector_recall", "selector_accuracy", "argmax_anchor_tau"} <= r.keys() for r in s["steps_log"])
+    seconds = [r["seconds"] for r in s["steps_log"][1:]]
+    assert s["tokens_per_s"] == pytest.approx(s["real_tokens"] / sum(seconds))
+    assert s["step_seconds_median"] == pytest.approx(float(np.median(seconds)))
+    assert s["ratio_to_dflash"] == pytest.approx(s["tokens_per_s"] / dflash["tokens_per_s"])
+
+
+def test_stages_leave_the_training_stages_after_them_their_time(tmp_path):
     gpu_check = launch_script("gpu_check")
-    stages = ["correctness", "kernels", "e2e"]
-    assert [gpu_check.stage_deadline(s, stages, 450.0, 200.0) for s in stages] == [250.0, 250.0, 450.0]
-    assert gpu_check.stage_deadline("kernels", ["kernels"], 450.0, 200.0) == 450.0
-    assert gpu_check.stage_deadline("kernels", ["e2e", "kernels"], 450.0, 200.0) == 450.0
+    stages = ["correctness", "kernels", "e2e", "memory", "dflash2"]
+    kept = {"e2e": 200.0, "memory": 40.0, "dflash2": 50.0}
+    assert [gpu_check.stage_deadline(s, stages, 450.0, kept) for s in stages] == [160.0, 160.0, 360.0, 400.0, 450.0]
+    assert gpu_check.stage_deadline("kernels", ["kernels"], 450.0, kept) == 450.0
+    assert gpu_check.stage_deadline("kernels", ["e2e", "kernels"], 450.0, kept) == 450.0
+    assert gpu_check.stage_deadline("e2e", ["e2e", "dflash2"], 450.0, kept) == 400.0
 
 
-def test_an_end_to_end_stage_out_of_time_records_the_modes_it_skipped(tmp_path):
-    """No time left: nothing is built, every mode is recorded as skipped, and the stage fails."""
-    done = subprocess.run([sys.executable, "launch/gpu_check.py", str(tmp_path), "--dry-run", "--stages", "e2e",
-                           "--budget", "0", "--wheels", str(tmp_path / "none")], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+def test_training_stages_out_of_time_record_what_they_skipped(tmp_path):
+    """No time left: nothing is built (no run folder), every mode and budget is recorded as
+    skipped, and the stages fail."""
+    done = subprocess.run([sys.executable, "launch/gpu_check.py", str(tmp_path), "--dry-run", "--stages",
+                           "e2e,memory,dflash2", "--budget", "0", "--wheels", str(tmp_path / "none")], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    skipped = {"skipped": "out of time"}
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert e2e["passed"] is False
-    assert e2e["results"] == {m: {"skipped": "out of time"} for m in ("sorted-padded", "shuffle-packed",
-                                                                       "bucketed-packed")}
+    assert e2e["results"] == {m: skipped for m in ("sorted-padded", "shuffle-packed", "bucketed-packed")}
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert memory["passed"] is False and memory["budgets"] == {"one-sample": skipped, "planned": skipped}
+    dflash2 = json.loads((tmp_path / "dflash2.json").read_text())
+    assert dflash2["passed"] is False and dflash2["results"] == {"shuffle-packed": skipped}
+    assert not any(tmp_path.glob("*_runs"))
 
 
 def test_gpu_check_refuses_unknown_stages(tmp_path):

@@ -252,28 +252,35 @@ def add_ratios(result: dict) -> None:
 
 
 def measure_sequentially(cfg: TrainConfig, modes: list[str], out: Path, *, steps: int, warmup: int, say,
-                         deadline: float | None = None, on_result=None, keep_going: bool = False) -> dict:
+                         deadline: float | None = None, on_result=None, keep_going: bool = False,
+                         target=None) -> dict:
     """As `measure_throughput`, one mode after the other, each freed before the next is built (one
-    drafter and optimizer in memory at a time; the target is loaded once): for a time-capped check.
+    drafter and optimizer in memory at a time; the target is loaded once, or is `target`, a
+    LoadedTarget shared with the caller): for a time-capped check.
 
     Once built, each mode gets an equal share of the time left to `deadline` (time.monotonic()) for
     its warm-up and pass; a pass cut short is kept, marked `complete: False` (at least one step is
-    measured), and modes with no time left are recorded as skipped.
+    measured), and modes with no time left are recorded as skipped. On CUDA each mode's
+    `peak_memory_mib` is its own (the peak is reset before it is built).
     `on_result(result)` hears the result after every mode. With `keep_going`, a mode that fails
     is recorded as `{"error": ...}` and the next one still runs."""
-    cfg, result, target = _subset_config(cfg, steps), {}, None
+    cfg, result = _subset_config(cfg, steps), {}
     for i, mode in enumerate(modes):
         if deadline is not None and time.monotonic() >= deadline:
             result[mode] = {"skipped": "out of time"}
             continue
         run = None
+        free_memory()
         try:
             run = build_run(cfg, mode, out, 0, target, time_micro_batches=False)  # no syncs inside the step
             target, cfg = run.trainer.models.target, _shared_data(cfg, run.trainer)
-            # an equal share of what is left once built (the first build also loads the target)
+            # an equal share of what is left once built (the first build may also load the target)
             share = None if deadline is None else (deadline - time.monotonic()) / (len(modes) - i)
             _measure_one(run, warmup, None if share is None else time.monotonic() + share, say)
             result[mode] = mode_result(run)
+            peaks = [r["peak_memory_mib"] for r in run.records if "peak_memory_mib" in r]
+            if peaks:  # the most this mode allocated (built, warm-up and pass): one mode in memory at a time
+                result[mode]["peak_memory_mib"] = max(peaks)
         except Exception as err:
             if not keep_going:
                 raise
@@ -285,19 +292,22 @@ def measure_sequentially(cfg: TrainConfig, modes: list[str], out: Path, *, steps
             if run is not None:
                 run.trainer.close()
             del run
-            _free_memory()
         add_ratios(result)
         if on_result:
             on_result(result)
+    free_memory()
     return result
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
+    """Free what a finished run left (reference cycles, the CUDA cache) and start CUDA's peak afresh,
+    so that the next run's `torch.cuda.max_memory_allocated` (its records' `peak_memory_mib`) is its own."""
     import torch
 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _measure_one(run: ModeRun, warmup: int, deadline: float | None, say) -> None:
