@@ -13,8 +13,10 @@ A recipe is a name and the training flags that make it, e.g.
 (default: ce, dpace, kl, lk, noise, muon, and speculators' recipe: CE + D-PACE with noise 0.05 and
 Muon). A recipe may set only --loss, --dpace-alpha, --distill-temperature, --optimizer, --lr,
 --muon-lr, --muon-momentum, --weight-decay, --warmup-ratio, --schedule, --grad-clip, --gamma,
---feature-noise; every other
-option is given once and shared. With neither --target nor --data it runs the built-in CPU demo.
+--feature-noise, and the drafter's kind (--drafter-kind, --selector-weight, --selector-stop-grad,
+--drafter-layer-types, --sliding-window: DFlash against DFlash2, e.g.
+--recipes "dflash: ; dflash2: --drafter-kind dflash2"); every other option is given once and shared.
+With neither --target nor --data it runs the built-in CPU demo.
 Output in --output-dir (default runs/recipes): recipes.json, recipes.png (tau and tau@T against
 steps and training seconds, a line per seed), one run folder per seed and recipe.
 """

@@ -5,8 +5,10 @@ the expected acceptance of speculative sampling at T) against steps and training
 
 One process loads the target once; for each seed every recipe gets a `Trainer` whose drafter starts
 from that seed, and the recipes take their steps round-robin (step i of every recipe, then i + 1),
-so drift of the machine hits them alike. Only recipe options may differ between recipes
-(`RECIPE_FIELDS`): the data, the batching, the schedule length and the drafter are the same.
+so drift of the machine hits them alike. Only recipe options (`RECIPE_FIELDS`) and the drafter's
+kind (`DRAFTER_FIELDS`: DFlash or DFlash2, whose new parts start as identities, so both start from
+the seed's DFlash drafter) may differ between recipes: the data, the batching, the schedule length
+and the drafter's sizes are the same.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ from dflash.training.trainer import Trainer
 # what a recipe may set: the objective, the optimizer's settings and its schedule's shape, the noise
 RECIPE_FIELDS = ("loss", "dpace_alpha", "distill_temperature", "optimizer", "lr", "muon_lr", "muon_momentum",
                  "weight_decay", "warmup_ratio", "schedule", "grad_clip", "gamma", "feature_noise")
+# DFlash against DFlash2, whose kind brings its released layers (all sliding, window 2,048)
+DRAFTER_FIELDS = ("drafter_kind", "selector_weight", "selector_stop_grad", "drafter_layer_types", "sliding_window")
+COMPARED = RECIPE_FIELDS + DRAFTER_FIELDS
 DEFAULT_RECIPES = ("ce: ; dpace: --loss ce=1,dpace=0.5 ; kl: --loss ce=0.5,kl=1 ; lk: --loss ce=0.5,lk=1 ; "
                    "noise: --feature-noise 0.05 ; muon: --optimizer muon ; "
                    "speculators: --loss ce=1,dpace=0.5 --feature-noise 0.05 --optimizer muon")
@@ -31,7 +36,7 @@ DEFAULT_RECIPES = ("ce: ; dpace: --loss ce=1,dpace=0.5 ; kl: --loss ce=0.5,kl=1 
 
 def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
     """`name: flags ; name: flags ...` -> {name: the base options with the recipe's flags on top}.
-    A recipe that sets anything but RECIPE_FIELDS, or a bad flag, is refused naming the recipe."""
+    A recipe that sets anything but COMPARED, or a bad flag, is refused naming the recipe."""
     base = load_config(base_argv)
     recipes: dict[str, TrainConfig] = {}
     for item in filter(None, (s.strip() for s in text.split(";"))):
@@ -45,11 +50,11 @@ def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
             cfg = load_config([*base_argv, *shlex.split(flags)])
         except UserError as e:
             raise UserError(f"--recipes {name}: {e}") from None
-        changed = [name for name in OPTIONS if name not in RECIPE_FIELDS and cfg.value(name) != base.value(name)]
+        changed = [name for name in OPTIONS if name not in COMPARED and cfg.value(name) != base.value(name)]
         if changed:
             raise UserError(f"--recipes {name}: sets {', '.join('--' + c.replace('_', '-') for c in changed)}, "
                             f"which every recipe shares (give it once, outside --recipes); a recipe sets only "
-                            f"{', '.join('--' + c.replace('_', '-') for c in RECIPE_FIELDS)}")
+                            f"{', '.join('--' + c.replace('_', '-') for c in COMPARED)}")
         recipes[name] = cfg
     if len(recipes) < 1:
         raise UserError("--recipes: no recipe given")

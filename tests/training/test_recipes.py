@@ -159,6 +159,9 @@ def test_recipes_share_everything_but_the_recipe_options():
     assert list(recipes) == ["ce", "mix"] and recipes["ce"].loss.loss == "ce=1"
     assert recipes["mix"].loss.loss == "ce=1,dpace=0.5" and recipes["mix"].loss.feature_noise == 0.05
     assert recipes["mix"].inputs.data == recipes["ce"].inputs.data == "d.jsonl"
+    kinds = parse_recipes("dflash: ; dflash2: --drafter-kind dflash2 --selector-weight 0.5", ["--data", "d.jsonl"])
+    assert [(c.drafter.drafter_kind, c.loss.selector_weight) for c in kinds.values()] == [("dflash", 1.0),
+                                                                                          ("dflash2", 0.5)]
     for text, message in (("a: --num-anchors 8", "--recipes a: sets --num-anchors, which every recipe shares"),
                           ("a: --loss foo=1", "--recipes a: --loss: unknown part 'foo'"),
                           ("a: ; a: --lr 1e-3", "--recipes: a is given twice"),
