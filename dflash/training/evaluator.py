@@ -311,7 +311,8 @@ class Evaluator:
                            reference=False, progress=self.cfg.run.progress).summary()
         result = {"step": step, "max_new_tokens": limit, **report}
         output.write_text(json.dumps(result, indent=2) + "\n")
-        self.say(f"speculative decoding of {report['turns']} held-out turns: acceptance length "
+        turns = f"{report['turns']} held-out turn{'s' * (report['turns'] != 1)}"
+        self.say(f"speculative decoding of {turns}: acceptance length "
                  f"{report['acceptance_length']:.3f} ({report['tokens']:,} tokens, {report['target_forwards']:,} "
                  f"target forwards after the prefills, {report['speculative_tokens_per_s']:.0f} tokens/s); "
                  f"against the target alone: python launch/speculate.py --drafter {drafter_dir}")

@@ -21,6 +21,7 @@ from dflash.training.ds_config import load_ds_config, with_optimizer  # noqa: E4
 from dflash.training.models import engine_for, lr_lambda  # noqa: E402
 
 init_distributed()
+torch._dynamo.config.disable = True  # as engine_for does for Muon on CPU ranks: the reference's steps too
 STEPS, TOTAL = 3, 4
 cfg = load_config(["--data", "d.jsonl", "--optimizer", "muon", "--lr", "1e-3", "--muon-lr", "2e-2",
                    "--weight-decay", "0.1", "--warmup-ratio", "0.25", "--schedule", "cosine"])

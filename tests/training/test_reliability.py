@@ -140,7 +140,8 @@ def test_partitioned_target_with_a_killed_peer_is_one_line_and_resumes_bitwise_l
     partitioned = (*COMMON, "--target-partition", "zero3")
     # a peer killed in a partitioned step (rank 1, after its first backward of step 3): rank 0, in
     # a collective of the partitioned target or the step, says so in one line
-    killed = run_deepspeed(["kill-mid-step@3:1", *tiny_train_args(target, data, out, *partitioned)], script=FAULTS)
+    killed = run_deepspeed(["kill-mid-step@3:1", *tiny_train_args(target, data, out, *partitioned)], script=FAULTS,
+                           launcher=True)
     assert killed.returncode != 0 and "Traceback" not in killed.stderr, killed.stderr[-3000:]
     assert "error: rank 0: stopped because another rank failed" in killed.stderr, killed.stderr[-3000:]
     resumed = ok(run_deepspeed(tiny_train_args(target, data, out, *partitioned, "--resume")))
@@ -168,7 +169,8 @@ def test_crashes_at_any_point_lose_and_repeat_no_sample(reference, tiny_run_inpu
     out = tmp_path / "run"
 
     def crash(fault, *extra):
-        proc = run_deepspeed([fault, *tiny_train_args(target, data, out, *COMMON, *extra)], script=FAULTS)
+        proc = run_deepspeed([fault, *tiny_train_args(target, data, out, *COMMON, *extra)], script=FAULTS,
+                             launcher=True)
         assert proc.returncode != 0, f"{fault} did not stop the run"
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # a dead peer is one line on every rank
         return proc
@@ -194,7 +196,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_the_last_good_weig
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     proc = run_deepspeed(["nan@3-4", *tiny_train_args(target, data, out, *COMMON, "--max-nonfinite-steps", 2)],
-                         script=FAULTS)
+                         script=FAULTS, launcher=True)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "steps 3-4: 2 optimizer steps in a row had non-finite loss or gradients" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -221,7 +223,7 @@ def test_resume_with_other_world_size_or_step_size_is_refused_unless_forced(refe
     proc = train_one_rank(*tiny_train_args(target, data, out, *COMMON, "--resume"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "world_size: checkpoint 2 -> now 1" in proc.stderr and "--force-resume" in proc.stderr
-    proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--step-tokens", 700))
+    proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--step-tokens", 700), launcher=True)
     assert proc.returncode == 2 and "step_tokens: checkpoint 600 -> now 700" in proc.stderr
     # forced: one more epoch on one rank, from the weights of the two-rank run
     proc = ok(train_one_rank(*tiny_train_args(target, data, out, *COMMON, "--resume", "--force-resume",
@@ -345,7 +347,7 @@ def test_an_error_in_rank_0_preparation_is_one_line_on_every_rank(tiny_run_input
     target, data = tiny_run_inputs
     bad = tmp_path / "bad.jsonl"
     bad.write_text(data.read_text().splitlines()[0] + "\n{oops\n")
-    proc = run_deepspeed(tiny_train_args(target, bad, tmp_path / "run", "--no-export"))
+    proc = run_deepspeed(tiny_train_args(target, bad, tmp_path / "run", "--no-export"), launcher=True)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 2, proc.stderr[-3000:]

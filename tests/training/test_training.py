@@ -109,8 +109,9 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     if family != "qwen3":
         target = make_family_target(tmp_path / "target", family)
     out = tmp_path / "run"
-    # the default rule (-1): one held-out turn per optimizer step, so these 3-step runs decode 3 (of 6)
-    decode = ["--speculate-turns", -1] if family in ("qwen3", "qwen3_5_moe_text") else []
+    # the default rule (-1): one held-out turn per optimizer step, so the dense 3-step run decodes 3 (of 6); the
+    # hybrid one decodes one (its recurrent state rolled back; ~55 ms a target forward in eager PyTorch here)
+    decode = {"qwen3": ["--speculate-turns", -1], "qwen3_5_moe_text": ["--speculate-turns", 1]}.get(family, [])
     proc = run_deepspeed(tiny_train_args(target, data, out, "--max-steps", 3, "--layout", layout, "--order", order,
                                          "--deepspeed_config", f"ds_configs/{config}.json", *decode,
                                          "--target-partition", partition))
@@ -141,8 +142,9 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     assert (out / "speculate.json").is_file() == bool(decode)
     if decode:
         figure = json.loads((out / "speculate.json").read_text())
-        assert figure["turns"] == 3 and figure["acceptance_length"] >= 1 and figure["lossless"] is None
-        assert "speculative decoding of 3 held-out turns: acceptance length" in proc.stdout
+        turns = 3 if family == "qwen3" else 1
+        assert figure["turns"] == turns and figure["acceptance_length"] >= 1 and figure["lossless"] is None
+        assert f"speculative decoding of {turns} held-out turn{'s' * (turns > 1)}: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
     check_official_export(out / "drafter")
@@ -152,7 +154,7 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
 def test_block_size_larger_than_any_sample_is_a_clear_error(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     proc = run_deepspeed(tiny_train_args(target, data, tmp_path / "run", "--block-size", 200, "--gamma", 7),
-                         num_ranks=1)
+                         num_ranks=1, launcher=True)
     assert proc.returncode != 0
     assert "--block-size 200: a sample needs at least 400 supervised tokens" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
