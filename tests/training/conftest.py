@@ -1,4 +1,5 @@
 """A tiny random Qwen3 target with a chat tokenizer and a small conversation file, built offline."""
+import contextlib
 import json
 import os
 import random
@@ -143,7 +144,8 @@ def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None, launche
                         r.terminate()
             time.sleep(0.05)
     except BaseException:
-        os.killpg(ranks[0].pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the group is gone once every rank has exited
+            os.killpg(ranks[0].pid, signal.SIGKILL)
         for r in ranks:
             r.wait()
         raise
