@@ -187,8 +187,8 @@ def engine_for(module: torch.nn.Module, ds_config: dict, cfg: TrainConfig, total
         optimizer = None
         if ds_config["optimizer"].get("type") == "Muon" and torch.device(device).type == "cpu":
             # DeepSpeed's Muon step is torch.compile'd: on CPU ranks inductor would build it at every
-            # start (15-25 s a rank on 2 cores) for the same arithmetic, unfused; a CPU run compiles
-            # nothing else unless --attention-backend flex, so dynamo is switched off for the process
+            # start (16 s of a 36-s 2-rank launch on 2 cores) for the same arithmetic, unfused; a CPU
+            # run compiles nothing else unless --attention-backend flex, so dynamo is off for the process
             torch._dynamo.config.disable = True
     elif offloads_optimizer(ds_config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
