@@ -1,6 +1,5 @@
 """prepare_data -> token store -> collate, against the tokenizer run on each turn by hand."""
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -10,6 +9,7 @@ from dflash.data import TokenStore, prepare_jsonl
 from dflash.data.collate import collate_packed, collate_padded
 from dflash.errors import UserError
 
+from .. import preloaded
 from ..conftest import ROOT, make_chat_tokenizer
 from .helpers import CONVERSATIONS, write_jsonl
 
@@ -118,12 +118,12 @@ def test_skip_bad_counts_reasons(tmp_path, tokenizer):
 
 def test_cli_reports_user_errors_without_traceback(tmp_path, chat_tokenizer_dir):
     src = write_jsonl(tmp_path / "in.jsonl", [CONVERSATIONS[0], "{oops"])
-    cmd = [sys.executable, str(ROOT / "launch" / "prepare_data.py"), "--input", str(src),
-           "--tokenizer", str(chat_tokenizer_dir), "--output", str(tmp_path / "out"), "--no-progress"]
-    bad = subprocess.run(cmd, capture_output=True, text=True)
+    script = ROOT / "launch" / "prepare_data.py"
+    cmd = ["--input", src, "--tokenizer", chat_tokenizer_dir, "--output", tmp_path / "out", "--no-progress"]
+    bad = preloaded.run(script, cmd)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert f"error: {src}:2: invalid JSON" in bad.stderr
-    good = subprocess.run(cmd + ["--skip-bad"], capture_output=True, text=True)
+    good = preloaded.run(script, cmd + ["--skip-bad"])
     assert good.returncode == 0, good.stderr
     assert "wrote 1 samples" in good.stdout and "invalid JSON: 1" in good.stdout
 

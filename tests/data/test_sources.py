@@ -2,8 +2,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -11,6 +9,7 @@ from dflash.data import TokenStore, prepare_jsonl
 from dflash.data.prepare import ensure_store, settings_of, store_differences
 from dflash.errors import UserError
 
+from .. import preloaded
 from ..conftest import ROOT, make_chat_tokenizer
 
 MESSAGES = [
@@ -128,9 +127,8 @@ def test_unknown_formats_and_missing_columns_are_one_line_naming_file_formats_an
         prepare_jsonl(text, tokenizer, tmp_path / "s", messages_field="turns", progress=False)
     assert str(err.value) == f"{text}: no column 'turns' (--messages-field); columns: text, id"
     # the command line: one line, status 2, before anything is tokenized
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "prepare_data.py"), "--input", str(text),
-                           "--tokenizer", str(tmp_path), "--output", str(tmp_path / "s")],
-                          capture_output=True, text=True, timeout=120)
+    proc = preloaded.run(ROOT / "launch" / "prepare_data.py", ["--input", text, "--tokenizer", tmp_path, "--output",
+                                                                tmp_path / "s"], timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr == (f"error: {text}: no 'messages' or 'conversations' column (columns: text, id); accepted "
                            "layouts: 'messages' [{role, content}], ShareGPT 'conversations' [{from, value}], or "
@@ -234,21 +232,16 @@ def test_train_py_trains_on_a_parquet_file_with_its_messages_field(tmp_path):
     folder as the JSONL would be, and trained."""
     from transformers import AutoTokenizer
 
-    from ..training.conftest import make_conversations, make_tiny_target
+    from ..training.conftest import make_conversations, make_tiny_target, train_one_rank
 
     target, data = make_tiny_target(tmp_path / "target"), make_conversations(tmp_path / "data.jsonl")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     src = tmp_path / "conv.parquet"
     dataset([{"dialog": r["messages"]} for r in rows]).to_parquet(src)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "train.py"), "--target", str(target), "--data", str(src),
-         "--output-dir", str(tmp_path / "run"), "--token-budget", "1024", "--step-tokens", "1500",
-         "--num-anchors", "8", "--draft-layers", "1", "--num-target-features", "2", "--max-steps", "1",
-         "--no-progress", "--num-workers", "0", "--dtype", "fp32", "--no-export", "--eval-every", "0",
-         "--speculate-turns", "0", "--messages-field", "dialog"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    proc = train_one_rank("--target", target, "--data", src, "--output-dir", tmp_path / "run", "--token-budget", 1024,
+                          "--step-tokens", 1500, "--num-anchors", 8, "--draft-layers", 1, "--num-target-features", 2,
+                          "--max-steps", 1, "--no-progress", "--num-workers", 0, "--dtype", "fp32", "--no-export",
+                          "--eval-every", 0, "--speculate-turns", 0, "--messages-field", "dialog")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     store = TokenStore(tmp_path / "run" / "data")
     assert store.meta["input_format"] == "parquet" and store.meta["settings"]["messages_field"] == "dialog"

@@ -1,5 +1,4 @@
 """A tiny random Qwen3 target with a chat tokenizer and a small conversation file, built offline."""
-import contextlib
 import json
 import os
 import random
@@ -13,6 +12,7 @@ import pytest
 
 from dflash.distributed.ranks import free_port
 
+from .. import preloaded
 from ..conftest import ROOT, make_bpe_chat_tokenizer, make_chat_tokenizer
 
 WORDS = [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is"]
@@ -109,9 +109,10 @@ def tiny_store(tiny_run_inputs, tmp_path_factory):
 def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None, launcher=False):
     """`deepspeed --num_gpus N script args` on CPU ranks; returns the completed process (the ranks'
     stdout and stderr, rank by rank). With `launcher` the real launcher runs; otherwise the ranks are
-    started here with the environment and `--local_rank` the launcher gives them, and a rank that
-    fails has its peers terminated as the launcher does: the same ranks, 7 s less per launch (its two
-    processes' start and its one-second polling). Runs expected to fail keep the launcher, whose
+    started here, forked from a process that has imported torch, transformers and DeepSpeed
+    (`tests.preloaded`), with the environment and `--local_rank` the launcher gives them, and a rank
+    that fails has its peers terminated as the launcher does: the same ranks without the launcher's
+    two processes and each rank's 8 s of imports. Runs expected to fail keep the launcher, whose
     handling of a failed rank is what they test. On a timeout every process is killed."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
@@ -124,38 +125,38 @@ def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None, launche
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # as the launcher does
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(num_ranks), LOCAL_SIZE=str(num_ranks),
                CROSS_RANK="0", CROSS_SIZE="1", CUDA_VISIBLE_DEVICES=",".join(map(str, range(num_ranks))))
-    ranks, logs = [], []
-    for rank in range(num_ranks):
-        logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
-        cmd = [sys.executable, "-u", script, f"--local_rank={rank}", *map(str, args)]
-        ranks.append(subprocess.Popen(cmd, stdout=logs[-1][0], stderr=logs[-1][1], text=True, cwd=ROOT,
-                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                      process_group=0 if rank == 0 else ranks[0].pid))
+    with tempfile.TemporaryDirectory() as logs:
+        ranks = []
+        try:
+            for rank in range(num_ranks):
+                out, err = (os.path.join(logs, f"{rank}.{name}") for name in ("out", "err"))
+                open(out, "w").close(), open(err, "w").close()
+                ranks.append(preloaded.Process(script, [f"--local_rank={rank}", *args], cwd=ROOT, stdout=out,
+                                               stderr=err, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+            code = _wait_all(ranks, timeout)
+        except BaseException:
+            for r in ranks:
+                r.kill_group()
+            raise
+        out, err = ("".join(open(getattr(r, name)).read() for r in ranks) for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess([script, *map(str, args)], code, out, err)
+
+
+def _wait_all(ranks, timeout):
+    """The exit status of a run of `ranks`, with the launcher's rule: one rank fails, the others
+    are terminated (and the run's status is the first failure's)."""
     deadline, failed = time.monotonic() + timeout, None
-    try:
-        while any(r.poll() is None for r in ranks):
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(cmd, timeout)
-            bad = next((r for r in ranks if r.returncode not in (None, 0)), None)
-            if bad is not None and failed is None:  # the launcher's rule: one rank fails, the others stop
-                failed = bad.returncode
-                for r in ranks:
-                    if r.poll() is None:
-                        r.terminate()
-            time.sleep(0.05)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):  # the group is gone once every rank has exited
-            os.killpg(ranks[0].pid, signal.SIGKILL)
-        for r in ranks:
-            r.wait()
-        raise
-    code = failed if failed is not None else next((r.returncode for r in ranks if r.returncode), 0)
-    out, err = [], []
-    for o, e in logs:
-        o.seek(0), e.seek(0)
-        out.append(o.read()), err.append(e.read())
-        o.close(), e.close()
-    return subprocess.CompletedProcess(cmd, code, "".join(out), "".join(err))
+    while any(r.poll() is None for r in ranks):
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired([r.pid for r in ranks], timeout)
+        bad = next((r for r in ranks if r.returncode not in (None, 0)), None)
+        if bad is not None and failed is None:
+            failed = bad.returncode
+            for r in ranks:
+                if r.poll() is None:
+                    r.terminate()
+        time.sleep(0.05)
+    return failed if failed is not None else next((r.returncode for r in ranks if r.returncode), 0)
 
 
 def _communicate(proc, timeout):
@@ -171,11 +172,10 @@ def _communicate(proc, timeout):
 
 def train_one_rank(*args, timeout=600):
     """`python launch/train.py`, without the launcher: one rank on the CPU (what `deepspeed --num_gpus 1`
-    runs, less the two launcher processes a launch would start first)."""
+    runs, less the two launcher processes a launch would start first), forked preloaded (`run_deepspeed`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    return preloaded.run(ROOT / "launch" / "train.py", args, env, ROOT, timeout)
 
 
 def tiny_train_args(target, data, out, *extra):

@@ -2,8 +2,6 @@
 on the same random samples of the split."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ from dflash.tools.compare import MODES, summarize_throughput
 from dflash.training.data import held_out_split, token_subset
 from dflash.training.steps import step_ranges
 
+from .. import preloaded
 from ..conftest import ROOT
 from .conftest import run_deepspeed
 
@@ -85,9 +84,8 @@ def test_compare_modes_on_one_rank_prints_only_json_on_stdout(tiny_run_inputs, t
     target, _ = tiny_run_inputs
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "compare_modes.py"),
-                           *compare_args(target, tiny_store, tmp_path / "out")],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    proc = preloaded.run(ROOT / "launch" / "compare_modes.py", compare_args(target, tiny_store, tmp_path / "out"),
+                         env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     check_result(result, tiny_store, world_size=1, out=tmp_path / "out")

@@ -2,10 +2,7 @@
 peak of a training micro-step, its refusal; and the partitioned target's features on two ranks."""
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,8 +28,9 @@ from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
 from dflash.training.plan import loss_setup
 
+from .. import preloaded
 from ..conftest import ROOT, launch_script
-from .conftest import run_deepspeed, tiny_train_args
+from .conftest import run_deepspeed, tiny_train_args, train_one_rank
 
 
 def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
@@ -171,10 +169,7 @@ def test_the_anchor_ceiling_is_the_most_anchors_that_fit_and_more_are_refused_na
 def test_train_refuses_a_run_that_cannot_fit_before_loading_anything(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     out = tmp_path / "run"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"),
-                           *tiny_train_args(target, data, out, "--memory-gib", 2.2)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = train_one_rank(*tiny_train_args(target, data, out, "--memory-gib", 2.2), timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     # 2.2 GiB leave 0.09 GiB for tensors: ZeRO-2's 2 x 5e7-element buckets (ds_configs/zero2.json) do not fit
     assert "error: memory plan: this run needs about" in proc.stderr and "--memory-gib" in proc.stderr
@@ -218,9 +213,7 @@ def test_partitioned_target_gives_the_replicated_features_bitwise_with_half_the_
 
 
 def _plan_memory(*args):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "plan_memory.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    return preloaded.run(ROOT / "launch" / "plan_memory.py", args, cwd=ROOT, timeout=300)
 
 
 def test_plan_memory_refuses_a_config_without_sizes_naming_the_keys(tmp_path):
@@ -249,10 +242,7 @@ def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_p
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --model {tmp_path / 'gpt2'}: {refusal}"], proc.stderr[-2000:]
     out = tmp_path / "run"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"),
-                           *tiny_train_args(tmp_path / "gpt2", tiny_run_inputs[1], out)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = train_one_rank(*tiny_train_args(tmp_path / "gpt2", tiny_run_inputs[1], out), timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"error: --target {tmp_path / 'gpt2'}: {refusal}" in proc.stderr.splitlines()
     assert "Traceback" not in proc.stderr and not out.exists()
@@ -262,11 +252,9 @@ def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_p
 def test_out_of_memory_in_a_step_stops_in_one_line_and_the_last_checkpoint_resumes(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     out = tmp_path / "run"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     args = tiny_train_args(target, data, out, "--max-steps", 3, "--checkpoint-every", 2, "--eval-every", 100,
                            "--no-export")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "training" / "oom_script.py"), "3", *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = preloaded.run(ROOT / "tests" / "training" / "oom_script.py", ["3", *args], cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     checkpoint = out / "checkpoints" / "step-00000002"
@@ -278,8 +266,7 @@ def test_out_of_memory_in_a_step_stops_in_one_line_and_the_last_checkpoint_resum
     assert match, line
     assert 0 < int(match[1].replace(",", "")) <= 1024 and match[3] == str(checkpoint)
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step-00000002"]
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args, "--resume"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = train_one_rank(*args, "--resume", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {checkpoint} at step 2" in proc.stdout
     assert (out / "checkpoints" / "step-00000003").is_dir()

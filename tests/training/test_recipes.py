@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from dflash.errors import UserError
 from dflash.training.config import load_config
 from dflash.training.noise import FeatureNoise
 
+from .. import preloaded
 from ..conftest import ROOT
 from .conftest import run_deepspeed, tiny_train_args, without_timings
 
@@ -195,10 +194,10 @@ def test_compare_recipes_runs_the_recipes_interleaved_for_every_seed(tiny_run_in
     out = tmp_path / "cmp"
     args = [str(a) for a in tiny_train_args(target, data, out, "--step-tokens", 600, "--eval-sample-turns", 4)]
     recipes = "ce: ; mix: --loss ce=1,dpace=0.5,kl=0.5 --feature-noise 0.05"
-    cmd = [sys.executable, str(ROOT / "launch" / "compare_recipes.py"), *args, "--recipes", recipes, "--steps", "3",
-           "--seeds", "0,1", "--eval-interval", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    proc = preloaded.run(ROOT / "launch" / "compare_recipes.py", [*args, "--recipes", recipes, "--steps", "3",
+                                                                  "--seeds", "0,1", "--eval-interval", "2"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, cwd=ROOT,
+                         timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "recipes.json").read_text())["recipes"]
     assert list(result) == ["ce", "mix"] and result["mix"]["flags"].startswith("--loss")

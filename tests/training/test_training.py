@@ -1,8 +1,6 @@
 """Training end to end with real DeepSpeed CPU ranks (gloo), plus its small components."""
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from dflash.training.metrics import MetricsWriter
 from dflash.training.models import lr_lambda
 from dflash.training.steps import step_ranges
 
+from .. import preloaded
 from ..conftest import ROOT
 from .conftest import make_family_target, read_metrics, run_deepspeed, tiny_train_args
 
@@ -248,9 +247,9 @@ def test_every_command_parses_lists_alike(tmp_path):
     np.save(tmp_path / "lengths.npy", np.array([100, 200, 300, 400] * 50))
     argv = ["--lengths", str(tmp_path / "lengths.npy"), "--token-budget", "1024", "--json"]
     script = ROOT / "launch" / "plan_batches.py"
-    ok = subprocess.run([sys.executable, script, *argv, "--boundaries", "150,250"], capture_output=True, text=True)
+    ok = preloaded.run(script, [*argv, "--boundaries", "150,250"])
     assert ok.returncode == 0 and json.loads(ok.stdout)["buckets"]["boundaries"] == [0, 150, 250, 400]
-    bad = subprocess.run([sys.executable, script, *argv, "--boundaries", "250,150"], capture_output=True, text=True)
+    bad = preloaded.run(script, [*argv, "--boundaries", "250,150"])
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --boundaries: values must be strictly increasing, " \
         "got '250,150'"
     assert load_config(["--data", "d", "--boundaries", "150,250"]).batches.boundaries == (150, 250)
