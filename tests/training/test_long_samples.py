@@ -111,7 +111,8 @@ def test_a_long_sample_trains_a_step_within_its_memory_plan(models, long_sample,
         assert measured <= estimate <= 1.02 * measured + in_flight, (estimate, measured)
     else:  # a causal target: the long sample's features are those of this one
         value, grads = loss_and_grads(target, drafter, loss, batch, blocks, long_sample[1][:length])
-    # the plain reference: 17 bytes per (row, key) pair per layer, 36 GB at 32K x 2,048, 146 GB at 64K x 4,096
+    # the plain reference: 17 bytes per (row, key) pair and layer, 36 GB for 2 layers at 32K x 2,048, 146 GB at
+    # 64K x 4,096
     assert estimate < 2**30
     opt.step()
     assert torch.isfinite(torch.tensor(value)) and value > 0
