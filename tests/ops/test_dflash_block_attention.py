@@ -310,3 +310,27 @@ def test_the_reference_runs_chunked_past_its_score_limit_in_a_chunks_memory(monk
     io = sum(x.numel() * x.element_size() for x in (*inputs, do))
     # inputs, output and gradients, and one chunk (~50 bytes a score)
     assert chunked_peak < 3 * io + 50 * (1 << 14) < plain_peak / 4, (chunked_peak, plain_peak, io)
+
+
+def test_without_gradients_the_reference_runs_chunked_only_past_one_samples_limit(monkeypatch):
+    """A forward without gradients keeps no scores: the plain reference's result, bit for bit (a
+    held-out walk is unchanged), until one sample's scores pass FORWARD_SCORES."""
+    from dflash.ops.dflash_block import chunked
+    from dflash.ops.dflash_block.naive import dflash_block_attention_naive
+
+    (q, kc, vc, kb, vb), _, cu, seq, anchor = block_batch([300, 200], 12, 16, 2, 1, 16, torch.float32)
+    args = (q, kc, vc, kb, vb, cu, seq, anchor, 16)
+    called = []
+    monkeypatch.setattr(chunked, "REFERENCE_SCORES", 0)  # counts only with gradients
+    monkeypatch.setattr(chunked, "dflash_block_attention_chunked",
+                        lambda *a, **k: called.append(1) or dflash_block_attention_naive(*a, **k))
+    with torch.no_grad():
+        plain = dflash_block_attention(*args, backend="torch", window=64)
+        assert torch.equal(plain, dflash_block_attention_naive(*args, window=64)) and not called
+        per_sample = 12 * 16 * 300 * 2  # the larger sample's rows x its length x query heads
+        monkeypatch.setattr(chunked, "FORWARD_SCORES", per_sample - 1)
+        dflash_block_attention(*args, backend="torch", window=64)
+        assert called == [1]
+        monkeypatch.setattr(chunked, "FORWARD_SCORES", per_sample)
+        dflash_block_attention(*args, backend="torch", window=64)
+        assert called == [1]

@@ -21,13 +21,28 @@ CHUNK_SCORES = 1 << 22  # scores per chunk: 8 + 2 x dtype bytes each at its back
 # A sliding layer's chunk spans at most twice its window (about half its scores visible), unless it is so
 # small that its ops' overhead would cost more than the masked scores.
 SMALL_CHUNK_SCORES = 1 << 18
-REFERENCE_SCORES = 1 << 26  # above this many (rows x sample length x heads), the interface runs chunked
+REFERENCE_SCORES = 1 << 26  # past this many (rows x sample length x heads) kept for backward: chunked
+# Without gradients the reference keeps nothing and holds one sample's scores at a time: chunked past
+# this many in one sample (1 GiB in fp32; a demo's held-out walk stays below it, and so on the plain path)
+FORWARD_SCORES = 1 << 28
 
 
 def reference_scores(rows_times_length: int, heads: int) -> int:
     """The scores the plain reference computes at most: rows x their sample's length, summed, x query heads
     (the quantity `dflash.sizing.memory` prices and `dflash_block_attention` compares with REFERENCE_SCORES)."""
     return rows_times_length * heads
+
+
+def runs_chunked(cu_seqlens_ctx: torch.Tensor, block_seq: torch.Tensor, block_size: int, heads: int,
+                 grad: bool) -> bool:
+    """Whether the reference runs in chunks: with gradients, past REFERENCE_SCORES scores in all; without,
+    past FORWARD_SCORES in one sample."""
+    lengths = (cu_seqlens_ctx[1:] - cu_seqlens_ctx[:-1]).long()  # host sync: the reference loops on the host
+    per_block = lengths[block_seq.long()] * block_size
+    if grad:
+        return reference_scores(int(per_block.sum()), heads) > REFERENCE_SCORES
+    per_sample = torch.zeros_like(lengths).index_add_(0, block_seq.long(), per_block)
+    return per_sample.numel() > 0 and reference_scores(int(per_sample.max()), heads) > FORWARD_SCORES
 
 
 def chunk_blocks(cu_seqlens: list[int], block_seq: torch.Tensor, block_anchor: torch.Tensor, block_size: int,
