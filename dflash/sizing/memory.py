@@ -304,32 +304,45 @@ class MemoryPlan:
         kernels' output and log-sum-exp (0 with the kernels): per (row, context key) pair and head its
         fp32 softmax and one copy of it at the training dtype (the value einsum's operand), per pair the
         visibility mask; per row the same for its B block keys, and the copies of q, k and v its
-        per-sample gather makes. `row_keys`: the sum over samples of rows x length."""
-        if self.setup.attention != "reference":
-            return 0
+        per-sample gather makes. `row_keys`: the sum over samples of rows x length. Past REFERENCE_SCORES
+        the reference runs chunked and recomputes in backward (`dflash.ops.dflash_block.chunked`)."""
+        if self.setup.attention != "reference" or self.reference_chunked(row_keys):
+            return 0  # chunked: only the output kept, as the kernels (one chunk at a time: `transient`)
         d, b, B = self.drafter, self.setup.dtype_bytes, self.setup.block_size
         per_pair = d.heads * (4 + b)
         return row_keys * (per_pair + 1) + rows * (B * per_pair + (d.heads + 2 * d.kv_heads) * d.head_dim * b)
 
-    def transient(self, tokens: int, rows: int) -> int:
+    def reference_chunked(self, row_keys: int) -> bool:
+        """Whether the reference attention runs in chunks at `row_keys` (the rule `dflash_block_attention` applies)."""
+        from dflash.ops.dflash_block.chunked import REFERENCE_SCORES, reference_scores
+
+        return self.setup.attention == "reference" and reference_scores(row_keys, self.drafter.heads) > REFERENCE_SCORES
+
+    def transient(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, one
         lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a DFlash2 selector's
         loss and its backward; the backward
         frees saved activations as fast as it makes gradients. With activation checkpointing, the
-        backward's recomputed layer and its gradients instead, when larger."""
+        backward's recomputed layer and its gradients instead, when larger. The chunked reference
+        attention's chunk on top (counted as if it met the loss's buffers)."""
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
         # the selector's loss (DFlash2) is freed before the backward reaches the layers
         loss = (rows + scored + chunk) * d.hidden * b + rows * self.selector_per_row() \
             + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
+        in_flight = 0
+        if self.reference_chunked(rows * tokens if row_keys is None else row_keys):
+            from dflash.ops.dflash_block.chunked import CHUNK_SCORES
+
+            in_flight = CHUNK_SCORES * (8 + 2 * b)  # one chunk's scores, 8 + 2 x dtype bytes each (measured)
         if not s.activation_checkpointing:
-            return loss
+            return loss + in_flight
         kv = d.kv_heads * d.head_dim
         # the recomputed layer, its MLP's gradients, and the context's key, value and state gradients
         layer = rows * (self.layer_per_row() + b * (d.intermediate + d.hidden)) \
             + tokens * ((4 + 5 * b) * kv + 4 * d.kv_heads + b * d.hidden)
-        return max(loss, layer)
+        return max(loss, layer) + in_flight
 
     def drafter_phase(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be)."""
@@ -338,7 +351,7 @@ class MemoryPlan:
         layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
         # KL and LK read the target's final states of every token (kept from its forward)
         states = tokens * self.target.hidden * self.setup.dtype_bytes if self.setup.target_states else 0
-        return (tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows)
+        return (tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows, row_keys)
                 + layers * reference + states)
 
     def peak(self, tokens: int, rows: int, row_keys: int | None = None) -> dict:

@@ -264,3 +264,73 @@ def test_auto_falls_back_to_flex_where_no_triton_config_fits(monkeypatch, check_
         out = dflash_block_attention(*inputs, cu, seq, anchor, 4)
     check_close("out", out, dflash_block_attention(*inputs, cu, seq, anchor, 4, backend="torch"))
     assert asked == [(32, 4, 2, torch.float32, 4, False, False, False, 120)]
+
+
+@pytest.mark.parametrize("window,causal", VARIANTS)
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 1)])
+def test_chunked_reference_matches_the_plain_one(window, causal, hq, hkv):
+    """The long-sample path (`chunked.py`): blocks cut into chunks of a few scores each, recomputed in
+    backward; values and every gradient equal the plain reference's (float64), blocks in any order,
+    overlapping, at anchor 0 and at a sample's end, an empty sample beside."""
+    from dflash.ops.dflash_block.chunked import chunk_blocks, dflash_block_attention_chunked
+
+    anchors = [(2, 0), (0, 37), (2, 30), (0, 5), (2, 17), (0, 37), (0, 0), (2, 29), (0, 12), (2, 3)]
+    inputs, do, cu, seq, anchor = block_batch([40, 0, 30], 0, 4, hq, hkv, 8, torch.float64, anchors=anchors)
+    variant = dict(window=window, causal=causal)
+    budget = 4 * hq * 24  # a block and 20 context rows
+    chunks = chunk_blocks(cu.tolist(), seq, anchor, 4, hq, window, budget)
+    assert 4 < len(chunks) < len(anchors) and sorted(sum((c[0].tolist() for c in chunks), [])) == list(range(10))
+    ref, ref_grads = run_block(inputs, do, cu, seq, anchor, 4, "torch", **variant)
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = dflash_block_attention_chunked(*leaves, cu, seq, anchor, 4, budget=budget, **variant)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(torch.autograd.grad(out, leaves, do), ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_reference_runs_chunked_past_its_score_limit_in_a_chunks_memory(monkeypatch):
+    """Above REFERENCE_SCORES the torch backend runs chunked: the same values and gradients, and the
+    step's peak tensor bytes stay near one chunk's instead of every score kept for backward."""
+    from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+    from dflash.ops.dflash_block import chunked
+
+    inputs, do, cu, seq, anchor = block_batch([768], 24, 16, 2, 1, 16, torch.float32)
+
+    def step():
+        out, grads = run_block(inputs, do, cu, seq, anchor, 16, "torch", window=64, causal=True)
+        return out.detach(), grads
+
+    plain_peak, (plain, plain_grads) = measure_peak_tensor_bytes(step)
+    monkeypatch.setattr(chunked, "REFERENCE_SCORES", 0)
+    monkeypatch.setattr(chunked, "CHUNK_SCORES", 1 << 14)
+    chunked_peak, (out, grads) = measure_peak_tensor_bytes(step)
+    torch.testing.assert_close(out, plain)
+    for got, want in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    io = sum(x.numel() * x.element_size() for x in (*inputs, do))
+    # inputs, output and gradients, and one chunk (~50 bytes a score)
+    assert chunked_peak < 3 * io + 50 * (1 << 14) < plain_peak / 4, (chunked_peak, plain_peak, io)
+
+
+def test_without_gradients_the_reference_runs_chunked_only_past_one_samples_limit(monkeypatch):
+    """A forward without gradients keeps no scores: the plain reference's result, bit for bit (a
+    held-out walk is unchanged), until one sample's scores pass FORWARD_SCORES."""
+    from dflash.ops.dflash_block import chunked
+    from dflash.ops.dflash_block.naive import dflash_block_attention_naive
+
+    (q, kc, vc, kb, vb), _, cu, seq, anchor = block_batch([300, 200], 12, 16, 2, 1, 16, torch.float32)
+    args = (q, kc, vc, kb, vb, cu, seq, anchor, 16)
+    called = []
+    monkeypatch.setattr(chunked, "REFERENCE_SCORES", 0)  # counts only with gradients
+    monkeypatch.setattr(chunked, "dflash_block_attention_chunked",
+                        lambda *a, **k: called.append(1) or dflash_block_attention_naive(*a, **k))
+    with torch.no_grad():
+        plain = dflash_block_attention(*args, backend="torch", window=64)
+        assert torch.equal(plain, dflash_block_attention_naive(*args, window=64)) and not called
+        per_sample = 12 * 16 * 300 * 2  # the larger sample's rows x its length x query heads
+        monkeypatch.setattr(chunked, "FORWARD_SCORES", per_sample - 1)
+        dflash_block_attention(*args, backend="torch", window=64)
+        assert called == [1]
+        monkeypatch.setattr(chunked, "FORWARD_SCORES", per_sample)
+        dflash_block_attention(*args, backend="torch", window=64)
+        assert called == [1]

@@ -9,17 +9,23 @@ from .conftest import DEVICE
 from .helpers import cu_seqlens, run_varlen, varlen_inputs
 
 
-def _dense(q, k, v, cu, causal):
-    """Softmax attention over the whole pack with an explicit tokens x tokens mask (float64)."""
+def _dense(q, k, v, cu, causal, window=None, sinks=None):
+    """Softmax attention over the whole pack with an explicit tokens x tokens mask (float64); a window:
+    row i sees keys j > i - window; sinks: one more softmax column per head, value zero."""
     t, hq, d = q.shape
     seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), (cu[1:] - cu[:-1]).long())
     mask = seg[:, None] == seg[None, :]
     if causal:
         mask &= torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        pos = torch.arange(t, device=q.device)
+        mask &= pos[:, None] - pos[None, :] < window
     g = hq // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+    s = (torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5).masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v)
+    p = torch.softmax(torch.cat([s, sinks.view(-1, 1, 1).expand(-1, t, 1)], -1), -1)[..., :-1]
     return torch.einsum("hij,jhd->ihd", p, v)
 
 
@@ -34,6 +40,27 @@ def test_reference_matches_dense_mask(lengths, causal):
     ref_grads = torch.autograd.grad(ref, leaves, do)
     torch.testing.assert_close(out, ref)
     for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window,sinks", [(4, False), (4, True), (None, True)], ids=["window", "window-sinks",
+                                                                                 "sinks"])
+def test_reference_tiles_of_rows_match_dense_mask(monkeypatch, window, sinks):
+    """The explicit reference (a window, attention sinks) a few query rows at a time: tiles cut inside
+    a sample and across the window, values and gradients as one dense mask gives."""
+    from dflash.ops.varlen import naive
+
+    monkeypatch.setattr(naive, "ROW_TILE", 3)
+    lengths = [11, 1, 7]
+    q, k, v, do = varlen_inputs(lengths, 4, 2, 16, torch.float64)
+    cu, sink = cu_seqlens(lengths), (torch.randn(4, dtype=torch.float64) if sinks else None)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = varlen_attention(*leaves, cu, 11, causal=True, window=window, sinks=sink, backend="torch")
+    grads = torch.autograd.grad(out, leaves, do)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = _dense(*leaves, cu, True, window, sink)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves, do), strict=True):
         torch.testing.assert_close(got, want)
 
 

@@ -44,9 +44,11 @@ def dflash_block_attention(
         block_size: B.
         softmax_scale: defaults to D ** -0.5.
         backend: one of dflash.ops.ATTENTION_BACKENDS: "triton", "torch" (the per-sample
-            reference), "auto" (Triton on CUDA, the reference elsewhere), "flex" (FlexAttention
-            with a block mask; forward only on the CPU); "torch_varlen" and "flash_attn" mean
-            "flex" here.
+            reference; in chunks recomputed in backward past `chunked.REFERENCE_SCORES` scores, rows
+            x sample length x heads, or without gradients past `chunked.FORWARD_SCORES` in one sample:
+            `chunked.py`), "auto" (Triton on CUDA, the reference
+            elsewhere), "flex" (FlexAttention with a block mask; forward only on the CPU);
+            "torch_varlen" and "flash_attn" mean "flex" here.
         cu_seqlens_cpu: optional CPU copy of cu_seqlens_ctx (exact grid without a device read).
         deterministic: Triton backward only. False: dQ from the context is accumulated with
             atomics (5 GEMMs per tile pair; its last bits vary from run to run). True: a second
@@ -96,6 +98,13 @@ def dflash_block_attention(
         raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     impl = resolve_backend(backend, q.device, op="block")
     if impl == "torch":  # the reference checks the anchors itself
+        from .chunked import dflash_block_attention_chunked, runs_chunked
+
+        if runs_chunked(cu_seqlens_ctx, block_seq, block_size, q.shape[1],
+                        torch.is_grad_enabled() and any(x.requires_grad for x in (q, k_ctx, v_ctx, k_blk, v_blk))):
+            return dflash_block_attention_chunked(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
+                                                  block_anchor, block_size, softmax_scale=scale, window=window,
+                                                  causal=causal)
         return dflash_block_attention_naive(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens_ctx, block_seq,
                                             block_anchor, block_size, softmax_scale=scale, window=window,
                                             causal=causal)

@@ -3,7 +3,8 @@
 Each sample is an ordinary (heads, length, head_dim) attention, so memory is per sample
 (never tokens x tokens over the whole pack) and autograd comes from torch. A sliding window
 or attention sinks are written out as the textbook softmax over an explicit mask and an extra
-sink column (per-sample heads x length x length scores), independent of the kernels' tricks.
+sink column, independent of the kernels' tricks, a tile of query rows at a time (heads x tile x the
+keys the tile sees).
 """
 from __future__ import annotations
 
@@ -39,23 +40,34 @@ def varlen_attention_naive(
     return torch.cat(outs)
 
 
+ROW_TILE = 256  # query rows per softmax of `_explicit_attention`: scores are a tile's, never length x length
+
+
 def _explicit_attention(q, k, v, causal, scale, window, sinks):
     """softmax([q k^T * scale | sink]) without the sink column, times v; q (Hq, L, D), k/v (Hkv, L, *).
-    Key j is visible to row i when j <= i (causal) and i - j < window (the window's keys include i)."""
+    Key j is visible to row i when j <= i (causal) and i - j < window (the window's keys include i).
+    Rows go ROW_TILE at a time against the keys they can see (a long sample with a window: tile x
+    (tile + window) scores, where the whole mask of 65,536 tokens would take 16 GB)."""
     group = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     acc = torch.promote_types(q.dtype, torch.float32)  # low precision inputs: scores in fp32
-    scores = (q.to(acc) @ k.to(acc).transpose(1, 2)) * scale  # (Hq, L, L)
-    i = torch.arange(q.shape[1], device=q.device)
-    visible = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= i[None, :] <= i[:, None]
-    if window is not None:
-        visible &= i[:, None] - i[None, :] < window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(acc).view(-1, 1, 1).expand(-1, q.shape[1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return (probs @ v.to(acc)).to(q.dtype)
+    length, outs = q.shape[1], []
+    for start in range(0, length, ROW_TILE):
+        end = min(length, start + ROW_TILE)
+        lo, hi = (0 if window is None else max(0, start - window + 1)), (end if causal else length)
+        scores = (q[:, start:end].to(acc) @ k[:, lo:hi].to(acc).transpose(1, 2)) * scale  # (Hq, rows, keys)
+        i = torch.arange(start, end, device=q.device)[:, None]
+        j = torch.arange(lo, hi, device=q.device)[None, :]
+        visible = torch.ones(end - start, hi - lo, dtype=torch.bool, device=q.device)
+        if causal:
+            visible &= j <= i
+        if window is not None:
+            visible &= i - j < window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.to(acc).view(-1, 1, 1).expand(-1, end - start, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        outs.append(probs @ v[:, lo:hi].to(acc))
+    return torch.cat(outs, dim=1).to(q.dtype)
