@@ -2,8 +2,8 @@
 
 Compiling is slow (seconds per config), so CI covers the main cases only, first config, bfloat16, head dim 128
 (Qwen3-8B): the target's causal varlen kernels and the delta preprocess on sm_90a, and the drafter's sliding block
-forward and own-block backward on sm_120a. Every case is `python launch/compile_kernels.py` (tables in
-docs/BENCHMARKS.md)."""
+forward and own-block backward on sm_120a (the forward at head dim 256 too). Every case is
+`python launch/compile_kernels.py` (tables in docs/BENCHMARKS.md)."""
 import json
 import os
 import subprocess
@@ -39,10 +39,10 @@ def test_gate_reports_each_kernel_and_config():
 def test_gate_covers_the_sliding_block_kernels():
     """The sliding-layer variants (causal in the block or not: the released DFlash2 drafters' layers
     are all sliding and bidirectional) of the block forward and own-block backward, whose code the
-    variant changes, first config, bfloat16 head dim 128, on sm_120a: the least shared memory of the
-    GPUs, and mma.sync operands in registers (every config of the sliding forward spilled there
-    before its output took two half-head-dim accumulators). Every kernel, config and arch:
-    docs/BENCHMARKS.md."""
+    variant changes, first config, bfloat16 head dim 128 (and the forward at 256), on sm_120a: the
+    least shared memory of the GPUs, and mma.sync operands in registers (every config of the sliding
+    forward spilled there before its output was kept in chunks of BLOCK_M head-dim columns). Every
+    kernel, config and arch: docs/BENCHMARKS.md."""
     cmd = [sys.executable, "launch/compile_kernels.py", "--op", "block", "--sliding-only", "--first-only", "--arch",
            "120", "--head-dim", "128", "--dtype", "bfloat16", "--kernel", "_fwd_kernel", "_bwd_own_kernel",
            "--jobs", "1", "--json", "-"]
@@ -55,6 +55,26 @@ def test_gate_covers_the_sliding_block_kernels():
         assert r["arch"] == "sm_120a" and 0 < r["shared_bytes"] and 0 < r["registers"] <= 255
     assert [r for r in records if not r["fits"]] == []
     assert done.returncode == 0, done.stderr[-2000:]
+    # Head dim 256 (32-row groups): the forward's batched accumulator (every config spilled with two
+    # half-head-dim ones), DFlash2's variant only: one compile.
+    done = subprocess.run([sys.executable, "-c", D256], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(done.stdout)
+    assert record["chunks"] == 8 and record["arch"] == "sm_120a" and 0 < record["registers"] <= 255
+    assert record["fits"], record
+
+
+D256 = """
+import json, torch
+from dflash.ops.common.compile_check import compile_config
+from dflash.ops.dflash_block.triton_kernels import _fwd_kernel, compile_cases
+
+tuner, constexprs = compile_cases(256, 32, 8, torch.bfloat16, variants=((True, False),))[0]
+assert tuner is _fwd_kernel
+record = compile_config(tuner.fn, torch.bfloat16, constexprs, tuner.configs[0], 120)
+print(json.dumps({**record, "chunks": constexprs["CHUNKS"]}))
+"""
 
 
 PRUNE = """

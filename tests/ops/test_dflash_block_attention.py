@@ -86,6 +86,8 @@ def test_reference_visibility_is_the_documented_example(window, causal, expected
 
 
 EDGES = [(0, 0), (0, 1), (1, 0), (1, 40), (1, 37), (1, 16), (2, 1), (1, 3), (1, 5), (1, 35)]
+# Groups of 16 rows in the interpreter: the forward keeps its output in one accumulator at head dim 16,
+# two at 32, and a batched one of 4 / 8 chunks at 64 / 128 (as at head dim 256 in 32-row groups on a GPU).
 CASES = [
     pytest.param([40, 1, 23], 5, 4, 4, 2, 64, torch.float32, None, id="fp32-d64-gqa2"),
     pytest.param([40, 1, 23], 5, 4, 4, 2, 64, torch.bfloat16, None, id="bf16-d64-gqa2"),

@@ -131,7 +131,7 @@ def test_pinned_config_is_the_fastest_expected():
 
 # Constexprs a tuning key need not hold: the tuned tiles, and tiles fixed by head_dim, dtype and B
 # (in the key) on a given GPU.
-_DERIVED = {"BLOCK_M", "BLOCK_N", "BPG", "OWN_M", "PER_PART", "BLOCK", "SPLIT_D"}
+_DERIVED = {"BLOCK_M", "BLOCK_N", "BPG", "OWN_M", "PER_PART", "BLOCK", "CHUNKS"}
 
 
 @pytest.mark.parametrize("tuner", VARLEN + BLOCK,

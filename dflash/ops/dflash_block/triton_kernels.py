@@ -120,29 +120,53 @@ def _masked_load(ptrs, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _add_pv(acc, acc_hi, alpha, p, v_ptrs, v_mask, MASKED: tl.constexpr, DH: tl.constexpr, SPLIT_D: tl.constexpr):
-    """acc * alpha + p @ v, v's columns [0, DH) into acc and, with SPLIT_D, [DH, 2 DH) into acc_hi."""
-    acc = acc * alpha[:, None] + tl.dot(p, _masked_load(v_ptrs, v_mask, MASKED))
-    if SPLIT_D:
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, _masked_load(v_ptrs + DH, v_mask, MASKED))
+def _per_row(x, CHUNKS: tl.constexpr):
+    """A vector over the query rows, shaped to broadcast against the output accumulator."""
+    if CHUNKS > 2:  # one return: Triton checks every return's type, even in a branch not taken
+        y = x[None, :, None]
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
+def _acc_cols(D: tl.constexpr, CHUNKS: tl.constexpr):
+    """Head-dim column of each accumulator element (broadcast over the rows): (1, DH), or with more
+    than two chunks (CHUNKS, 1, DH), chunk c holding columns [c DH, (c + 1) DH)."""
+    DH: tl.constexpr = D // CHUNKS
+    if CHUNKS > 2:
+        cols = tl.arange(0, CHUNKS)[:, None, None] * DH + tl.arange(0, DH)[None, None, :]
+    else:
+        cols = tl.arange(0, DH)[None, :]
+    return cols
+
+
+@triton.jit
+def _add_pv(acc, acc_hi, alpha, p, v_ptrs, v_mask, MASKED: tl.constexpr, D: tl.constexpr, CHUNKS: tl.constexpr):
+    """acc * alpha + p @ v over the columns of _acc_cols (v_ptrs, v_mask shaped alike), and with two
+    chunks v's columns [D/2, D) into acc_hi. More chunks make one batched dot, p repeated per chunk."""
+    if CHUNKS > 2:
+        p = tl.broadcast_to(p[None, :, :], (CHUNKS, p.shape[0], p.shape[1]))
+    acc = acc * _per_row(alpha, CHUNKS) + tl.dot(p, _masked_load(v_ptrs, v_mask, MASKED))
+    if CHUNKS == 2:
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, _masked_load(v_ptrs + D // 2, v_mask, MASKED))
     return acc, acc_hi
 
 
 @triton.jit
 def _fwd_ctx(q, kc_base, vc_base, n_lo, n_hi, amax, anchor, first, m_i, l_i, acc, acc_hi, qk_scale,
              HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, MASKED: tl.constexpr,
-             HAS_WINDOW: tl.constexpr, SPLIT_D: tl.constexpr):
+             HAS_WINDOW: tl.constexpr, CHUNKS: tl.constexpr):
     """Online softmax over the context tiles [n_lo, n_hi): every column seen by every row, or
     (MASKED) as _sees_context says, with columns past amax not loaded."""
-    DH: tl.constexpr = D // 2 if SPLIT_D else D
     offs_d = tl.arange(0, D)
-    offs_dh = tl.arange(0, DH)
+    acc_cols = _acc_cols(D, CHUNKS)
     offs_n = tl.arange(0, BLOCK_N)
     if OFFS64:
         offs_n = offs_n.to(tl.int64)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + offs_n
-        v_ptrs = vc_base + cols[:, None] * (HKV * D) + offs_dh[None, :]
+        v_ptrs = vc_base + _per_row(cols, CHUNKS) * (HKV * D) + acc_cols
         col_ok = cols < amax  # (MASKED only)
         if MASKED:
             kT = tl.load(kc_base + cols[None, :] * (HKV * D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
@@ -158,8 +182,8 @@ def _fwd_ctx(q, kc_base, vc_base, n_lo, n_hi, amax, anchor, first, m_i, l_i, acc
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc, acc_hi = _add_pv(acc, acc_hi, alpha, p.to(kT.dtype), v_ptrs, col_ok[:, None], MASKED, DH,
-                              SPLIT_D)
+        acc, acc_hi = _add_pv(acc, acc_hi, alpha, p.to(kT.dtype), v_ptrs, _per_row(col_ok, CHUNKS), MASKED, D,
+                              CHUNKS)
         m_i = m_new
     return m_i, l_i, acc, acc_hi
 
@@ -190,13 +214,14 @@ def _dq_ctx(q, do, lse, delta, dq, kc_base, vc_base, n_lo, n_hi, amax, anchor, f
     return dq
 
 
-@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
+# 8 warps first (the gate's --first-only): under Triton 3.6 the first 4-warp config spills on sm_120a at head dim 256.
+@autotune({"BLOCK_N": _CTX_STEP, "num_warps": [8, 4], "num_stages": [1, 2, 3]}, _KEY, BLOCK_FALLBACK)
 @triton.jit(do_not_specialize=["n_bucket", "n_rows", "n_window"])
 def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_blocks, grp_seq, grp_amin, grp_amax,
                 grp_order, qk_scale, n_window, n_bucket, n_rows,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BPG: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFS64: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                CAUSAL: tl.constexpr, SPLIT_D: tl.constexpr):
+                CAUSAL: tl.constexpr, CHUNKS: tl.constexpr):
     pid = tl.program_id(0)
     i_g = tl.load(grp_order + pid // HQ)
     i_h = pid % HQ
@@ -214,18 +239,21 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     kc_base = KC + bos * (HKV * D) + i_kh * D
     vc_base = VC + bos * (HKV * D) + i_kh * D
 
-    DH: tl.constexpr = D // 2 if SPLIT_D else D
+    DH: tl.constexpr = D // CHUNKS
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DH], tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, DH], tl.float32)  # columns [DH, D) with SPLIT_D, else unused
+    if CHUNKS > 2:
+        acc = tl.zeros([CHUNKS, BLOCK_M, DH], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, DH], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, DH], tl.float32)  # columns [DH, D) with two chunks, else unused
     first, lo, full_lo, full_hi = _window_start(anchor, amin, amax, n_window, B, BLOCK_M, BLOCK_N, HAS_WINDOW)
     m_i, l_i, acc, acc_hi = _fwd_ctx(q, kc_base, vc_base, full_lo, full_hi, amax, anchor, first, m_i, l_i, acc,
-                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, False, HAS_WINDOW, SPLIT_D)
+                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, False, HAS_WINDOW, CHUNKS)
     m_i, l_i, acc, acc_hi = _fwd_ctx(q, kc_base, vc_base, lo, full_lo, amax, anchor, first, m_i, l_i, acc,
-                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW, SPLIT_D)
+                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW, CHUNKS)
     m_i, l_i, acc, acc_hi = _fwd_ctx(q, kc_base, vc_base, full_hi, amax, amax, anchor, first, m_i, l_i, acc,
-                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW, SPLIT_D)
+                                     acc_hi, qk_scale, HKV, D, BLOCK_N, OFFS64, True, HAS_WINDOW, CHUNKS)
     # The group's own blocks: each row sees the rows of its block that the layer's rule allows.
     kb_off = rows[None, :] * (HKV * D) + i_kh * D + offs_d[:, None]
     kbT = tl.load(KB + kb_off, mask=ok[None, :], other=0.0)  # (D, BLOCK_M)
@@ -238,15 +266,15 @@ def _fwd_kernel(Q, KC, VC, KB, VB, OUT, LSE, cu_seqlens, block_anchor, grp_block
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    offs_dh = tl.arange(0, DH)
-    vb_ptrs = VB + rows[:, None] * (HKV * D) + i_kh * D + offs_dh[None, :]
-    acc, acc_hi = _add_pv(acc, acc_hi, alpha, p.to(kbT.dtype), vb_ptrs, ok[:, None], True, DH, SPLIT_D)
+    acc_cols = _acc_cols(D, CHUNKS)
+    vb_ptrs = VB + _per_row(rows, CHUNKS) * (HKV * D) + i_kh * D + acc_cols
+    acc, acc_hi = _add_pv(acc, acc_hi, alpha, p.to(kbT.dtype), vb_ptrs, _per_row(ok, CHUNKS), True, D, CHUNKS)
     m_i = m_new
 
     l_i = tl.where(ok, l_i, 1.0)  # padding rows (never stored) would divide 0 by 0
-    out_ptrs = OUT + rows[:, None] * (HQ * D) + i_h * D + offs_dh[None, :]
-    tl.store(out_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
-    if SPLIT_D:
+    out_ptrs = OUT + _per_row(rows, CHUNKS) * (HQ * D) + i_h * D + acc_cols
+    tl.store(out_ptrs, (acc / _per_row(l_i, CHUNKS)).to(OUT.dtype.element_ty), mask=_per_row(ok, CHUNKS))
+    if CHUNKS == 2:
         tl.store(out_ptrs + DH, (acc_hi / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
     tl.store(LSE + i_h * n_rows + rows, m_i + tl.math.log2(l_i), mask=ok)
 
@@ -404,12 +432,15 @@ def _bwd_own_kernel(Q, KB, VB, DO, LSE, DELTA, DQ_ACC, DQ, DKB, DVB, block_ancho
     tl.store(DVB + kb_off, dvb.to(DVB.dtype.element_ty), mask=ok[:, None])
 
 
-def _split_d(head_dim: int, block_m: int) -> bool:
-    """Whether the forward keeps its output in two accumulators of half the head dim: Triton lays the
-    warps of chained dots out along the longer side of the P @ V tile, so with head_dim > BLOCK_M
-    every warp held all of q's rows (all 18 configs of the sliding forward spilled on sm_120a at
-    head dim 128, bf16); two halves put the warps on the rows."""
-    return head_dim > block_m
+def _out_chunks(head_dim: int, block_m: int) -> int:
+    """Chunks of BLOCK_M head-dim columns in which the forward keeps its output (CHUNKS). Triton lays
+    the warps of chained dots (mma.sync) out along the longer side of the P @ V tile, so with
+    head_dim > BLOCK_M every warp held all of q's rows (all 18 configs of the sliding forward spilled
+    on sm_120a at head dim 128, bf16). Two chunks are two 2-D accumulators (square tiles: warps on
+    the rows; wgmma / tcgen05 still serve them on sm_90a / sm_100a). More (head dim 256 in 32-row
+    groups, where every arch runs mma.sync) are one batched 3-D dot, whose warps go on the chunks:
+    with 32 rows, warps on the rows would each hold the whole head dim of the accumulator."""
+    return max(head_dim // block_m, 1)
 
 
 def _own_tile(block_m: int, block_size: int) -> tuple[int, int]:
@@ -435,7 +466,7 @@ def compile_cases(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype, 
         ctx = {**common, "BLOCK_N": tile_rows(CTX_BLOCK_N, head_dim, dtype, CTX_ROW_BYTES)}
         own_m, per_part = _own_tile(block_m, block_size)
         own = {**{k: v for k, v in common.items() if k != "BLOCK_M"}, "OWN_M": own_m, "PER_PART": per_part}
-        cases += [(_fwd_kernel, {**common, "SPLIT_D": _split_d(head_dim, block_m)}),
+        cases += [(_fwd_kernel, {**common, "CHUNKS": _out_chunks(head_dim, block_m)}),
                   (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": True}), (_bwd_ctx_kernel, {**ctx, "FUSED_DQ": False}),
                   (_bwd_dq_ctx_kernel, common), (_bwd_own_kernel, own)]
     return cases
@@ -501,7 +532,7 @@ def dflash_block_fwd(q, k_ctx, v_ctx, k_blk, v_blk, cu_seqlens, block_anchor, sc
            (q, k_ctx, v_ctx, k_blk, v_blk, o, lse, cu_seqlens, block_anchor, sched.blocks, sched.seq, sched.amin,
             sched.amax, sched.order, scale * LOG2E, window or 0, size_bucket(q.shape[0]), q.shape[0]),
            dict(HQ=HQ, HKV=HKV, D=D, B=block_size, BPG=sched.per_group, BLOCK_M=sched.block_m, OFFS64=offs64,
-                HAS_WINDOW=window is not None, CAUSAL=causal, SPLIT_D=_split_d(D, sched.block_m)),
+                HAS_WINDOW=window is not None, CAUSAL=causal, CHUNKS=_out_chunks(D, sched.block_m)),
            pinned=deterministic)
     return o, lse
 
