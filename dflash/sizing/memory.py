@@ -311,25 +311,44 @@ class MemoryPlan:
         per_pair = d.heads * (4 + b)
         return row_keys * (per_pair + 1) + rows * (B * per_pair + (d.heads + 2 * d.kv_heads) * d.head_dim * b)
 
-    def transient(self, tokens: int, rows: int) -> int:
+    def reference_backward(self, rows: int, row_keys: int) -> int:
+        """The per-sample torch reference's backward in one layer (0 with the kernels): the gradients of
+        one sample's context scores at once (fp32 and the training dtype per pair and head; the
+        largest sample's pairs at most: its rows, `num_anchors` x B, by the batch's mean length,
+        `row_keys` / rows) and of every row's q, k and v. Measured on the reference alone, fp32: 8
+        bytes per pair and head with 2-4 heads (12 with one head, whose forward the plan prices high);
+        its block keys' scores and the layer's slack cover the rest (whole steps, docs/BENCHMARKS.md)."""
+        if self.setup.attention != "reference" or not rows:
+            return 0
+        d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
+        sample_rows = s.num_anchors * s.block_size
+        pairs = min(row_keys, -(-row_keys // rows) * sample_rows)
+        return pairs * d.heads * (4 + b) + rows * (d.heads + 2 * d.kv_heads) * d.head_dim * b
+
+    def transient(self, tokens: int, rows: int, row_keys: int = 0) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, one
         lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a DFlash2 selector's
         loss and its backward; the backward
-        frees saved activations as fast as it makes gradients. With activation checkpointing, the
-        backward's recomputed layer and its gradients instead, when larger."""
+        frees saved activations as fast as it makes gradients, but the reference attention's backward
+        (`reference_backward`) needs more than the layer freed before it (its MLP and second norm). With
+        activation checkpointing, the backward's recomputed layer and its gradients instead, when larger."""
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
         # the selector's loss (DFlash2) is freed before the backward reaches the layers
         loss = (rows + scored + chunk) * d.hidden * b + rows * self.selector_per_row() \
             + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
+        # what a layer's backward frees before it reaches the attention: its MLP's and second norm's saved
+        # tensors (and, recomputed, its MLP's gradients)
+        freed = rows * (4 * b * d.intermediate + (4 + 2 * b) * d.hidden + 4)
+        attention = self.reference_backward(rows, row_keys)
         if not s.activation_checkpointing:
-            return loss
+            return max(loss, attention - freed)
         kv = d.kv_heads * d.head_dim
         # the recomputed layer, its MLP's gradients, and the context's key, value and state gradients
         layer = rows * (self.layer_per_row() + b * (d.intermediate + d.hidden)) \
             + tokens * ((4 + 5 * b) * kv + 4 * d.kv_heads + b * d.hidden)
-        return max(loss, layer)
+        return max(loss, layer + max(0, attention - freed - rows * b * (d.intermediate + d.hidden)))
 
     def drafter_phase(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be)."""
@@ -338,7 +357,7 @@ class MemoryPlan:
         layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
         # KL and LK read the target's final states of every token (kept from its forward)
         states = tokens * self.target.hidden * self.setup.dtype_bytes if self.setup.target_states else 0
-        return (tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows)
+        return (tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows, row_keys)
                 + layers * reference + states)
 
     def peak(self, tokens: int, rows: int, row_keys: int | None = None) -> dict:
