@@ -318,31 +318,52 @@ class MemoryPlan:
 
         return self.setup.attention == "reference" and reference_scores(row_keys, self.drafter.heads) > REFERENCE_SCORES
 
+    def reference_backward(self, rows: int, row_keys: int) -> int:
+        """The per-sample torch reference's backward in one layer (0 with the kernels, and chunked: one chunk
+        at a time, `transient`): the gradients of one sample's context scores at once (fp32 and the training
+        dtype per pair and head; the largest sample's pairs at most: its rows, `num_anchors` x B, by the
+        batch's mean length, `row_keys` / rows) and of every row's q, k and v. Measured on the reference
+        alone, fp32: 8 bytes per pair and head with 2-4 heads (12 with one head, whose forward the plan
+        prices high); its block keys' scores and the layer's slack cover the rest (whole steps,
+        docs/BENCHMARKS.md)."""
+        if self.setup.attention != "reference" or not rows or self.reference_chunked(row_keys):
+            return 0
+        d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
+        sample_rows = s.num_anchors * s.block_size
+        pairs = min(row_keys, -(-row_keys // rows) * sample_rows)
+        return pairs * d.heads * (4 + b) + rows * (d.heads + 2 * d.kv_heads) * d.head_dim * b
+
     def transient(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, one
         lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a DFlash2 selector's
         loss and its backward; the backward
-        frees saved activations as fast as it makes gradients. With activation checkpointing, the
-        backward's recomputed layer and its gradients instead, when larger. The chunked reference
-        attention's chunk on top (counted as if it met the loss's buffers)."""
+        frees saved activations as fast as it makes gradients, but the reference attention's backward
+        (`reference_backward`) needs more than the layer freed before it (its MLP and second norm). With
+        activation checkpointing, the backward's recomputed layer and its gradients instead, when larger.
+        The chunked reference attention's chunk on top (counted as if it met the loss's buffers)."""
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
         # the selector's loss (DFlash2) is freed before the backward reaches the layers
         loss = (rows + scored + chunk) * d.hidden * b + rows * self.selector_per_row() \
             + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
+        row_keys = rows * tokens if row_keys is None else row_keys
         in_flight = 0
-        if self.reference_chunked(rows * tokens if row_keys is None else row_keys):
+        if self.reference_chunked(row_keys):
             from dflash.ops.dflash_block.chunked import CHUNK_SCORES
 
             in_flight = CHUNK_SCORES * (8 + 2 * b)  # one chunk's scores, 8 + 2 x dtype bytes each (measured)
+        # what a layer's backward frees before it reaches the attention: its MLP's and second norm's saved
+        # tensors (and, recomputed, its MLP's gradients)
+        freed = rows * (4 * b * d.intermediate + (4 + 2 * b) * d.hidden + 4)
+        attention = self.reference_backward(rows, row_keys)
         if not s.activation_checkpointing:
-            return loss + in_flight
+            return max(loss, attention - freed) + in_flight
         kv = d.kv_heads * d.head_dim
         # the recomputed layer, its MLP's gradients, and the context's key, value and state gradients
         layer = rows * (self.layer_per_row() + b * (d.intermediate + d.hidden)) \
             + tokens * ((4 + 5 * b) * kv + 4 * d.kv_heads + b * d.hidden)
-        return max(loss, layer) + in_flight
+        return max(loss, layer + max(0, attention - freed - rows * b * (d.intermediate + d.hidden))) + in_flight
 
     def drafter_phase(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be)."""
