@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from dflash.errors import UserError
 from dflash.models.loss import DEFAULT_CHUNK_ROWS
 from dflash.models.target_spec import TargetSpec
+from dflash.sizing import reference_attention
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffers
@@ -299,48 +300,14 @@ class MemoryPlan:
         scored = (s.block_size - 1) / s.block_size
         return int(layers + (4 + b) * d.hidden + 4 + scored * d.hidden * b + 2 * d.head_dim * b + 48)
 
-    def reference_layer(self, rows: int, row_keys: int) -> int:
-        """What the per-sample torch reference of the block attention saves in one layer beyond the
-        kernels' output and log-sum-exp (0 with the kernels): per (row, context key) pair and head its
-        fp32 softmax and one copy of it at the training dtype (the value einsum's operand), per pair the
-        visibility mask; per row the same for its B block keys, and the copies of q, k and v its
-        per-sample gather makes. `row_keys`: the sum over samples of rows x length. Past REFERENCE_SCORES
-        the reference runs chunked and recomputes in backward (`dflash.ops.dflash_block.chunked`)."""
-        if self.setup.attention != "reference" or self.reference_chunked(row_keys):
-            return 0  # chunked: only the output kept, as the kernels (one chunk at a time: `transient`)
-        d, b, B = self.drafter, self.setup.dtype_bytes, self.setup.block_size
-        per_pair = d.heads * (4 + b)
-        return row_keys * (per_pair + 1) + rows * (B * per_pair + (d.heads + 2 * d.kv_heads) * d.head_dim * b)
-
-    def reference_chunked(self, row_keys: int) -> bool:
-        """Whether the reference attention runs in chunks at `row_keys` (the rule `dflash_block_attention` applies)."""
-        from dflash.ops.dflash_block.chunked import REFERENCE_SCORES, reference_scores
-
-        return self.setup.attention == "reference" and reference_scores(row_keys, self.drafter.heads) > REFERENCE_SCORES
-
-    def reference_backward(self, rows: int, row_keys: int) -> int:
-        """The per-sample torch reference's backward in one layer (0 with the kernels, and chunked: one chunk
-        at a time, `transient`): the gradients of one sample's context scores at once (fp32 and the training
-        dtype per pair and head; the largest sample's pairs at most: its rows, `num_anchors` x B, by the
-        batch's mean length, `row_keys` / rows) and of every row's q, k and v. Measured on the reference
-        alone, fp32: 8 bytes per pair and head with 2-4 heads (12 with one head, whose forward the plan
-        prices high); its block keys' scores and the layer's slack cover the rest (whole steps,
-        docs/BENCHMARKS.md)."""
-        if self.setup.attention != "reference" or not rows or self.reference_chunked(row_keys):
-            return 0
-        d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
-        sample_rows = s.num_anchors * s.block_size
-        pairs = min(row_keys, -(-row_keys // rows) * sample_rows)
-        return pairs * d.heads * (4 + b) + rows * (d.heads + 2 * d.kv_heads) * d.head_dim * b
-
     def transient(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, one
         lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a DFlash2 selector's
-        loss and its backward; the backward
-        frees saved activations as fast as it makes gradients, but the reference attention's backward
-        (`reference_backward`) needs more than the layer freed before it (its MLP and second norm). With
-        activation checkpointing, the backward's recomputed layer and its gradients instead, when larger.
-        The chunked reference attention's chunk on top (counted as if it met the loss's buffers)."""
+        loss and its backward; the backward frees saved activations as fast as it makes gradients, but
+        the reference attention's backward (`reference_attention.backward_per_layer`) needs more than the
+        layer freed before it (its MLP and second norm). With activation checkpointing, the backward's
+        recomputed layer and its gradients instead, when larger. The chunked reference attention's chunk
+        on top (counted as if it met the loss's buffers)."""
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
@@ -348,15 +315,11 @@ class MemoryPlan:
         loss = (rows + scored + chunk) * d.hidden * b + rows * self.selector_per_row() \
             + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
         row_keys = rows * tokens if row_keys is None else row_keys
-        in_flight = 0
-        if self.reference_chunked(row_keys):
-            from dflash.ops.dflash_block.chunked import CHUNK_SCORES
-
-            in_flight = CHUNK_SCORES * (8 + 2 * b)  # one chunk's scores, 8 + 2 x dtype bytes each (measured)
+        in_flight = reference_attention.chunk_in_flight(d, s, row_keys)
         # what a layer's backward frees before it reaches the attention: its MLP's and second norm's saved
         # tensors (and, recomputed, its MLP's gradients)
         freed = rows * (4 * b * d.intermediate + (4 + 2 * b) * d.hidden + 4)
-        attention = self.reference_backward(rows, row_keys)
+        attention = reference_attention.backward_per_layer(d, s, rows, row_keys)
         if not s.activation_checkpointing:
             return max(loss, attention - freed) + in_flight
         kv = d.kv_heads * d.head_dim
@@ -368,7 +331,7 @@ class MemoryPlan:
     def drafter_phase(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be)."""
         row_keys = rows * tokens if row_keys is None else row_keys
-        reference = self.reference_layer(rows, row_keys)
+        reference = reference_attention.saved_per_layer(self.drafter, self.setup, rows, row_keys)
         layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
         # KL and LK read the target's final states of every token (kept from its forward)
         states = tokens * self.target.hidden * self.setup.dtype_bytes if self.setup.target_states else 0

@@ -17,6 +17,7 @@ from dflash.models.config_format import SLIDING
 from dflash.models.drafter import DrafterCache
 from dflash.models.tensor_bytes import measure_peak_tensor_bytes
 from dflash.ops.dflash_block import chunked
+from dflash.sizing import reference_attention
 from dflash.sizing.memory import DrafterSizes, MemoryPlan, MemorySetup, target_sizes
 from dflash.training.config import load_config
 from dflash.training.models import training_loss
@@ -100,7 +101,8 @@ def test_a_long_sample_trains_a_step_within_its_memory_plan(models, long_sample,
     rows = anchors * B
     plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=2, features=1),
                       MemorySetup(dtype_bytes=4, num_anchors=anchors, attention="reference", **loss_setup(cfg)))
-    assert plan.reference_chunked(rows * length)  # the plain reference would keep rows x length scores
+    # the plain reference would keep rows x length scores
+    assert reference_attention.runs_chunked(plan.drafter, plan.setup, rows * length)
     estimate = max(plan.target_phase(length), plan.drafter_phase(length, rows, rows * length))
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
