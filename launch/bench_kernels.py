@@ -302,7 +302,8 @@ def run_benchmark(cfg, patterns, seed_lengths, max_len, out_json: Path, repeats,
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     measure = timer(device, repeats, deadline)
     rng = np.random.default_rng(seed)
-    scale = cfg["tokens"] / 49152  # lengths shrink with a reduced size
+    # lengths shrink with a reduced size, or by the caller's cfg["length_scale"] (gpu_check's dry run)
+    scale = cfg.get("length_scale", cfg["tokens"] / 49152)
     report = report if report is not None else {}
     report.update({"device": torch.cuda.get_device_name() if device == "cuda" else
                    f"cpu ({platform.processor() or 'unknown'}), Triton interpreter: times are not kernel speed",
