@@ -73,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
                    help="folder of wheels carried in for what the image lacks (DeepSpeed and its dependencies)")
     p.add_argument("--dry-run", action="store_true",
-                   help="tiny shapes on the CPU through the Triton interpreter (what CI runs)")
+                   help="tiny shapes on the CPU through the Triton interpreter (what CI runs); the kernel "
+                        "benchmark times one call per method, without a warm-up call")
     return p.parse_args(argv)
 
 
@@ -233,7 +234,8 @@ def stage_correctness(out: Path, cfg: dict, deadline: float) -> bool:
 
 def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
     """launch/bench_kernels.py at cfg's shapes: seed-like lengths sorted and shuffled, then bimodal
-    if time allows; whatever the deadline leaves unmeasured is recorded as skipped."""
+    if time allows; whatever the deadline leaves unmeasured is recorded as skipped. The dry run
+    times each method's first call, without the warm-up call (it shows the benchmark runs)."""
     import bench_kernels  # launch/ is this script's folder, first on sys.path
     import numpy as np
     import torch
@@ -244,7 +246,8 @@ def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
                                      "length_scale")}
     bench_kernels.run_benchmark(bench_cfg, cfg["patterns"], np.asarray(seed_like_lengths(100_000)),
                                 cfg["max_len"], out / "bench_kernels.json", repeats=5 if torch.cuda.is_available()
-                                else 1, dtype=getattr(torch, cfg["dtype"]), deadline=deadline)
+                                else 1, dtype=getattr(torch, cfg["dtype"]), deadline=deadline,
+                                warmup=not cfg["dry_run"])  # the interpreter compiles and autotunes nothing
     return True
 
 
