@@ -94,6 +94,16 @@ def check_official_export(drafter_dir):
         exported["dflash_config"]["target_layer_ids"]
 
 
+TURN_LIMIT = 64
+
+
+def with_turn_limit(data, path, limit):
+    """`data`'s conversations written to `path` with `meta.max_new_tokens` = `limit` on every line."""
+    lines = [json.loads(line) for line in data.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**row, "meta": {"max_new_tokens": limit}}) + "\n" for row in lines))
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config,layout,order,family,partition", [
     # the dense control, and the target families of issue 25 in the other launches: MoE padded, hybrid
@@ -107,6 +117,10 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     target, data = tiny_run_inputs
     if family != "qwen3":
         target = make_family_target(tmp_path / "target", family)
+    # the conversations with a turn limit in their meta, as `regenerate` writes it: the held-out turns sampled
+    # at temperature 1 and the decoded ones stop there (a random target seldom draws a stop token: hundreds
+    # of tokens a turn otherwise, most of the run)
+    data = with_turn_limit(data, tmp_path / "data.jsonl", TURN_LIMIT)
     out = tmp_path / "run"
     # the default rule (-1): one held-out turn per optimizer step, so the dense 3-step run decodes 3 (of 6); the
     # hybrid one decodes one (its recurrent state rolled back; ~55 ms a target forward in eager PyTorch here)
@@ -143,6 +157,7 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
         figure = json.loads((out / "speculate.json").read_text())
         turns = 3 if family == "qwen3" else 1
         assert figure["turns"] == turns and figure["acceptance_length"] >= 1 and figure["lossless"] is None
+        assert figure["max_new_tokens"] == TURN_LIMIT and figure["tokens"] <= turns * TURN_LIMIT
         assert f"speculative decoding of {turns} held-out turn{'s' * (turns > 1)}: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1
