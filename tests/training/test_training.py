@@ -17,7 +17,7 @@ from dflash.training.steps import step_ranges
 
 from .. import preloaded
 from ..conftest import ROOT
-from .conftest import make_family_target, read_metrics, run_deepspeed, tiny_train_args
+from .conftest import TURN_LIMIT, make_family_target, read_metrics, run_deepspeed, tiny_train_args, with_turn_limit
 
 
 def test_step_ranges_cover_every_micro_step_with_the_token_target():
@@ -94,16 +94,6 @@ def check_official_export(drafter_dir):
         exported["dflash_config"]["target_layer_ids"]
 
 
-TURN_LIMIT = 64
-
-
-def with_turn_limit(data, path, limit):
-    """`data`'s conversations written to `path` with `meta.max_new_tokens` = `limit` on every line."""
-    lines = [json.loads(line) for line in data.read_text().splitlines()]
-    path.write_text("".join(json.dumps({**row, "meta": {"max_new_tokens": limit}}) + "\n" for row in lines))
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("config,layout,order,family,partition", [
     # the dense control, and the target families of issue 25 in the other launches: MoE padded, hybrid
@@ -117,10 +107,7 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     target, data = tiny_run_inputs
     if family != "qwen3":
         target = make_family_target(tmp_path / "target", family)
-    # the conversations with a turn limit in their meta, as `regenerate` writes it: the held-out turns sampled
-    # at temperature 1 and the decoded ones stop there (a random target seldom draws a stop token: hundreds
-    # of tokens a turn otherwise, most of the run)
-    data = with_turn_limit(data, tmp_path / "data.jsonl", TURN_LIMIT)
+    data = with_turn_limit(data, tmp_path / "data.jsonl")  # sampled and decoded turns stop at TURN_LIMIT
     out = tmp_path / "run"
     # the default rule (-1): one held-out turn per optimizer step, so the dense 3-step run decodes 3 (of 6); the
     # hybrid one decodes one (its recurrent state rolled back; ~55 ms a target forward in eager PyTorch here)
