@@ -112,14 +112,15 @@ def make_blocks(lengths, num_blocks, rng):
     return seq, anchor
 
 
-def timer(device, repeats, deadline=None):
+def timer(device, repeats, deadline=None, warmup=True):
     """measure(fn) -> median seconds of `repeats` timed calls after an untimed warm-up (compiles,
-    autotunes, builds per-batch masks and tile lists). Raises TimeoutError past `deadline`
-    (time.monotonic()) before starting a measurement."""
+    autotunes, builds per-batch masks and tile lists; none with `warmup` False). Raises TimeoutError
+    past `deadline` (time.monotonic()) before starting a measurement."""
     def measure(fn):
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError("out of time")
-        fn()
+        if warmup:
+            fn()
         times = []
         for _ in range(repeats):
             if device == "cuda":
@@ -294,22 +295,25 @@ def bench_config(args, gpu: bool) -> dict:
 
 
 def run_benchmark(cfg, patterns, seed_lengths, max_len, out_json: Path, repeats, seed=0, dtype=None,
-                  deadline=None, report=None) -> dict:
+                  deadline=None, report=None, warmup=True) -> dict:
     """Every pattern sorted and shuffled, both ops, every method; the report (JSON) is rewritten
     after every measurement, so a run cut short (timeout, kill) keeps every finished number.
-    Past `deadline` (time.monotonic()) the remaining measurements are recorded as skipped."""
+    Past `deadline` (time.monotonic()) the remaining measurements are recorded as skipped. Without
+    `warmup` the per-batch preparation is timed with the call (a dry run that only shows it runs)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    measure = timer(device, repeats, deadline)
+    measure = timer(device, repeats, deadline, warmup)
     rng = np.random.default_rng(seed)
-    scale = cfg["tokens"] / 49152  # lengths shrink with a reduced size
+    # lengths shrink with a reduced size, or by the caller's cfg["length_scale"] (gpu_check's dry run)
+    scale = cfg.get("length_scale", cfg["tokens"] / 49152)
     report = report if report is not None else {}
     report.update({"device": torch.cuda.get_device_name() if device == "cuda" else
                    f"cpu ({platform.processor() or 'unknown'}), Triton interpreter: times are not kernel speed",
                    "torch": torch.__version__, "triton": _triton_version(), "dtype": str(dtype), "config": cfg,
                    "repeats": repeats, "pinned_configs": pin_configs(),
                    "timed": "the op call only: tile lists, FlexAttention block masks and padding are built once "
-                            "per batch, before timing (warm-up call)", "results": {}})
+                            "per batch, before timing (warm-up call)" if warmup else
+                            "the first call, per-batch preparation included (no warm-up call)", "results": {}})
     print(f"{report['device']} | {cfg} | {dtype}", flush=True)
     for pattern in patterns:
         base = make_lengths(pattern, cfg["tokens"], max_len, rng, scale, seed_lengths)

@@ -73,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
                    help="folder of wheels carried in for what the image lacks (DeepSpeed and its dependencies)")
     p.add_argument("--dry-run", action="store_true",
-                   help="tiny shapes on the CPU through the Triton interpreter (what CI runs)")
+                   help="tiny shapes on the CPU through the Triton interpreter (what CI runs); the kernel "
+                        "benchmark times one call per method, without a warm-up call")
     return p.parse_args(argv)
 
 
@@ -107,22 +108,26 @@ def use_carried_wheels(folder: Path) -> tuple[list[str], list[str]]:
 
 
 def shapes(dry_run: bool) -> dict:
-    """Qwen3-8B attention shapes on the GPU; tiny ones for the dry run."""
+    """Qwen3-8B attention shapes on the GPU; tiny ones for the dry run. `length_scale` scales the
+    seed-like sample lengths: the dry run's shrink with the longest sample (8,192 -> 64), not with
+    the tokens (1/768: 27 samples of 1-7 tokens, each its own tiles, seconds apiece in the Triton
+    interpreter), so that its 64 tokens hold a handful of samples of a few to tens of tokens."""
     if dry_run:
         return {"tokens": 64, "heads": 2, "kv_heads": 1, "head_dim": 32, "block_size": 4, "blocks": 8,
-                "dtype": "float32", "max_len": 48, "patterns": ("seed-like",), "dry_run": True, "window": 8}
+                "dtype": "float32", "max_len": 48, "length_scale": 1 / 128, "patterns": ("seed-like",),
+                "dry_run": True, "window": 8}
     # window: a drafter's sliding layers (the Qwen3.6 recipe's 2,048) for the block-sliding check
     return {"tokens": 49152, "heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "blocks": 4096,
-            "dtype": "bfloat16", "max_len": 8192, "patterns": ("seed-like", "bimodal"), "dry_run": False,
-            "window": 2048}
+            "dtype": "bfloat16", "max_len": 8192, "length_scale": 1.0, "patterns": ("seed-like", "bimodal"),
+            "dry_run": False, "window": 2048}
 
 
 def seed_like_batch(cfg: dict, seed: int = 0) -> list[int]:
     """Sample lengths drawn from the seed-like distribution until they fill cfg["tokens"] (the last
-    one cut), scaled down with the tokens for the dry run."""
+    one cut), scaled by cfg["length_scale"] (down for the dry run)."""
     from dflash.data import seed_like_lengths
 
-    scale = cfg["tokens"] / 49152
+    scale = cfg["length_scale"]
     lengths, pool = [], seed_like_lengths(10_000, seed=seed)
     for n in pool:
         lengths.append(max(1, min(int(n * scale), cfg["max_len"])))
@@ -229,17 +234,20 @@ def stage_correctness(out: Path, cfg: dict, deadline: float) -> bool:
 
 def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
     """launch/bench_kernels.py at cfg's shapes: seed-like lengths sorted and shuffled, then bimodal
-    if time allows; whatever the deadline leaves unmeasured is recorded as skipped."""
+    if time allows; whatever the deadline leaves unmeasured is recorded as skipped. The dry run
+    times each method's first call, without the warm-up call (it shows the benchmark runs)."""
     import bench_kernels  # launch/ is this script's folder, first on sys.path
     import numpy as np
     import torch
 
     from dflash.data import seed_like_lengths
 
-    bench_cfg = {k: cfg[k] for k in ("tokens", "heads", "kv_heads", "head_dim", "block_size", "blocks")}
+    bench_cfg = {k: cfg[k] for k in ("tokens", "heads", "kv_heads", "head_dim", "block_size", "blocks",
+                                     "length_scale")}
     bench_kernels.run_benchmark(bench_cfg, cfg["patterns"], np.asarray(seed_like_lengths(100_000)),
                                 cfg["max_len"], out / "bench_kernels.json", repeats=5 if torch.cuda.is_available()
-                                else 1, dtype=getattr(torch, cfg["dtype"]), deadline=deadline)
+                                else 1, dtype=getattr(torch, cfg["dtype"]), deadline=deadline,
+                                warmup=not cfg["dry_run"])  # the interpreter compiles and autotunes nothing
     return True
 
 

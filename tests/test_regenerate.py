@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
 
+from . import preloaded
 from .conftest import greedy_reference, launch_script, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,10 +49,20 @@ def cli_main():
     return launch_script("regenerate").main
 
 
-def run_cli(*args, **popen):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, str(CLI), "--target", str(TARGET), *map(str, args)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+CLI_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    """`python launch/regenerate.py --target TARGET args` to its end (`tests.preloaded`: forked
+    with torch and transformers imported)."""
+    return preloaded.run(CLI, ["--target", TARGET, *args], env=CLI_ENV, cwd=ROOT, timeout=timeout)
+
+
+def start_cli(logs: Path, *args) -> preloaded.Process:
+    """The same, started: its stdout and stderr go to files in `logs`."""
+    out, err = logs / "cli.out", logs / "cli.err"
+    out.write_text(""), err.write_text("")
+    return preloaded.Process(CLI, ["--target", TARGET, *args], CLI_ENV, ROOT, str(out), str(err))
 
 
 def cfg_for(tmp_path, prompts, out="out.jsonl", **kw) -> RegenerateConfig:
@@ -66,16 +76,15 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 32)
     args = ["--input", prompts, "--batch-size", 2, "--max-new-tokens", 48]
     full = run_cli(*args, "--output", tmp_path / "full.jsonl")
-    _, err = full.communicate(timeout=300)
-    assert full.returncode == 0, err
+    assert full.returncode == 0, full.stderr
 
     out = tmp_path / "resumed.jsonl"
-    killed = run_cli(*args, "--output", out)
+    killed = start_cli(tmp_path, *args, "--output", out)
     deadline = time.time() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 2) and time.time() < deadline:
         time.sleep(0.005)
-    killed.send_signal(signal.SIGKILL)
-    killed.communicate()
+    os.kill(killed.pid, signal.SIGKILL)
+    assert killed.wait(60) == -signal.SIGKILL
     written = out.read_bytes().count(b"\n")
     assert 2 <= written < 32, "the kill must land mid-run for this test to mean anything"
     # a torn last line, as a crash in the middle of a write would leave
@@ -83,9 +92,8 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
         f.write(b'{"messages": [{"role": "user", "con')
 
     resumed = run_cli(*args, "--output", out)
-    stdout, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err
-    assert f"resumed: {written} already there" in stdout
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed: {written} already there" in resumed.stdout
     assert out.read_bytes() == (tmp_path / "full.jsonl").read_bytes()
 
 
@@ -235,10 +243,9 @@ def test_skip_bad_counts_reasons_and_keeps_the_good_lines(tmp_path, capsys):
 
 def test_user_mistakes_are_reported_without_traceback(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 1)
-    proc = run_cli("--input", prompts, "--output", tmp_path / "o.jsonl", "--temperature", "-1")
-    _, err = proc.communicate(timeout=120)
+    proc = run_cli("--input", prompts, "--output", tmp_path / "o.jsonl", "--temperature", "-1", timeout=120)
     assert proc.returncode == 2
-    assert "error: argument --temperature: must be >= 0, got -1" in err and "Traceback" not in err
+    assert "error: argument --temperature: must be >= 0, got -1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_template_and_encoding_faults_are_named_by_line_also_when_skipped(tmp_path):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,18 @@ def make_family_target(path, family, seed=0):
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tok.save_pretrained(path)
+    return path
+
+
+TURN_LIMIT = 64
+
+
+def with_turn_limit(data, path, limit=TURN_LIMIT):
+    """`data`'s conversations written to `path` with `meta.max_new_tokens` = `limit` on every line, as
+    `regenerate` writes it: held-out turns sampled by the target and decoded ones stop there (a random
+    target seldom draws a stop token: hundreds of tokens a turn otherwise)."""
+    lines = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    Path(path).write_text("".join(json.dumps({**row, "meta": {"max_new_tokens": limit}}) + "\n" for row in lines))
     return path
 
 

@@ -25,7 +25,7 @@ from dflash.distributed.shared_fs import PROBE, check_shared_paths
 from dflash.errors import UserError
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args, without_timings
+from .conftest import read_metrics, run_deepspeed, tiny_train_args, with_turn_limit, without_timings
 
 # ZeRO-3, micro-batches dealt by cost (the default): 3 steps in epoch 0; the multi-node run stops after
 # step 2 (inside epoch 0) and resumes
@@ -78,6 +78,7 @@ def history(out):
 @pytest.mark.slow
 def test_two_nodes_checkpoint_resume_and_export_like_one_node_then_resume_on_one_rank(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
+    data = with_turn_limit(data, tmp_path / "data.jsonl")  # the held-out turns sampled at 1 stop at TURN_LIMIT
     one = tmp_path / "one"
     proc = run_deepspeed(tiny_train_args(target, data, one, *COMMON))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -17,7 +17,7 @@ from dflash.training.steps import step_ranges
 
 from .. import preloaded
 from ..conftest import ROOT
-from .conftest import make_family_target, read_metrics, run_deepspeed, tiny_train_args
+from .conftest import TURN_LIMIT, make_family_target, read_metrics, run_deepspeed, tiny_train_args, with_turn_limit
 
 
 def test_step_ranges_cover_every_micro_step_with_the_token_target():
@@ -107,6 +107,7 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
     target, data = tiny_run_inputs
     if family != "qwen3":
         target = make_family_target(tmp_path / "target", family)
+    data = with_turn_limit(data, tmp_path / "data.jsonl")  # sampled and decoded turns stop at TURN_LIMIT
     out = tmp_path / "run"
     # the default rule (-1): one held-out turn per optimizer step, so the dense 3-step run decodes 3 (of 6); the
     # hybrid one decodes one (its recurrent state rolled back; ~55 ms a target forward in eager PyTorch here)
@@ -143,6 +144,7 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
         figure = json.loads((out / "speculate.json").read_text())
         turns = 3 if family == "qwen3" else 1
         assert figure["turns"] == turns and figure["acceptance_length"] >= 1 and figure["lossless"] is None
+        assert figure["max_new_tokens"] == TURN_LIMIT and figure["tokens"] <= turns * TURN_LIMIT
         assert f"speculative decoding of {turns} held-out turn{'s' * (turns > 1)}: acceptance length" in proc.stdout
     exported = json.loads((out / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"] and exported["num_hidden_layers"] == 1

@@ -1,14 +1,13 @@
 """launch/tune_ds_config.py: the search space, and a real sweep with a failing trial in it."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from dflash.tools import tune
 from dflash.training.ds_config import load_ds_config
 
+from .. import preloaded
 from ..conftest import ROOT
 
 
@@ -43,12 +42,14 @@ def test_sweep_survives_a_failing_trial_and_writes_the_fastest_config(tiny_run_i
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     # budget 64 is smaller than every sample: that trial fails, the sweep goes on
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "tune_ds_config.py"), "--stages", "2,3", "--token-budgets", "512,64",
-         "--micro-batches", "1", "--steps", "2", "--warmup", "1", "--no-defaults", "--workdir", str(tmp_path),
-         "--", "--target", str(target), "--data", str(tiny_store), "--num-anchors", "8", "--draft-layers", "1",
-         "--num-target-features", "2", "--num-workers", "0", "--dtype", "fp32", "--eval-fraction", "0"],
-        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)  # not the checkout
+    # the tuner forked from the preloaded server; each trial is still a real `deepspeed` launch
+    proc = preloaded.run(
+        ROOT / "launch" / "tune_ds_config.py",
+        ["--stages", "2,3", "--token-budgets", "512,64", "--micro-batches", "1", "--steps", "2", "--warmup", "1",
+         "--no-defaults", "--workdir", tmp_path, "--", "--target", target, "--data", tiny_store, "--num-anchors", "8",
+         "--draft-layers", "1", "--num-target-features", "2", "--num-workers", "0", "--dtype", "fp32",
+         "--eval-fraction", "0"],
+        env=env, cwd=tmp_path, timeout=900)  # not the checkout
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trials = {t["name"]: t for t in json.loads((tmp_path / "summary.json").read_text())}
     assert sorted(trials) == ["zero2-b512-x1", "zero2-b64-x1", "zero3-b512-x1", "zero3-b64-x1"]
