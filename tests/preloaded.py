@@ -24,10 +24,12 @@ import sys
 import tempfile
 
 # heavy third-party modules a training rank imports (dflash itself is imported per process, after
-# its environment is set, as the code under test)
+# its environment is set, as the code under test); DeepSpeed's engine imports its Muon module, whose
+# torch.compile decorators import inductor, in every rank
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor", "triton", "numpy",
            "safetensors.torch", "transformers", "transformers.masking_utils", "transformers.activations",
-           "transformers.models.qwen3.modeling_qwen3", "deepspeed", "deepspeed.runtime.engine"]
+           "transformers.models.qwen3.modeling_qwen3", "deepspeed", "deepspeed.runtime.engine",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "datasets", "matplotlib.pyplot"]
 # what the server imports under: the settings every rank of the tests runs with
 SERVER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -97,6 +97,19 @@ def _validate_relations(c: TrainConfig) -> None:
     if c.device.target_offload and c.device.target_partition != "zero3":
         _bad("target_offload", "offloads the partitions of --target-partition zero3; add it, or drop --target-offload")
     _validate_synthetic(c)
+    _validate_drafter(c)
+    if c.optim.optimizer == "muon" and c.optim.grad_clip > 0:
+        _bad("grad_clip", f"must be 0 with --optimizer muon ({MUON_NO_CLIP}), got {c.optim.grad_clip}")
+    if c.optim.optimizer != "muon" and (c.optim.muon_lr != 0 or c.optim.muon_momentum != default("muon_momentum")):
+        _bad("muon_lr" if c.optim.muon_lr != 0 else "muon_momentum", "applies to --optimizer muon")
+    if c.run.force_resume and not c.run.resume:
+        _bad("force_resume", "only makes sense with --resume")
+    if c.run.overwrite and c.run.resume:
+        _bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")
+
+
+def _validate_drafter(c: TrainConfig) -> None:
+    """The drafter's layer types and window, and the options only a DFlash2 drafter has."""
     if c.drafter.drafter_layer_types is not None and len(c.drafter.drafter_layer_types) != c.drafter.draft_layers:
         _bad("drafter_layer_types", f"gives {len(c.drafter.drafter_layer_types)} types for "
                                     f"{c.drafter.draft_layers} drafter layers "
@@ -108,14 +121,11 @@ def _validate_relations(c: TrainConfig) -> None:
         _bad("sliding_window", "sliding drafter layers need a window >= 1 (positions seen, the query's own included)")
     if not sliding and c.drafter.sliding_window:
         _bad("sliding_window", "no drafter layer is sliding (--drafter-layer-types)")
-    if c.optim.optimizer == "muon" and c.optim.grad_clip > 0:
-        _bad("grad_clip", f"must be 0 with --optimizer muon ({MUON_NO_CLIP}), got {c.optim.grad_clip}")
-    if c.optim.optimizer != "muon" and (c.optim.muon_lr != 0 or c.optim.muon_momentum != default("muon_momentum")):
-        _bad("muon_lr" if c.optim.muon_lr != 0 else "muon_momentum", "applies to --optimizer muon")
-    if c.run.force_resume and not c.run.resume:
-        _bad("force_resume", "only makes sense with --resume")
-    if c.run.overwrite and c.run.resume:
-        _bad("overwrite", "contradicts --resume: continue the run (--resume) or start it over (--overwrite)")
+    if c.drafter.drafter_kind != "dflash2":
+        for name in ("selector_weight", "selector_stop_grad"):
+            if c.value(name) != default(name):
+                _bad(name, "applies to a DFlash2 drafter's selector: give --drafter-kind dflash2 (or --init-drafter "
+                           "a DFlash2 drafter)")
 
 
 def _validate_synthetic(c: TrainConfig) -> None:
