@@ -82,8 +82,12 @@ def _run(script: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr:
         code = 0
     except SystemExit as e:
         code = e.code
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as e:
+        tb = e.__traceback__  # from the script's own frame on, as the interpreter prints it
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+        e.with_traceback(tb or e.__traceback__)  # the hook prints the exception's own traceback
+        sys.excepthook(type(e), e, e.__traceback__)
         code = 1
     atexit._run_exitfuncs()
     sys.exit(code)  # read as the interpreter reads it: None 0, an int itself, anything else printed and 1
@@ -97,9 +101,9 @@ class Process:
         env = {k: str(v) for k, v in env.items()}
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         path = [os.path.dirname(os.path.abspath(script)), *extra, *_default_path()]
-        self.stdout, self.stderr = stdout, stderr
-        self._process = _context().Process(target=_run, args=(str(script), [str(a) for a in args], env, str(cwd),
-                                                              stdout, stderr, path))
+        self.args, self.stdout, self.stderr = [str(script), *map(str, args)], stdout, stderr
+        self._process = _context().Process(target=_run, args=(self.args[0], self.args[1:], env, str(cwd), stdout,
+                                                              stderr, path))
         self._process.start()
         self.pid = self._process.pid
 
@@ -113,7 +117,7 @@ class Process:
     def wait(self, timeout=None):
         self._process.join(timeout)
         if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(self.stdout, timeout)
+            raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
 
     def terminate(self):
@@ -139,4 +143,4 @@ def run(script, args, env=None, cwd=None, timeout=600) -> subprocess.CompletedPr
         except BaseException:
             process.kill_group()
             raise
-        return subprocess.CompletedProcess([script, *map(str, args)], code, open(out).read(), open(err).read())
+        return subprocess.CompletedProcess(process.args, code, open(out).read(), open(err).read())
