@@ -25,11 +25,14 @@ import tempfile
 
 # heavy third-party modules a training rank imports (dflash itself is imported per process, after
 # its environment is set, as the code under test); DeepSpeed's engine imports its Muon module, whose
-# torch.compile decorators import inductor, in every rank
+# torch.compile decorators import inductor, in every rank; then the metrics' TensorBoard writer,
+# DeepSpeed's expert-parallel presets and datasets' generator reader (another 300 modules a run
+# imports). Last, `tests.preload_frozen` moves all of it out of the collector's sight.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor", "triton", "numpy",
            "safetensors.torch", "transformers", "transformers.masking_utils", "transformers.activations",
            "transformers.models.qwen3.modeling_qwen3", "deepspeed", "deepspeed.runtime.engine",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "datasets", "matplotlib.pyplot"]
+           "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer", "datasets",
+           "datasets.io.generator", "matplotlib.pyplot", "torch.utils.tensorboard", "tests.preload_frozen"]
 # what the server imports under: the settings every rank of the tests runs with
 SERVER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

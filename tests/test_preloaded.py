@@ -1,5 +1,6 @@
 """tests/preloaded.py against a fresh interpreter: the same script, arguments and environment give
 the same stdout, stderr and exit status."""
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,13 @@ def test_a_timeout_kills_the_process_and_what_it_started(tmp_path):
         for _ in range(100):  # the killed child is reaped by init
             os.kill(child, 0)
             __import__("time").sleep(0.05)
+
+
+def test_every_preloaded_module_is_imported_and_frozen_before_the_fork(tmp_path):
+    """The fork server skips a module it cannot import without a word: each must be there."""
+    script = tmp_path / "s.py"
+    script.write_text("import gc, json, sys\n"
+                      "print(json.dumps([sorted(sys.modules), gc.get_freeze_count()]))\n")
+    modules, frozen = json.loads(preloaded.run(script, [], timeout=60).stdout)
+    assert set(preloaded.PRELOAD) <= set(modules)
+    assert frozen > 100_000  # the imported modules' objects, in the permanent generation

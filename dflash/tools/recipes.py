@@ -123,26 +123,47 @@ def compare_recipes(recipes: dict[str, TrainConfig], out: Path, *, steps: int, s
         say(f"seed {seed} done in {time.perf_counter() - started:.0f}s")
         del runs
         gc.collect()
-    for stats in result.values():
-        finals = [s["evals"][-1] for s in stats["seeds"]]
-        # tau@0 is the greedy tau
-        keys = [k for k in finals[0] if k == "tau" or k.startswith("tau@") and k != "tau@0" and "_" not in k]
-        stats["final"] = {k: {"mean": float(np.mean([f[k] for f in finals])),
-                              "std": float(np.std([f[k] for f in finals]))} for k in [*keys, "loss", "train_seconds"]}
+    summarise(result)
     return result
 
 
+def summarise(result: dict) -> None:
+    """Add to every recipe `final` (mean and std over seeds of the last evaluation: equal steps) and
+    `equal_time`: tau and tau@T at the training seconds every recipe of the seed reached (the fastest
+    one's total), each recipe's curve interpolated linearly between its evaluations."""
+    names = list(result)
+    first = result[names[0]]["seeds"][0]["evals"][-1]
+    # tau@0 is the greedy tau
+    keys = [k for k in first if k == "tau" or k.startswith("tau@") and k != "tau@0" and "_" not in k]
+    budgets = [min(result[n]["seeds"][i]["evals"][-1]["train_seconds"] for n in names)
+               for i in range(len(result[names[0]]["seeds"]))]
+
+    def mean_std(values):
+        return {"mean": float(np.mean(values)), "std": float(np.std(values))}
+
+    for stats in result.values():
+        finals = [s["evals"][-1] for s in stats["seeds"]]
+        stats["final"] = {k: mean_std([f[k] for f in finals]) for k in [*keys, "loss", "train_seconds"]}
+        at = [{k: float(np.interp(budget, [e["train_seconds"] for e in s["evals"]], [e[k] for e in s["evals"]]))
+               for k in keys} for s, budget in zip(stats["seeds"], budgets, strict=True)]
+        stats["equal_time"] = {"train_seconds": mean_std(budgets), **{k: mean_std([a[k] for a in at]) for k in keys}}
+
+
 def recipes_table(result: dict) -> str:
+    """Mean ± std over seeds: tau and tau@T after the same steps, the held-out CE and the training
+    seconds; then tau and tau@T at equal training seconds (`summarise`)."""
     keys = [k for k in next(iter(result.values()))["final"] if k not in ("loss", "train_seconds")]
-    head = f"{'recipe':<14}" + "".join(f"{'tau' if k == 'tau' else k:>18}" for k in keys) + \
-        f"{'eval CE':>17}{'train s':>9}{'seeds':>6}"
+    head = f"{'recipe':<14}" + "".join(f"{k:>18}" for k in keys) + f"{'eval CE':>17}{'train s':>9}{'seeds':>6}" \
+        + "".join(f"{k + ' @equal s':>20}" for k in keys)
     lines = [head, "-" * len(head)]
     for name, s in result.items():
-        f = s["final"]
+        f, e = s["final"], s["equal_time"]
         lines.append(f"{name:<14}" + "".join(f"{f[k]['mean']:>10.3f} ± {f[k]['std']:<5.3f}" for k in keys)
                      + f"{f['loss']['mean']:>9.4f} ± {f['loss']['std']:<5.3f}{f['train_seconds']['mean']:>9.1f}"
-                     + f"{len(s['seeds']):>6}")
-    return "\n".join(lines)
+                     + f"{len(s['seeds']):>6}" + "".join(f"{e[k]['mean']:>12.3f} ± {e[k]['std']:<5.3f}" for k in keys))
+    budget = next(iter(result.values()))["equal_time"]["train_seconds"]["mean"]
+    return "\n".join([*lines, f"@equal s: at the training seconds every recipe reached in a seed (the fastest "
+                                f"one's total; mean {budget:.1f} s), interpolated between evaluations"])
 
 
 def plot_recipes(result: dict, path: Path, title: str) -> None:

@@ -21,7 +21,7 @@ def _env():
 
 def test_gate_reports_each_kernel_and_config():
     cmd = [sys.executable, "launch/compile_kernels.py", "--op", "varlen", "--causal-only", "--first-only", "--arch",
-           "90", "--head-dim", "128", "--dtype", "bfloat16", "--jobs", "1", "--json", "-"]
+           "90", "--head-dim", "128", "--dtype", "bfloat16", "--jobs", "2", "--json", "-"]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     records = json.loads(done.stdout)
     # dK/dV twice: with dQ fused (atomics) and without (deterministic)
@@ -45,7 +45,7 @@ def test_gate_covers_the_sliding_block_kernels():
     kernel, config and arch: docs/BENCHMARKS.md."""
     cmd = [sys.executable, "launch/compile_kernels.py", "--op", "block", "--sliding-only", "--first-only", "--arch",
            "120", "--head-dim", "128", "--dtype", "bfloat16", "--kernel", "_fwd_kernel", "_bwd_own_kernel",
-           "--jobs", "1", "--json", "-"]
+           "--jobs", "2", "--json", "-"]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     records = json.loads(done.stdout)
     assert sorted(r["kernel"] for r in records) == ["_bwd_own_kernel"] * 2 + ["_fwd_kernel"] * 2

@@ -123,7 +123,7 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
                            "--sliding-window", 5)
     i = args.index("--draft-layers")
     del args[i:i + 2]  # tiny_train_args' own
-    proc = run_deepspeed(args, num_ranks=1, launcher=True)
+    proc = run_deepspeed(args, num_ranks=1)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(rf"\n  mask token id: {hf['vocab_size'] - 1} -> \d+\n", proc.stderr), proc.stderr[-3000:]
     assert "a run started with --init-drafter resumes with it" in proc.stderr

@@ -169,21 +169,26 @@ def test_recipes_share_everything_but_the_recipe_options():
             parse_recipes(text, ["--data", "d.jsonl"])
 
 
-def test_recipes_table_and_plot(tmp_path):
-    from dflash.tools.recipes import plot_recipes, recipes_table
+def test_recipes_summary_at_equal_steps_and_seconds_table_and_plot(tmp_path):
+    from dflash.tools.recipes import plot_recipes, recipes_table, summarise
 
-    def seed(s, tau):
+    def seed(s, tau, seconds):
         return {"seed": s, "evals": [{"step": 0, "train_seconds": 0.0, "loss": 4.0, "tau": 1.0, "tau@1": 1.5},
-                                     {"step": 5, "train_seconds": 2.0, "loss": 3.0, "tau": tau, "tau@1": tau + 1}]}
+                                     {"step": 5, "train_seconds": seconds, "loss": 3.0, "tau": tau, "tau@1": tau + 1}]}
 
-    result = {}
-    for name, taus in (("ce", (2.0, 2.2)), ("dpace", (2.5, 2.3))):
-        seeds = [seed(i, t) for i, t in enumerate(taus)]
-        final = {k: {"mean": float(sum(s["evals"][-1][k] for s in seeds) / 2), "std": 0.1}
-                 for k in ("tau", "tau@1", "loss", "train_seconds")}
-        result[name] = {"seeds": seeds, "final": final}
+    # dpace's steps are slower: 4 s and 2.5 s against ce's 2 s
+    result = {"ce": {"seeds": [seed(0, 2.0, 2.0), seed(1, 2.2, 2.0)]},
+              "dpace": {"seeds": [seed(0, 2.5, 4.0), seed(1, 2.3, 2.5)]}}
+    summarise(result)
+    assert result["dpace"]["final"]["tau"]["mean"] == pytest.approx(2.4)
+    assert result["dpace"]["final"]["train_seconds"]["mean"] == pytest.approx(3.25)
+    # at ce's 2 s: dpace is half of its way from 1.0 to 2.5 in seed 0, 4/5 of it from 1.0 to 2.3 in seed 1
+    assert result["dpace"]["equal_time"]["tau"]["mean"] == pytest.approx((1.75 + 2.04) / 2)
+    assert result["dpace"]["equal_time"]["tau@1"]["mean"] == pytest.approx((2.5 + 2.94) / 2)
+    assert result["ce"]["equal_time"]["tau"] == result["ce"]["final"]["tau"]
     table = recipes_table(result)
     assert "tau@1" in table and table.splitlines()[3].startswith("dpace") and "2.400" in table
+    assert "1.895" in table.splitlines()[3] and "mean 2.0 s" in table
     plot_recipes(result, tmp_path / "r.png", "title")
     assert (tmp_path / "r.png").stat().st_size > 1000
 
@@ -204,5 +209,5 @@ def test_compare_recipes_runs_the_recipes_interleaved_for_every_seed(tiny_run_in
     for stats in result.values():
         assert [s["seed"] for s in stats["seeds"]] == [0, 1]
         assert all([e["step"] for e in s["evals"]] == [0, 2, 3] for s in stats["seeds"])
-        assert "tau@1" in stats["final"]
-    assert (out / "recipes.png").is_file() and "recipe" in proc.stderr
+        assert "tau@1" in stats["final"] and "tau@1" in stats["equal_time"]
+    assert (out / "recipes.png").is_file() and "@equal s" in proc.stderr

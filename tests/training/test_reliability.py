@@ -197,7 +197,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_the_last_good_weig
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     proc = run_deepspeed(["nan@3-4", *tiny_train_args(target, data, out, *COMMON, "--max-nonfinite-steps", 2)],
-                         script=FAULTS, launcher=True)
+                         script=FAULTS)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "steps 3-4: 2 optimizer steps in a row had non-finite loss or gradients" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -224,7 +224,7 @@ def test_resume_with_other_world_size_or_step_size_is_refused_unless_forced(refe
     proc = train_one_rank(*tiny_train_args(target, data, out, *COMMON, "--resume"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "world_size: checkpoint 2 -> now 1" in proc.stderr and "--force-resume" in proc.stderr
-    proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--step-tokens", 700), launcher=True)
+    proc = run_deepspeed(tiny_train_args(target, data, out, *COMMON, "--resume", "--step-tokens", 700))
     assert proc.returncode == 2 and "step_tokens: checkpoint 600 -> now 700" in proc.stderr
     # forced: one more epoch on one rank, from the weights of the two-rank run
     proc = ok(train_one_rank(*tiny_train_args(target, data, out, *COMMON, "--resume", "--force-resume",

@@ -155,7 +155,7 @@ def test_train_runs_on_two_ranks(tiny_run_inputs, tmp_path, config, layout, orde
 def test_block_size_larger_than_any_sample_is_a_clear_error(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     proc = run_deepspeed(tiny_train_args(target, data, tmp_path / "run", "--block-size", 200, "--gamma", 7),
-                         num_ranks=1, launcher=True)
+                         num_ranks=1)
     assert proc.returncode != 0
     assert "--block-size 200: a sample needs at least 400 supervised tokens" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
