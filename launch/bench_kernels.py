@@ -295,9 +295,9 @@ def bench_config(args, gpu: bool) -> dict:
 
 
 def run_benchmark(cfg, patterns, seed_lengths, max_len, out_json: Path, repeats, seed=0, dtype=None,
-                  deadline=None, report=None, warmup=True) -> dict:
-    """Every pattern sorted and shuffled, both ops, every method; the report (JSON) is rewritten
-    after every measurement, so a run cut short (timeout, kill) keeps every finished number.
+                  deadline=None, report=None, warmup=True, orders=("sorted", "shuffled")) -> dict:
+    """Every pattern in every order (sorted, shuffled), both ops, every method; the report (JSON) is
+    rewritten after every measurement, so a run cut short (timeout, kill) keeps every finished number.
     Past `deadline` (time.monotonic()) the remaining measurements are recorded as skipped. Without
     `warmup` the per-batch preparation is timed with the call (a dry run that only shows it runs)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -317,7 +317,7 @@ def run_benchmark(cfg, patterns, seed_lengths, max_len, out_json: Path, repeats,
     print(f"{report['device']} | {cfg} | {dtype}", flush=True)
     for pattern in patterns:
         base = make_lengths(pattern, cfg["tokens"], max_len, rng, scale, seed_lengths)
-        for order in ("sorted", "shuffled"):
+        for order in orders:
             lengths = sorted(base) if order == "sorted" else [base[i] for i in rng.permutation(len(base))]
             case = f"{pattern}/{order}"
             res = report["results"][case] = {"samples": len(lengths), "max_len": max(lengths)}

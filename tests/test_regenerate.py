@@ -73,7 +73,7 @@ def cfg_for(tmp_path, prompts, out="out.jsonl", **kw) -> RegenerateConfig:
 
 @pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 32)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 16)
     args = ["--input", prompts, "--batch-size", 2, "--max-new-tokens", 48]
     full = run_cli(*args, "--output", tmp_path / "full.jsonl")
     assert full.returncode == 0, full.stderr
@@ -86,7 +86,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     os.kill(killed.pid, signal.SIGKILL)
     assert killed.wait(60) == -signal.SIGKILL
     written = out.read_bytes().count(b"\n")
-    assert 2 <= written < 32, "the kill must land mid-run for this test to mean anything"
+    assert 2 <= written < 16, "the kill must land mid-run for this test to mean anything"
     # a torn last line, as a crash in the middle of a write would leave
     with out.open("ab") as f:
         f.write(b'{"messages": [{"role": "user", "con')

@@ -29,8 +29,14 @@ RECIPE_FIELDS = ("loss", "dpace_alpha", "distill_temperature", "optimizer", "lr"
 # DFlash against DFlash2, whose kind brings its released layers (all sliding, window 2,048)
 DRAFTER_FIELDS = ("drafter_kind", "selector_weight", "selector_stop_grad", "drafter_layer_types", "sliding_window")
 COMPARED = RECIPE_FIELDS + DRAFTER_FIELDS
-DEFAULT_RECIPES = ("ce: ; dpace: --loss ce=1,dpace=0.5 ; kl: --loss ce=0.5,kl=1 ; lk: --loss ce=0.5,lk=1 ; "
-                   "noise: --feature-noise 0.05 ; muon: --optimizer muon ; "
+# each recipe whole, as the demo's own default is speculators' recipe: the cross-entropy with AdamW,
+# one change at a time, and speculators' recipe
+DEFAULT_RECIPES = ("ce: --loss ce=1 --feature-noise 0 --optimizer adamw ; "
+                   "dpace: --loss ce=1,dpace=0.5 --feature-noise 0 --optimizer adamw ; "
+                   "kl: --loss ce=0.5,kl=1 --feature-noise 0 --optimizer adamw ; "
+                   "lk: --loss ce=0.5,lk=1 --feature-noise 0 --optimizer adamw ; "
+                   "noise: --loss ce=1 --feature-noise 0.05 --optimizer adamw ; "
+                   "muon: --loss ce=1 --feature-noise 0 --optimizer muon ; "
                    "speculators: --loss ce=1,dpace=0.5 --feature-noise 0.05 --optimizer muon")
 
 

@@ -2,9 +2,7 @@
 import json
 import os
 import random
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -121,22 +119,17 @@ def tiny_store(tiny_run_inputs, tmp_path_factory):
     return out
 
 
-def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None, launcher=False):
-    """`deepspeed --num_gpus N script args` on CPU ranks; returns the completed process (the ranks'
-    stdout and stderr, rank by rank). With `launcher` the real launcher runs; otherwise the ranks are
-    started here, forked from a process that has imported torch, transformers and DeepSpeed
-    (`tests.preloaded`), with the environment and `--local_rank` the launcher gives them, and a rank
-    that fails has its peers terminated as the launcher does: the same ranks without the launcher's
-    two processes and each rank's 8 s of imports. Runs expected to fail keep the launcher, whose
-    handling of a failed rank is what they test. On a timeout every process is killed."""
+def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None):
+    """What `deepspeed --num_gpus N script args` runs on CPU ranks; returns the completed process (the
+    ranks' stdout and stderr, rank by rank). The ranks are started here, forked from a process that has
+    imported torch, transformers and DeepSpeed (`tests.preloaded`), with the environment and
+    `--local_rank` the launcher gives them, and a rank that fails has its peers terminated as the
+    launcher does: the same ranks without the launcher's two processes and each rank's 8 s of imports.
+    Tests of the launcher itself (signals to it, two nodes, the tuner's trials, the README's command)
+    start it. On a timeout every process is killed."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env or {})}
     script, port = str(script or ROOT / "launch" / "train.py"), str(free_port())
-    if launcher:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_ranks),
-               "--master_port", port, script, *map(str, args)]
-        return _communicate(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                             env=env, cwd=ROOT, start_new_session=True), timeout)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # as the launcher does
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(num_ranks), LOCAL_SIZE=str(num_ranks),
                CROSS_RANK="0", CROSS_SIZE="1", CUDA_VISIBLE_DEVICES=",".join(map(str, range(num_ranks))))
@@ -157,32 +150,28 @@ def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None, launche
     return subprocess.CompletedProcess([script, *map(str, args)], code, out, err)
 
 
+# DeepSpeed's launcher polls its ranks once a second: a failed rank's peers run up to that long
+# before it terminates them (time to say why they stop)
+LAUNCHER_POLL_S = 1.0
+
+
 def _wait_all(ranks, timeout):
     """The exit status of a run of `ranks`, with the launcher's rule: one rank fails, the others
-    are terminated (and the run's status is the first failure's)."""
-    deadline, failed = time.monotonic() + timeout, None
+    are terminated LAUNCHER_POLL_S later (and the run's status is the first failure's)."""
+    deadline, failed, failed_at = time.monotonic() + timeout, None, None
     while any(r.poll() is None for r in ranks):
         if time.monotonic() > deadline:
             raise subprocess.TimeoutExpired([r.pid for r in ranks], timeout)
         bad = next((r for r in ranks if r.returncode not in (None, 0)), None)
         if bad is not None and failed is None:
-            failed = bad.returncode
+            failed, failed_at = bad.returncode, time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at >= LAUNCHER_POLL_S:
             for r in ranks:
                 if r.poll() is None:
                     r.terminate()
+            failed_at = float("inf")  # once, as the launcher does
         time.sleep(0.05)
     return failed if failed is not None else next((r.returncode for r in ranks if r.returncode), 0)
-
-
-def _communicate(proc, timeout):
-    with proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def train_one_rank(*args, timeout=600):

@@ -140,8 +140,7 @@ def test_partitioned_target_with_a_killed_peer_is_one_line_and_resumes_bitwise_l
     partitioned = (*COMMON, "--target-partition", "zero3")
     # a peer killed in a partitioned step (rank 1, after its first backward of step 3): rank 0, in
     # a collective of the partitioned target or the step, says so in one line
-    killed = run_deepspeed(["kill-mid-step@3:1", *tiny_train_args(target, data, out, *partitioned)], script=FAULTS,
-                           launcher=True)
+    killed = run_deepspeed(["kill-mid-step@3:1", *tiny_train_args(target, data, out, *partitioned)], script=FAULTS)
     assert killed.returncode != 0 and "Traceback" not in killed.stderr, killed.stderr[-3000:]
     assert "error: rank 0: stopped because another rank failed" in killed.stderr, killed.stderr[-3000:]
     resumed = ok(run_deepspeed(tiny_train_args(target, data, out, *partitioned, "--resume")))
@@ -168,16 +167,15 @@ def test_crashes_at_any_point_lose_and_repeat_no_sample(reference, tiny_run_inpu
     target, data = tiny_run_inputs
     out = tmp_path / "run"
 
-    def crash(fault, *extra, launcher=False):
-        proc = run_deepspeed([fault, *tiny_train_args(target, data, out, *COMMON, *extra)], script=FAULTS,
-                             launcher=launcher)
+    def crash(fault, *extra):
+        proc = run_deepspeed([fault, *tiny_train_args(target, data, out, *COMMON, *extra)], script=FAULTS)
         assert proc.returncode != 0, f"{fault} did not stop the run"
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # a dead peer is one line on every rank
         return proc
 
     # one rank dies between backward and optimizer step; rank 0, in the step's collective, says so
-    # (under the launcher, which then stops rank 0 too; the later crashes are about the files)
-    assert "error: rank 0: stopped because another rank failed" in crash("kill-mid-step@3:1", launcher=True).stderr
+    # (before the launcher's rule stops it too; the later crashes are about the files)
+    assert "error: rank 0: stopped because another rank failed" in crash("kill-mid-step@3:1").stderr
     assert complete_checkpoints(out) == ["step-00000002"]
     crash("kill-mid-save@4:all", "--resume")  # every rank dies while writing its files
     assert complete_checkpoints(out) == ["step-00000002"]
@@ -348,7 +346,7 @@ def test_an_error_in_rank_0_preparation_is_one_line_on_every_rank(tiny_run_input
     target, data = tiny_run_inputs
     bad = tmp_path / "bad.jsonl"
     bad.write_text(data.read_text().splitlines()[0] + "\n{oops\n")
-    proc = run_deepspeed(tiny_train_args(target, bad, tmp_path / "run", "--no-export"), launcher=True)
+    proc = run_deepspeed(tiny_train_args(target, bad, tmp_path / "run", "--no-export"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 2, proc.stderr[-3000:]

@@ -38,6 +38,11 @@ DEMO_PRESET = {
     "eval_fraction": 0.05,
     "eval_every": 21,
     "max_length": 1024,
+    # speculators' recipe: the best of launch/compare_recipes.py on this demo at equal training
+    # seconds over 4 seeds (docs/BENCHMARKS.md, "Recipes by decoding acceptance")
+    "loss": "ce=1,dpace=0.5",
+    "feature_noise": 0.05,
+    "optimizer": "muon",
 }
 
 
@@ -88,12 +93,12 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
     cli = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     values.update(cli)
     explicit = set(values)  # the user's own options (YAML and flags), not the demo preset's
-    if values.get("optimizer") == "muon" and "grad_clip" not in explicit:
-        values["grad_clip"] = 0.0  # see MUON_NO_CLIP
     if "target" not in values and "data" not in values:
         values = {**DEMO_PRESET, **values}
     elif "target" in values and target_folder(values["target"]) is None:  # random:...
         values = {**RANDOM_TARGET_PRESET, **values}
+    if values.get("optimizer") == "muon" and "grad_clip" not in explicit:
+        values["grad_clip"] = 0.0  # see MUON_NO_CLIP
     if values.get("init_drafter"):
         values = _from_init_drafter(values, explicit)
     return resolve(TrainConfig.of(**values))
