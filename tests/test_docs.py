@@ -18,6 +18,7 @@ import pytest
 
 from dflash.distributed.ranks import free_port
 
+from . import preloaded
 from .conftest import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -91,14 +92,21 @@ def _shell_line(line: str) -> list[str]:
 
 
 def _run(cmd, cwd, timeout):
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
+    """`cmd` from `cwd`; `python SCRIPT ...` forked preloaded (`tests.preloaded`: what a fresh
+    interpreter runs, less its imports)."""
+    if cmd[0] == sys.executable and len(cmd) > 1 and cmd[1].endswith(".py"):
+        proc = preloaded.run(cmd[1], cmd[2:], env=_env(), cwd=cwd, timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
 @pytest.mark.parametrize("block", [b for b in RUNNABLE if b["lang"] == "python"], ids=lambda b: b["where"])
 def test_python_example_runs(block, tmp_path):
-    _run([sys.executable, "-c", block["code"]], tmp_path, timeout=60)
+    script = tmp_path / "example.py"
+    script.write_text(block["code"])
+    _run([sys.executable, str(script)], tmp_path, timeout=60)
 
 
 @pytest.mark.parametrize("block", [b for b in RUNNABLE if b["lang"] == "bash"], ids=lambda b: b["where"])
