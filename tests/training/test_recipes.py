@@ -146,7 +146,7 @@ def test_terms_noise_and_muon_train_and_resume_bitwise_under_every_zero_stage(ti
     # the whole run's folder less its newest checkpoint: a run stopped after the one before, its later
     # records left behind (as a crash leaves them); the resume repeats those steps from the checkpoint
     shutil.copytree(tmp_path / "whole", tmp_path / "run")
-    checkpoints = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    checkpoints = sorted(p for p in (tmp_path / "run" / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
     shutil.rmtree(checkpoints[-1])
     resumed = ok([tmp_path / "run", *recipe, "--resume"])
     assert f"resumed from {checkpoints[-2]}" in resumed.stdout
