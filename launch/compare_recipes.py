@@ -8,8 +8,9 @@ first step, every --eval-interval steps and at the end.
   python launch/compare_recipes.py [training options] [--recipes "name: flags ; ..."] [--steps N] [--seeds 0,1]
   deepspeed --num_gpus N launch/compare_recipes.py [...]          # several ranks
 
-A recipe is a name and the training flags that make it, e.g.
-  --recipes "ce: ; dpace: --loss ce=1,dpace=0.5 ; kl: --loss ce=0.5,kl=1 --distill-temperature 2"
+A recipe is a name and the training flags that make it, on top of the options every recipe shares
+(the demo's own recipe is speculators': spell a recipe whole), e.g.
+  --recipes "ce: --loss ce=1 --feature-noise 0 --optimizer adamw ; lk: --loss ce=0.5,lk=1 --feature-noise 0"
 (default: ce, dpace, kl, lk, noise, muon, and speculators' recipe: CE + D-PACE with noise 0.05 and
 Muon). A recipe may set only --loss, --dpace-alpha, --distill-temperature, --optimizer, --lr,
 --muon-lr, --muon-momentum, --weight-decay, --warmup-ratio, --schedule, --grad-clip, --gamma,
