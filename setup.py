@@ -56,7 +56,7 @@ setup(
             "pyyaml",
             "tensorboard",
         ],
-        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-xdist>=3.2", "hypothesis>=6", "ruff>=0.6"],
         # GPU only, optional: flash-linear-attention's Gated DeltaNet kernels with cu_seqlens for
         # hybrid targets (Qwen3.5 / 3.6); without it their layers run the PyTorch reference.
         "fla": ["flash-linear-attention>=0.3"],
