@@ -9,10 +9,11 @@ first step, every --eval-interval steps and at the end.
   deepspeed --num_gpus N launch/compare_recipes.py [...]          # several ranks
 
 A recipe is a name and the training flags that make it, on top of the options every recipe shares
-(the demo's own recipe is speculators': spell a recipe whole), e.g.
-  --recipes "ce: --loss ce=1 --feature-noise 0 --optimizer adamw ; lk: --loss ce=0.5,lk=1 --feature-noise 0"
+(the demo's own recipe is speculators' at a constant rate: spell a recipe whole), e.g.
+  --recipes "ce: --loss ce=1 --feature-noise 0 --optimizer adamw --schedule cosine ; lk: --loss ce=0.5,lk=1
+  --feature-noise 0 --optimizer adamw --schedule cosine"
 (default: ce, dpace, kl, lk, noise, muon, and speculators' recipe: CE + D-PACE with noise 0.05 and
-Muon). A recipe may set only --loss, --dpace-alpha, --distill-temperature, --optimizer, --lr,
+Muon, at the cosine schedule; and speculators' recipe at a constant rate, the demo's). A recipe may set only --loss, --dpace-alpha, --distill-temperature, --optimizer, --lr,
 --muon-lr, --muon-momentum, --weight-decay, --warmup-ratio, --schedule, --grad-clip, --gamma,
 --feature-noise, and the drafter's kind (--drafter-kind, --selector-weight, --selector-stop-grad,
 --drafter-layer-types, --sliding-window: DFlash against DFlash2, e.g.

@@ -29,15 +29,16 @@ RECIPE_FIELDS = ("loss", "dpace_alpha", "distill_temperature", "optimizer", "lr"
 # DFlash against DFlash2, whose kind brings its released layers (all sliding, window 2,048)
 DRAFTER_FIELDS = ("drafter_kind", "selector_weight", "selector_stop_grad", "drafter_layer_types", "sliding_window")
 COMPARED = RECIPE_FIELDS + DRAFTER_FIELDS
-# each recipe whole, as the demo's own default is speculators' recipe: the cross-entropy with AdamW,
-# one change at a time, and speculators' recipe
-DEFAULT_RECIPES = ("ce: --loss ce=1 --feature-noise 0 --optimizer adamw ; "
-                   "dpace: --loss ce=1,dpace=0.5 --feature-noise 0 --optimizer adamw ; "
-                   "kl: --loss ce=0.5,kl=1 --feature-noise 0 --optimizer adamw ; "
-                   "lk: --loss ce=0.5,lk=1 --feature-noise 0 --optimizer adamw ; "
-                   "noise: --loss ce=1 --feature-noise 0.05 --optimizer adamw ; "
-                   "muon: --loss ce=1 --feature-noise 0 --optimizer muon ; "
-                   "speculators: --loss ce=1,dpace=0.5 --feature-noise 0.05 --optimizer muon")
+# each recipe whole, as the demo's own default is speculators' recipe at a constant rate: the
+# cross-entropy with AdamW, one change at a time, speculators' recipe, and it at a constant rate
+DEFAULT_RECIPES = ("ce: --loss ce=1 --feature-noise 0 --optimizer adamw --schedule cosine ; "
+                   "dpace: --loss ce=1,dpace=0.5 --feature-noise 0 --optimizer adamw --schedule cosine ; "
+                   "kl: --loss ce=0.5,kl=1 --feature-noise 0 --optimizer adamw --schedule cosine ; "
+                   "lk: --loss ce=0.5,lk=1 --feature-noise 0 --optimizer adamw --schedule cosine ; "
+                   "noise: --loss ce=1 --feature-noise 0.05 --optimizer adamw --schedule cosine ; "
+                   "muon: --loss ce=1 --feature-noise 0 --optimizer muon --schedule cosine ; "
+                   "speculators: --loss ce=1,dpace=0.5 --feature-noise 0.05 --optimizer muon --schedule cosine ; "
+                   "speculators_const: --loss ce=1,dpace=0.5 --feature-noise 0.05 --optimizer muon --schedule constant")
 
 
 def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
@@ -159,12 +160,13 @@ def recipes_table(result: dict) -> str:
     """Mean ± std over seeds: tau and tau@T after the same steps, the held-out CE and the training
     seconds; then tau and tau@T at equal training seconds (`summarise`)."""
     keys = [k for k in next(iter(result.values()))["final"] if k not in ("loss", "train_seconds")]
-    head = f"{'recipe':<14}" + "".join(f"{k:>18}" for k in keys) + f"{'eval CE':>17}{'train s':>9}{'seeds':>6}" \
+    width = max(14, *(len(name) + 2 for name in result))  # the names' column: as wide as the longest name
+    head = f"{'recipe':<{width}}" + "".join(f"{k:>18}" for k in keys) + f"{'eval CE':>17}{'train s':>9}{'seeds':>6}" \
         + "".join(f"{k + ' @equal s':>20}" for k in keys)
     lines = [head, "-" * len(head)]
     for name, s in result.items():
         f, e = s["final"], s["equal_time"]
-        lines.append(f"{name:<14}" + "".join(f"{f[k]['mean']:>10.3f} ± {f[k]['std']:<5.3f}" for k in keys)
+        lines.append(f"{name:<{width}}" + "".join(f"{f[k]['mean']:>10.3f} ± {f[k]['std']:<5.3f}" for k in keys)
                      + f"{f['loss']['mean']:>9.4f} ± {f['loss']['std']:<5.3f}{f['train_seconds']['mean']:>9.1f}"
                      + f"{len(s['seeds']):>6}" + "".join(f"{e[k]['mean']:>12.3f} ± {e[k]['std']:<5.3f}" for k in keys))
     budget = next(iter(result.values()))["equal_time"]["train_seconds"]["mean"]

@@ -183,17 +183,18 @@ def test_recipes_summary_at_equal_steps_and_seconds_table_and_plot(tmp_path):
 
     # dpace's steps are slower: 4 s and 2.5 s against ce's 2 s
     result = {"ce": {"seeds": [seed(0, 2.0, 2.0), seed(1, 2.2, 2.0)]},
-              "dpace": {"seeds": [seed(0, 2.5, 4.0), seed(1, 2.3, 2.5)]}}
+              "dpace_with_noise": {"seeds": [seed(0, 2.5, 4.0), seed(1, 2.3, 2.5)]}}
     summarise(result)
-    assert result["dpace"]["final"]["tau"]["mean"] == pytest.approx(2.4)
-    assert result["dpace"]["final"]["train_seconds"]["mean"] == pytest.approx(3.25)
+    assert result["dpace_with_noise"]["final"]["tau"]["mean"] == pytest.approx(2.4)
+    assert result["dpace_with_noise"]["final"]["train_seconds"]["mean"] == pytest.approx(3.25)
     # at ce's 2 s: dpace is half of its way from 1.0 to 2.5 in seed 0, 4/5 of it from 1.0 to 2.3 in seed 1
-    assert result["dpace"]["equal_time"]["tau"]["mean"] == pytest.approx((1.75 + 2.04) / 2)
-    assert result["dpace"]["equal_time"]["tau@1"]["mean"] == pytest.approx((2.5 + 2.94) / 2)
+    assert result["dpace_with_noise"]["equal_time"]["tau"]["mean"] == pytest.approx((1.75 + 2.04) / 2)
+    assert result["dpace_with_noise"]["equal_time"]["tau@1"]["mean"] == pytest.approx((2.5 + 2.94) / 2)
     assert result["ce"]["equal_time"]["tau"] == result["ce"]["final"]["tau"]
     table = recipes_table(result)
-    assert "tau@1" in table and table.splitlines()[3].startswith("dpace") and "2.400" in table
+    assert "tau@1" in table and table.splitlines()[3].startswith("dpace_with_noise") and "2.400" in table
     assert "1.895" in table.splitlines()[3] and "mean 2.0 s" in table
+    assert len({line.index("±") for line in table.splitlines()[2:4]}) == 1, "columns aligned past a long name"
     plot_recipes(result, tmp_path / "r.png", "title")
     assert (tmp_path / "r.png").stat().st_size > 1000
 

@@ -38,11 +38,13 @@ DEMO_PRESET = {
     "eval_fraction": 0.05,
     "eval_every": 21,
     "max_length": 1024,
-    # speculators' recipe: the best of launch/compare_recipes.py on this demo at equal training
-    # seconds over 4 seeds (docs/BENCHMARKS.md, "Recipes by decoding acceptance")
+    # speculators' recipe at a constant rate after the warm-up: the best of launch/compare_recipes.py
+    # on this demo at equal training seconds over 4 seeds (docs/BENCHMARKS.md, "Recipes by decoding
+    # acceptance"); 3 epochs are too few for a cosine's tail to pay
     "loss": "ce=1,dpace=0.5",
     "feature_noise": 0.05,
     "optimizer": "muon",
+    "schedule": "constant",
 }
 
 
