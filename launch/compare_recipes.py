@@ -12,12 +12,13 @@ A recipe is a name and the training flags that make it, on top of the options ev
 (the demo's own recipe is speculators' at a constant rate: spell a recipe whole), e.g.
   --recipes "ce: --loss ce=1 --feature-noise 0 --optimizer adamw --schedule cosine ; lk: --loss ce=0.5,lk=1
   --feature-noise 0 --optimizer adamw --schedule cosine"
-(default: ce, dpace, kl, lk, noise, muon, and speculators' recipe: CE + D-PACE with noise 0.05 and
-Muon, at the cosine schedule; and speculators' recipe at a constant rate, the demo's). A recipe may set only --loss, --dpace-alpha, --distill-temperature, --optimizer, --lr,
---muon-lr, --muon-momentum, --weight-decay, --warmup-ratio, --schedule, --grad-clip, --gamma,
---feature-noise, and the drafter's kind (--drafter-kind, --selector-weight, --selector-stop-grad,
---drafter-layer-types, --sliding-window: DFlash against DFlash2, e.g.
---recipes "dflash: ; dflash2: --drafter-kind dflash2"); every other option is given once and shared.
+(default: ce, dpace, kl, lk, noise, muon, and speculators' recipe: CE + D-PACE with noise 0.05 and Muon,
+at the cosine schedule; and speculators' recipe at a constant rate, the demo's). A recipe may set only
+--loss, --dpace-alpha, --distill-temperature, --optimizer, --lr, --muon-lr, --muon-momentum,
+--weight-decay, --warmup-ratio, --schedule, --grad-clip, --gamma, --feature-noise, and the drafter's
+kind (--drafter-kind, --selector-weight, --selector-stop-grad, --drafter-layer-types, --sliding-window:
+DFlash against DFlash2, e.g. --recipes "dflash: ; dflash2: --drafter-kind dflash2"); every other option
+is given once and shared.
 With neither --target nor --data it runs the built-in CPU demo.
 Output in --output-dir (default runs/recipes): recipes.json, recipes.png (tau and tau@T against
 steps and training seconds, a line per seed), one run folder per seed and recipe.
