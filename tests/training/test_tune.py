@@ -61,8 +61,8 @@ def test_sweep_survives_a_failing_trial_and_writes_the_fastest_config(tiny_run_i
             assert t["status"] == "ok" and t["tokens_per_s"] > 0 and t["step_seconds"] > 0, t
     winner = max((t for t in trials.values() if t["status"] == "ok"), key=lambda t: t["tokens_per_s"])
     assert json.loads((tmp_path / "best_ds_config.json").read_text()) == winner["ds_config"]
-    budget = winner["token_budget"]
-    assert f"best: {winner['name']}" in proc.stdout and f"--token-budget {budget} --step-tokens {budget}" in proc.stdout
+    assert winner["name"] == "zero2-b512-x1", "the one trial that runs"
+    assert "best: zero2-b512-x1" in proc.stdout and "--token-budget 512 --step-tokens 512" in proc.stdout
     # the measured tokens/s is the trial's own metrics over the steps after the warm-up
     records = [json.loads(line) for line in (tmp_path / winner["name"] / "run" / "metrics.jsonl").open()]
     measured = [r for r in records if r["kind"] == "train"][1:]
