@@ -26,6 +26,9 @@ def parse_args(argv=None):
                         "datasets save_to_disk folder")
     p.add_argument("--messages-field", default=None,
                    help="the column holding each conversation's turns (default: messages, else conversations)")
+    p.add_argument("--split", default=None,
+                   help="the split to read where --input holds several (a Hub folder's train-*/test-* files, a "
+                        "DatasetDict); one of several is never chosen for you")
     p.add_argument("--num-proc", type=number(int, minimum=1), default=None,
                    help="tokenizing processes (default: one per 16 MiB of input, up to the CPUs available)")
     p.add_argument("--tokenizer", required=True,
@@ -49,7 +52,7 @@ def main(argv=None):
     summary = prepare_jsonl(args.input, args.tokenizer, args.output, max_length=args.max_length,
                             overlong=args.overlong, skip_bad=args.skip_bad, overwrite=args.overwrite,
                             progress=not args.no_progress, messages_field=args.messages_field,
-                            num_proc=args.num_proc)
+                            num_proc=args.num_proc, split=args.split)
     print(summary.text())
 
 

@@ -74,18 +74,20 @@ class PrepareSummary:
         return "\n".join(lines)
 
 
-def settings_of(max_length: int | None, overlong: str, skip_bad: bool, messages_field: str | None = None) -> dict:
+def settings_of(max_length: int | None, overlong: str, skip_bad: bool, messages_field: str | None = None,
+                split: str | None = None) -> dict:
     """The preparation settings a store records, and is rebuilt or refused for when they change
-    (`messages_field` only when given: the stores made before it are still those of JSONL)."""
+    (`messages_field` and `split` only when given: the stores made before them are still those of JSONL)."""
     return {"max_length": max_length, "overlong": overlong, "skip_bad": skip_bad,
-            **({"messages_field": messages_field} if messages_field is not None else {})}
+            **({"messages_field": messages_field} if messages_field is not None else {}),
+            **({"split": split} if split is not None else {})}
 
 
 def store_differences(store_dir: Path, source: Source | Path, tokenizer, settings: dict) -> list[str]:
     """How the store at `store_dir` differs from one made now of `source` (or the data at that
     path) with `tokenizer` and `settings`: empty when it can be used as is."""
     if not isinstance(source, Source):
-        source = open_source(source, messages_field=settings.get("messages_field"))
+        source = open_source(source, messages_field=settings.get("messages_field"), split=settings.get("split"))
     meta = read_store_meta(store_dir)
     if meta is None:
         return [f"{store_dir} is not a token store"]
@@ -99,7 +101,7 @@ def store_differences(store_dir: Path, source: Source | Path, tokenizer, setting
         diffs.append(f"input: {input_path} changed since the store was made")
     if meta.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
         diffs.append(f"tokenizer: {meta.get('tokenizer')} -> {getattr(tokenizer, 'name_or_path', None)}")
-    for key, value in {"messages_field": None, **settings}.items():
+    for key, value in {"messages_field": None, "split": None, **settings}.items():
         if meta.get("settings", {}).get(key) != value:
             diffs.append(f"{key}: {meta.get('settings', {}).get(key)} -> {value}")
     return diffs
@@ -179,7 +181,7 @@ def _count_and_fingerprint(source: Source) -> tuple[int | None, dict]:
 def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None = None,
                   overlong: str = "truncate", skip_bad: bool = False, overwrite: bool = False,
                   progress: bool = True, flag: str = "--output", messages_field: str | None = None,
-                  num_proc: int | None = None) -> PrepareSummary:
+                  num_proc: int | None = None, split: str | None = None) -> PrepareSummary:
     """Tokenize the conversations at `input_path` (any format of `dflash.data.sources`: JSONL,
     JSON, parquet, Arrow, a folder of parquet shards or a `save_to_disk` folder) into a token
     store at `output_dir`.
@@ -190,7 +192,8 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
     written to a temporary folder beside `output_dir` and renamed into place, so a failed run
     leaves nothing. An existing `output_dir` is replaced (with `overwrite`) only if it is empty or
     a token store. `flag` names `output_dir` in errors; `messages_field` the conversation column
-    of a tabular input (default: `messages` or `conversations`).
+    of a tabular input (default: `messages` or `conversations`); `split` the split of a folder
+    or DatasetDict that holds several.
     """
     import datasets
     from tqdm.auto import tqdm
@@ -199,7 +202,7 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
 
     input_path, output_dir = Path(input_path), Path(output_dir)
     _check_arguments(max_length, overlong, num_proc)
-    source = open_source(input_path, messages_field=messages_field)
+    source = open_source(input_path, messages_field=messages_field, split=split)
     check_replaceable(output_dir, input_path, overwrite, flag)
     tok_path = None
     if isinstance(tokenizer, (str, Path)):
@@ -270,7 +273,7 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
             "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
             "input_fingerprint": fingerprint,
             "input_format": source.kind,
-            "settings": settings_of(max_length, overlong, skip_bad, messages_field),
+            "settings": settings_of(max_length, overlong, skip_bad, messages_field, split),
             "vocab_size": vocab,
             "max_length": max_length,
             "overlong": overlong,

@@ -1,25 +1,45 @@
 """Conversation data as users have it: which format a path holds, and its conversations row by row.
 
 Accepted: a JSONL file (read line by line by `dflash.data.conversations`, so that a bad line is
-named with its number), and through `datasets`: a JSON file (an array of objects), a parquet
-file, an Arrow file (IPC file or stream, e.g. a `datasets` cache file), a folder of parquet shards
-(the Hub's layout; all `*.parquet` under it, in path order) and a `Dataset.save_to_disk` folder.
-The format is found from the content (magic bytes, a folder's `state.json`), never from the name
-alone. Tabular formats are streamed (memory does not grow with the data) and their rows named
-`FILE: row N` (0-based, per shard) as JSONL lines are `FILE:LINE`.
+named with its number), a JSON file (an array of objects, decoded object by object with the
+standard `json` module, so that each value is what the file says), a parquet file, an Arrow file
+(IPC file or stream, e.g. a `datasets` cache file), a folder of parquet shards (the Hub's layout)
+and a `Dataset.save_to_disk` folder. The format is found from the content (magic bytes, a
+folder's `state.json`), never from the name alone. Tabular formats are read with pyarrow as
+written, streamed (memory does not grow with the data), and their rows named `FILE: row N`
+(0-based, per shard) as JSONL lines are `FILE:LINE`. No reader converts a value: `datasets`' JSON
+builder turns a column of mixed types into JSON text, so it reads nothing here.
+
+A folder is read whole or refused: data files of several formats are refused naming one of each,
+and shards of several splits (the Hub's file names, resolved by `datasets.data_files`) need
+`split` (`--split`), as a `DatasetDict` of several splits does.
 
 Columns: `messages` ([{role, content}]), ShareGPT `conversations` ([{from, value}], human/gpt
-mapped to user/assistant), or the column `messages_field` names (turns in either form). Every row
-is normalised with `parse_conversation`, the same as a JSONL line.
+mapped to user/assistant), or the column `messages_field` names (turns in either form; it decides
+when the table has several). The column's type is checked before any row is read (a list of
+turns, or JSON text of one); every row is normalised with `parse_conversation`, the same as a
+JSONL line, so every format's store is the JSONL path's.
 """
 from __future__ import annotations
 
+import itertools
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.data.conversations import BadSample, SkipCounter, parse_conversation, read_conversations
+from dflash.data.tables import (
+    arrow_part,
+    check_turns_type,
+    choose_split,
+    json_array_rows,
+    open_arrow,
+    parquet_part,
+    saved_part,
+    saved_table,
+)
 from dflash.data.token_store import STORE_META, file_fingerprint, same_file_content
 from dflash.errors import UserError
 
@@ -35,7 +55,8 @@ def is_token_store(path: Path) -> bool:
     return (Path(path) / STORE_META).is_file()
 
 
-def _sniff_file(path: Path) -> str:
+def _sniff(path: Path) -> str | None:
+    """The data format of a file's content, or None."""
     with path.open("rb") as f:
         head = f.read(4096)
     if head.startswith(b"PAR1"):
@@ -47,13 +68,61 @@ def _sniff_file(path: Path) -> str:
         return "jsonl"  # an empty file: JSONL's own "no usable sample" error
     if text.startswith(b"["):
         return "json"
-    raise UserError(f"{path}: not a data format dflash reads (it starts with {head[:8]!r}); accepted: {FORMATS}")
+    return None
 
 
-def detect(path: str | Path, flag: str = "--input") -> tuple[str, list[Path]]:
-    """`(format, data files)` of `path`; an unknown format or a missing path is one line."""
+def _sniff_file(path: Path) -> str:
+    kind = _sniff(path)
+    if kind is None:
+        with path.open("rb") as f:
+            head = f.read(8)
+        raise UserError(f"{path}: not a data format dflash reads (it starts with {head!r}); accepted: {FORMATS}")
+    return kind
+
+
+def _data_files(folder: Path) -> dict[str, list[Path]]:
+    """The files of a folder by the format their content has (hidden ones and files of no data
+    format, a README, left out), each list in path order."""
+    found: dict[str, list[Path]] = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
+            kind = _sniff(p) if p.stat().st_size else None
+            if kind is not None:
+                found.setdefault(kind, []).append(p)
+    return found
+
+
+def _one_split(folder: Path, shards: list[Path], split: str | None, flag: str) -> list[Path]:
+    """The shards of `split` where the Hub's file names give several splits (`datasets`' own rules:
+    `data/train-*`, `test/...`); all of them where they name one."""
+    from datasets.data_files import get_data_patterns, resolve_pattern
+
+    try:
+        patterns = get_data_patterns(str(folder))
+    except Exception:  # noqa: BLE001 - no split layout datasets knows: one split, the whole folder
+        patterns = {}
+    splits = {str(name): sorted({Path(f) for pat in pats for f in resolve_pattern(pat, str(folder))} & set(shards))
+              for name, pats in patterns.items()}
+    splits = {name: files for name, files in splits.items() if files}
+    if split is None:
+        if len(splits) > 1:
+            raise UserError(f"{flag} {folder}: holds the splits {', '.join(splits)} "
+                            f"({', '.join(f'{n}: {len(f)} file(s)' for n, f in splits.items())}); "
+                            + choose_split(folder, next(iter(splits)), flag))
+        return shards
+    if split not in splits:
+        raise UserError(f"--split {split}: {folder} holds the splits {', '.join(splits) or 'none by name'}")
+    return splits[split]
+
+
+def detect(path: str | Path, flag: str = "--input", split: str | None = None) -> tuple[str, list[Path]]:
+    """`(format, data files)` of `path`; an unknown format, a missing path, a folder of several
+    formats or of several splits without `split` is one line."""
     path = Path(path)
     if path.is_file():
+        if split is not None:
+            raise UserError(f"--split {split}: {path} is one file, of one split; --split chooses among a "
+                            "folder's splits")
         return _sniff_file(path), [path]
     if not path.is_dir():
         raise UserError(f"{flag} {path}: no such file or folder")
@@ -61,9 +130,15 @@ def detect(path: str | Path, flag: str = "--input") -> tuple[str, list[Path]]:
         raise UserError(f"{flag} {path}: is a dflash token store (prepared data), not conversations")
     if all((path / m).is_file() for m in SAVED_MARKERS) or (path / "dataset_dict.json").is_file():
         return "saved", sorted(p for p in path.rglob("*") if p.is_file())
-    shards = sorted(p for p in path.rglob("*.parquet") if p.is_file())
-    if shards:
-        return "parquet", shards
+    found = _data_files(path)
+    if len(found) > 1:
+        raise UserError(f"{flag} {path}: holds data files of several formats ("
+                        + ", ".join(f"{kind}: {files[0].relative_to(path)}" + (f" and {len(files) - 1} more"
+                                                                               if len(files) > 1 else "")
+                                    for kind, files in found.items())
+                        + "); dflash reads a folder whole: give one file, or a folder of parquet shards only")
+    if "parquet" in found:
+        return "parquet", _one_split(path, found["parquet"], split, flag)
     raise UserError(f"{flag} {path}: a folder with neither parquet files nor a datasets save_to_disk dataset "
                     f"({', '.join(SAVED_MARKERS)}); accepted: {FORMATS}")
 
@@ -81,6 +156,8 @@ class Source:
     files: list[Path]
     messages_field: str | None = None
     rows_read: int | None = None  # rows of a tabular source, once `rows` has read them all
+    split: str | None = None  # the split of a DatasetDict (a folder of shards keeps only its split's files)
+    flag: str = "--input"  # names the path in errors
 
     @property
     def unit(self) -> str:
@@ -91,48 +168,53 @@ class Source:
         return sum(f.stat().st_size for f in self.files)
 
     # -- reading -----------------------------------------------------------------------------
-    def _tables(self) -> Iterator[tuple[Path, object]]:
-        """(file named in errors, row iterable) per part, in order, streamed."""
-        import datasets
+    def _parts(self) -> Iterator[tuple[Path, object, Iterator[dict]]]:
+        """(file named in errors, its Arrow schema or None for JSON, its rows) per part, in order, streamed."""
+        for part in ([self.path] if self.kind == "saved" else self.files):
+            try:
+                if self.kind == "json":
+                    yield part, None, json_array_rows(part)
+                    continue
+                if self.kind == "saved":
+                    schema, rows = saved_part(part, self.split, self.flag)
+                else:
+                    schema, rows = (parquet_part if self.kind == "parquet" else arrow_part)(part)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - pyarrow and datasets errors: the file is not what it claims
+                raise UserError(f"{part}: cannot read it as {self.kind} ({type(e).__name__}: {e}); "
+                                f"accepted: {FORMATS}") from None
+            yield part, schema, rows
 
-        datasets.disable_progress_bars()
-        try:
-            if self.kind == "saved":
-                ds = datasets.load_from_disk(str(self.path))
-                if isinstance(ds, datasets.DatasetDict):
-                    if len(ds) != 1:
-                        raise UserError(f"{self.path}: a DatasetDict with splits {', '.join(ds)}; give one split's "
-                                        f"folder, e.g. {self.path / next(iter(ds))}")
-                    ds = next(iter(ds.values()))
-                yield self.path, ds
-                return
-            builder = "json" if self.kind == "json" else self.kind
-            for f in self.files:
-                yield f, datasets.load_dataset(builder, data_files=[str(f)], split="train", streaming=True)
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - pyarrow and datasets errors: the file is not what it claims
-            raise UserError(f"{self.path}: cannot read it as {self.kind} ({type(e).__name__}: {e}); "
-                            f"accepted: {FORMATS}") from None
-
-    def _field_of(self, where: Path, columns: list[str]) -> str:
+    def _field_of(self, where: Path, schema, rows) -> tuple[str, Iterator[dict]]:
+        """The conversation column of a part (its type checked) and the part's rows."""
+        if schema is None:  # a JSON array: the columns are the first object's keys
+            first = next(rows, None)
+            columns = list(first) if isinstance(first, dict) else []
+            rows = itertools.chain([] if first is None else [first], rows)
+        else:
+            columns = list(schema.names)
         if self.messages_field is not None:
             if self.messages_field not in columns:
                 raise UserError(f"{where}: no column {self.messages_field!r} (--messages-field); "
                                 f"{_columns_line(where, columns)}")
-            return self.messages_field
-        for name in ("messages", "conversations"):
-            if name in columns:
-                return name
-        raise UserError(f"{where}: no 'messages' or 'conversations' column ({_columns_line(where, columns)}); "
-                        f"accepted layouts: {LAYOUTS}")
+            name = self.messages_field
+        else:
+            name = next((n for n in ("messages", "conversations") if n in columns), None)
+            if name is None:
+                raise UserError(f"{where}: no 'messages' or 'conversations' column "
+                                f"({_columns_line(where, columns)}); accepted layouts: {LAYOUTS}")
+        if schema is not None:
+            check_turns_type(where, name, schema)
+        return name, rows
 
     def check_columns(self) -> None:
-        """The conversation column is there (before any heavy work), else one line with the columns found."""
+        """The conversation column is there with a type of turns (before any heavy work), else one
+        line with the columns found or the column's type."""
         if self.kind == "jsonl":
             return  # per line: a line without them is a BadSample naming it
-        for where, table in self._tables():
-            self._field_of(where, _column_names(table))
+        for where, schema, rows in self._parts():
+            self._field_of(where, schema, rows)
 
     def rows(self, *, skip_bad: bool = False, skipped: SkipCounter | None = None,
              require_assistant: bool = True) -> Iterator[tuple[int, str, list[dict], dict]]:
@@ -145,12 +227,12 @@ class Source:
                 yield lineno, f"{self.path}:{lineno}", messages, raw
             return
         index = 0
-        for part, table in self._tables():
-            name = self._field_of(part, _column_names(table))
-            for j, row in enumerate(_stream(table, part)):
+        for part, schema, part_rows in self._parts():
+            name, part_rows = self._field_of(part, schema, part_rows)
+            for j, row in enumerate(_stream(part_rows, part)):
                 where = f"{part}: row {j}"
-                raw = _as_conversation(row, name)
                 try:
+                    raw = _as_conversation(row, name, where)
                     messages = parse_conversation(raw, where, require_assistant=require_assistant)
                 except BadSample as err:
                     if not skip_bad:
@@ -168,23 +250,24 @@ class Source:
         if self.kind == "jsonl":
             with self.path.open("rb") as f:
                 return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
+        if self.kind == "json":
+            return None
         if self.kind == "parquet":
             import pyarrow.parquet as pq
 
             return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
-        if self.kind == "arrow":
-            import pyarrow as pa
-
-            def rows(f):  # memory-mapped: the batches' headers are read, not their data
-                with pa.memory_map(str(f)) as m:
-                    head = m.read(6)
-                    m.seek(0)
-                    reader = pa.ipc.open_file(m) if head == b"ARROW1" else pa.ipc.open_stream(m)
-                    return reader.read_all().num_rows
-            return sum(rows(f) for f in self.files)
-        if self.kind == "saved":
-            return sum(len(t) for _, t in self._tables())
-        return None
+        total = 0
+        for part in ([self.path] if self.kind == "saved" else self.files):
+            try:  # the batches' headers are read, not their data (memory-mapped)
+                if self.kind == "saved":
+                    total += saved_table(part, self.split, self.flag).num_rows
+                else:
+                    total += sum(batch.num_rows for batch in open_arrow(part)[1])
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a cut or damaged Arrow file
+                raise UserError(f"{part}: cannot be read to the end ({type(e).__name__}: {e})") from None
+        return total
 
     # -- content fingerprint -----------------------------------------------------------------
     def fingerprint(self, sha256: str | None = None) -> dict:
@@ -205,39 +288,43 @@ class Source:
         return all(same_file_content(r, f) for r, f in zip(files, self.files, strict=True))
 
 
-def _column_names(table) -> list[str]:
-    names = table.column_names
-    if names is None:  # a streamed JSON file: columns known once a row is read
-        first = next(iter(table), None)
-        names = list(first) if isinstance(first, dict) else []
-    return list(names)
-
-
-def _stream(table, part: Path) -> Iterator[dict]:
+def _stream(rows, part: Path) -> Iterator[dict]:
     try:
-        yield from table
+        yield from rows
+    except UserError:
+        raise
     except Exception as e:  # noqa: BLE001 - a truncated or damaged file, found while reading
         raise UserError(f"{part}: cannot be read to the end ({type(e).__name__}: {e})") from None
 
 
-def _as_conversation(row: dict, name: str) -> dict:
-    """The row with its conversation under the key `parse_conversation` expects."""
+def _as_conversation(row: dict, name: str, where: str) -> dict:
+    """The row with the turns of column `name` (it decides, also over a `messages` column beside
+    it) under the key their form gives `parse_conversation`; JSON text of turns decoded as a JSONL
+    line's."""
+    if not isinstance(row, dict) or name not in row:
+        return row  # a JSON element without the column: parse_conversation names what it lacks
     turns = row[name]
-    if name in ("messages", "conversations"):
-        return row
+    if isinstance(turns, str):
+        try:
+            turns = json.loads(turns)
+        except json.JSONDecodeError as e:
+            raise BadSample(where, "invalid JSON", f"column {name!r}: not JSON text of turns ({e.msg} at "
+                            f"character {e.pos})") from None
     first = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], dict) else {}
     key = "conversations" if "from" in first and "role" not in first else "messages"
     return {key: turns, **{k: v for k, v in row.items() if k not in (name, "messages", "conversations")}}
 
 
-def open_source(path: str | Path, *, messages_field: str | None = None, flag: str = "--input") -> Source:
-    """The conversations at `path`, format and columns checked (one line naming the file if wrong)."""
+def open_source(path: str | Path, *, messages_field: str | None = None, flag: str = "--input",
+                split: str | None = None) -> Source:
+    """The conversations at `path` (of `split`, where it holds several), format and columns checked
+    (one line naming the file if wrong)."""
     path = Path(path)
-    kind, files = detect(path, flag)
+    kind, files = detect(path, flag, split)
     if messages_field is not None and kind == "jsonl":
         raise UserError(f"--messages-field {messages_field}: applies to parquet, Arrow, JSON and datasets "
                         f"folders; {path} is JSONL, whose lines hold 'messages' or 'conversations'")
-    source = Source(path, kind, files, messages_field)
+    source = Source(path, kind, files, messages_field, split=split if kind == "saved" else None, flag=flag)
     source.check_columns()
     return source
 

@@ -1,6 +1,7 @@
 """Every input format, written by `datasets` itself, prepares to the JSONL path's store, token for token."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -250,3 +251,120 @@ def test_train_py_trains_on_a_parquet_file_with_its_messages_field(tmp_path):
     assert columns(tmp_path / "run" / "data") == {**columns(want), "source_line": list(range(len(rows)))}
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1]
+
+
+def _store_of_jsonl(rows, tmp_path, tokenizer, name):
+    src = tmp_path / f"{name}.jsonl"
+    dataset(rows).to_json(src, lines=True)
+    return {c: v for c, v in columns(prepare_jsonl(src, tokenizer, tmp_path / name, progress=False).output).items()
+            if c != "source_line"}
+
+
+def _prepared(src, tmp_path, tokenizer, **kw):
+    out = tmp_path / "got"
+    shutil.rmtree(out, ignore_errors=True)
+    prepare_jsonl(src, tokenizer, out, progress=False, **kw)
+    return {c: v for c, v in columns(out).items() if c != "source_line"}
+
+
+def test_a_json_array_is_read_as_written_a_number_among_strings_is_refused_by_row(tmp_path, tokenizer):
+    """datasets' JSON builder turned the whole `content` column into JSON text when one turn held a
+    number, wrapping every turn in quotes: each object is now decoded as the file says."""
+    rows = json.loads(json.dumps(MESSAGES))
+    src = tmp_path / "num.json"
+    src.write_text(json.dumps(rows))
+    assert _prepared(src, tmp_path, tokenizer) == _store_of_jsonl(MESSAGES, tmp_path, tokenizer, "want")
+    rows[2]["messages"][0]["content"] = 12345
+    src.write_text(json.dumps(rows, indent=1))
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(src, tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value) == f"{src}: row 2: turn 0: 'content' must be a string"
+    summary = prepare_jsonl(src, tokenizer, tmp_path / "s", skip_bad=True, progress=False)
+    assert summary.samples == 3 and summary.skipped == {"malformed turn": 1}
+
+
+def test_json_arrays_larger_than_a_chunk_and_broken_ones(tmp_path, tokenizer, monkeypatch):
+    from dflash.data import tables
+
+    monkeypatch.setattr(tables, "CHUNK", 7)  # every object straddles chunks
+    src = tmp_path / "a.json"
+    src.write_text(" \n[ " + " ,\n".join(json.dumps(r) for r in MESSAGES) + " ]\n")
+    assert list(tables.json_array_rows(src)) == MESSAGES
+    for text, error in [("[" + json.dumps(MESSAGES[0]) + ", {\"messages\": [", "row 1: invalid JSON"),
+                        ("[" + json.dumps(MESSAGES[0]) + " {}]", "row 0: invalid JSON (expected ',' or ']' after it)"),
+                        ("[] []", "text after the JSON array's end")]:
+        src.write_text(text)
+        with pytest.raises(UserError, match=re.escape(f"{src}: {error}")):
+            list(tables.json_array_rows(src))
+
+
+def test_a_hub_folder_of_several_splits_needs_split_and_a_datasetdict_takes_it(tmp_path, tokenizer):
+    import datasets
+
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    dataset(MESSAGES[:3]).to_parquet(hub / "data" / "train-00000-of-00001.parquet")
+    dataset(MESSAGES[3:]).to_parquet(hub / "data" / "test-00000-of-00001.parquet")
+    (hub / "README.md").write_text("---\nconfigs: []\n---\n# a dataset card\n")
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(hub, tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value) == (f"--input {hub}: holds the splits train, test (train: 1 file(s), test: 1 file(s)); "
+                              "choose one with --split, e.g. --split train")
+    want = _store_of_jsonl(MESSAGES[:3], tmp_path, tokenizer, "want")
+    assert _prepared(hub, tmp_path, tokenizer, split="train") == want
+    with pytest.raises(UserError, match=r"--split validation: .*hub holds the splits train, test"):
+        prepare_jsonl(hub, tokenizer, tmp_path / "s", split="validation", progress=False)
+    saved = tmp_path / "dict"
+    datasets.DatasetDict({"train": dataset(MESSAGES[:3]), "test": dataset(MESSAGES[3:])}).save_to_disk(saved)
+    with pytest.raises(UserError, match=r"a DatasetDict with splits train, test; choose one with --split"):
+        prepare_jsonl(saved, tokenizer, tmp_path / "s", progress=False)
+    assert _prepared(saved, tmp_path, tokenizer, split="train") == want
+    from dflash.training.config import load_config
+    from dflash.training.data import check_data  # train.py has no --split: it is told to prepare one
+
+    with pytest.raises(UserError, match=r"prepare one split into a token store \(prepare_data.py --input .*hub "
+                                        r"--split train\) and pass the store as --data"):
+        check_data(load_config(["--data", str(hub)]))
+
+
+def test_a_folder_of_several_formats_is_refused_naming_one_file_of_each(tmp_path, tokenizer):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    dataset(MESSAGES[:2]).to_parquet(mixed / "a.parquet")
+    dataset(MESSAGES[2:]).to_json(mixed / "b.jsonl", lines=True)
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(mixed, tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value) == (f"--input {mixed}: holds data files of several formats (parquet: a.parquet, jsonl: "
+                              "b.jsonl); dflash reads a folder whole: give one file, or a folder of parquet shards "
+                              "only")
+
+
+def test_messages_field_decides_over_a_messages_column_beside_it(tmp_path, tokenizer):
+    other = [{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}] * len(SHAREGPT)
+    src = tmp_path / "both.parquet"
+    dataset([{**o, "conversations": s["conversations"]} for o, s in zip(other, SHAREGPT, strict=True)]).to_parquet(src)
+    assert _prepared(src, tmp_path, tokenizer, messages_field="conversations") == \
+        _store_of_jsonl(MESSAGES, tmp_path, tokenizer, "want")
+    assert _prepared(src, tmp_path, tokenizer) == _store_of_jsonl(other, tmp_path, tokenizer, "other")
+
+
+def test_turns_as_json_text_are_decoded_and_other_column_types_refused_naming_the_column(tmp_path, tokenizer):
+    src = tmp_path / "text.parquet"
+    dataset([{"messages": json.dumps(r["messages"]), "id": r["id"]} for r in MESSAGES]).to_parquet(src)
+    assert _prepared(src, tmp_path, tokenizer) == _store_of_jsonl(MESSAGES, tmp_path, tokenizer, "want")
+    dataset([{"messages": "[{\"role\": \"user\""}]).to_parquet(src)
+    with pytest.raises(UserError, match=re.escape(f"{src}: row 0: column 'messages': not JSON text of turns")):
+        prepare_jsonl(src, tokenizer, tmp_path / "s", progress=False)
+    dataset([{"messages": [{"role": "user", "content": 1}]}]).to_parquet(src)
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(src, tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value) == (f"{src}: column 'messages' is list<element: struct<role: string, content: int64>>; "
+                              "expected a list of turns with string 'role' and 'content' (or 'from' and 'value'), "
+                              "or JSON text of such a list")
+
+
+def test_a_cut_arrow_stream_is_one_line(tmp_path, tokenizer):
+    stream = write_format("arrow stream", MESSAGES * 50, tmp_path)
+    stream.write_bytes(stream.read_bytes()[:stream.stat().st_size // 2])
+    with pytest.raises(UserError, match=re.escape(f"{stream}: cannot be read to the end (OSError: ")):
+        prepare_jsonl(stream, tokenizer, tmp_path / "s", progress=False)
