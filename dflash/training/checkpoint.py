@@ -89,6 +89,7 @@ class Checkpointer:
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
         self.recorded = None  # (checkpoint, its drafter settings) of the resume, on rank 0 (`claim`)
+        self.recorded_options: dict = {}  # the options the checkpoint recorded (its config), on rank 0
 
     def claim(self, run_folder, *, resume: bool, overwrite: bool, reads: dict, settings: dict, settings_of) -> None:
         """Rank 0: lock the run folder (`RunFolder.claim`) and, for `resume`, refuse a newest checkpoint
@@ -98,7 +99,10 @@ class Checkpointer:
         state = self.newest_state() if resume else None
         if state is None:
             return
-        self.recorded = (state["checkpoint"], state.get("drafter") or settings_of(state.get("config", {})))
+        # a setting the checkpoint's record lacks (an older dflash) is the one its recorded options give
+        options = state.get("config", {})
+        self.recorded = (state["checkpoint"], {**settings_of(options), **(state.get("drafter") or {})})
+        self.recorded_options = options
         self.refuse_another_drafter(settings, run_folder)
 
     def refuse_another_drafter(self, settings: dict, run_folder) -> None:

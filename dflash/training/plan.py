@@ -98,17 +98,26 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN
     from dflash.models.taps import default_target_layer_ids
+    from dflash.models.terms import parse_recipe
 
     types = list(cfg.drafter.drafter_layer_types or [])
-    settings = {"--block-size": cfg.drafter.block_size, "--draft-layers": cfg.drafter.draft_layers,
+    recipe = {name: weight for name, weight in sorted(parse_recipe(cfg.loss.loss).items()) if weight}
+    # every value as resolved, defaults included (a checkpoint without one is compared through the
+    # options it recorded: `Checkpointer.claim`)
+    settings = {"--drafter-kind": cfg.drafter.drafter_kind, "--optimizer": cfg.optim.optimizer,
+                "--block-size": cfg.drafter.block_size, "--draft-layers": cfg.drafter.draft_layers,
                 "--num-anchors": cfg.drafter.num_anchors, "--gamma": cfg.loss.gamma,
+                "--loss": ",".join(f"{name}={weight:g}" for name, weight in recipe.items()),
                 # the mask each layer trains with (the weights have the same shapes whatever it is)
                 "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
-                "--sliding-window": cfg.drafter.sliding_window}
-    if cfg.drafter.drafter_kind != "dflash":  # recorded when not the default, so older checkpoints compare equal
-        settings["--drafter-kind"] = cfg.drafter.drafter_kind
-    if cfg.optim.optimizer != "adamw":  # its state is another optimizer's
-        settings["--optimizer"] = cfg.optim.optimizer
+                "--sliding-window": cfg.drafter.sliding_window, "--feature-noise": cfg.loss.feature_noise}
+    if "dpace" in recipe:  # the settings of the parts the objective has
+        settings["--dpace-alpha"] = cfg.loss.dpace_alpha
+    if {"kl", "lk"} & set(recipe):
+        settings["--distill-temperature"] = cfg.loss.distill_temperature
+    if cfg.drafter.drafter_kind == "dflash2":
+        settings.update({"--selector-weight": cfg.loss.selector_weight,
+                         "--selector-stop-grad": cfg.loss.selector_stop_grad})
     if not cfg.drafter.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
         settings["--mask-token"] = cfg.drafter.mask_token or MASK_TOKEN
     taps = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids else None
@@ -120,3 +129,18 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     if taps is not None:
         settings.update({"--target-layer-ids": taps, "--num-target-features": len(taps)})
     return settings
+
+
+# What only steers the optimizer through the steps (the weights keep their shapes and objective): a
+# resume with another value would equal neither run, so it is refused unless --force-resume.
+SCHEDULE = ("lr", "muon_lr", "muon_momentum", "weight_decay", "warmup_ratio", "schedule", "grad_clip", "epochs",
+            "max_steps")
+
+
+def schedule_differences(recorded: dict, cfg: TrainConfig) -> list[str]:
+    """`--flag: checkpoint value -> now value` for every `SCHEDULE` option the checkpoint's recorded
+    options (its config) hold with another value."""
+    from dflash.training.config import flag
+
+    return [f"{flag(name)}: checkpoint {recorded[name]} -> now {cfg.value(name)}" for name in SCHEDULE
+            if name in recorded and recorded[name] != cfg.value(name)]

@@ -37,7 +37,7 @@ from dflash.training.metrics import MetricsWriter, plot_curves, read_records, st
 from dflash.training.models import LoadedTarget, Models, load_train_target
 from dflash.training.noise import FeatureNoise
 from dflash.training.phases import PhaseTimer
-from dflash.training.plan import drafter_settings, plan_run
+from dflash.training.plan import drafter_settings, plan_run, schedule_differences
 from dflash.training.steps import micro_batches
 
 
@@ -150,6 +150,12 @@ class Trainer:
 
         self.checkpointer.claim(self.run_folder, resume=cfg.run.resume, overwrite=cfg.run.overwrite, reads=reads,
                                 settings=self.drafter_settings, settings_of=settings_of)
+        diffs = schedule_differences(self.checkpointer.recorded_options, cfg) if cfg.run.resume else []
+        if diffs and not cfg.run.force_resume:
+            self.run_folder.release()
+            raise UserError(f"--resume: {self.checkpointer.recorded[0]} was trained with another schedule:\n  "
+                            + "\n  ".join(diffs) + "\nresume with the checkpoint's values, or add --force-resume to "
+                            "continue with these (the run then equals neither schedule)")
 
     def state_dict(self) -> dict:
         """The run's state beside the engine's: what a checkpoint records to continue it."""

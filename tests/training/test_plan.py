@@ -1,5 +1,7 @@
 """`plan_run`: what a run decides before anything loads, on its own (no process group, no weights),
 and the sectioned configuration it reads."""
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,3 +56,65 @@ def test_a_yaml_may_group_options_by_section_and_a_misplaced_one_is_named(tmp_pa
     path.write_text("optim: 3\n")
     with pytest.raises(UserError, match=rf"--config {path}: 'optim' is a section"):
         load_config(["--data", "d.jsonl", "--config", str(path)])
+
+
+def _claim_resume(run, cfg, recorded_config, recorded_drafter):
+    """`Trainer._claim` of `cfg` (--resume) over a run folder whose newest checkpoint recorded
+    `recorded_config` (its options) and `recorded_drafter` (its drafter settings)."""
+    import json
+    from types import SimpleNamespace
+
+    from dflash.distributed.run_folder import RunFolder
+    from dflash.training.checkpoint import Checkpointer
+    from dflash.training.plan import drafter_settings
+    from dflash.training.trainer import Trainer
+
+    checkpoint = run / "checkpoints" / "step-00000004"
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    (checkpoint / "COMPLETE").write_text(json.dumps({"step": 4, "config": recorded_config, "drafter": recorded_drafter,
+                                                     "files": {}}))
+    spec = load_target_spec(cfg.inputs.target)
+    trainer = SimpleNamespace(cfg=cfg, run_folder=RunFolder(run), checkpointer=Checkpointer(run, keep=1),
+                              target_spec=spec, drafter_settings=drafter_settings(cfg, spec.num_layers))
+    try:
+        Trainer._claim(trainer)
+    finally:
+        trainer.run_folder.release()
+    return checkpoint
+
+
+OLD_KEYS = ("--loss", "--drafter-kind", "--optimizer", "--feature-noise", "--dpace-alpha", "--distill-temperature",
+            "--selector-weight", "--selector-stop-grad")
+
+
+@pytest.mark.parametrize("record", ["every value", "older dflash: defaults left out"])
+def test_a_resume_compares_every_option_that_shapes_the_run_before_anything_loads(record, tmp_path):
+    """`--resume` with another --loss, --drafter-kind or --optimizer used to continue (--loss) or load
+    the target and then call the intact checkpoints unloadable: each is now refused naming the flag
+    and both values, also against a checkpoint that recorded only what differed from the defaults
+    (its recorded options fill in the rest); the schedule's options unless --force-resume."""
+    from dflash.training.plan import drafter_settings
+
+    base = ["--target", "random:qwen3-8b", "--data", "random", "--output-dir", str(tmp_path / "run")]
+    old = load_config(base)
+    recorded = drafter_settings(old, 36)
+    if record != "every value":
+        recorded = {k: v for k, v in recorded.items() if k not in OLD_KEYS}
+    options = json.loads(json.dumps(old.options()))
+    _claim_resume(tmp_path / "run", load_config([*base, "--resume"]), options, recorded)  # the same run resumes
+    new = load_config([*base, "--resume", "--force-resume", "--loss", "kl=1,ce=1", "--drafter-kind", "dflash2",
+                       "--optimizer", "muon", "--lr", "1e-3"])
+    with pytest.raises(UserError) as err:
+        _claim_resume(tmp_path / "run", new, options, recorded)
+    lines = str(err.value).splitlines()
+    assert lines[0].endswith("step-00000004 trained a drafter with other settings (checkpoint -> now):")
+    for line in ("--drafter-kind: dflash -> dflash2", "--optimizer: adamw -> muon", "--loss: ce=1 -> ce=1,kl=1"):
+        assert f"  {line}" in lines, (line, lines)
+    lr = load_config([*base, "--resume", "--lr", "1e-3"])
+    with pytest.raises(UserError) as err:
+        _claim_resume(tmp_path / "run", lr, options, recorded)
+    assert str(err.value).splitlines()[1:3] == ["  --lr: checkpoint 0.0006 -> now 0.001",
+                                                "resume with the checkpoint's values, or add --force-resume to "
+                                                "continue with these (the run then equals neither schedule)"]
+    _claim_resume(tmp_path / "run", load_config([*base, "--resume", "--lr", "1e-3", "--force-resume"]), options,
+                  recorded)
