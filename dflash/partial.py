@@ -45,6 +45,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def file_mode() -> int:
+    """The mode a new file gets under this process's umask (0644 under the usual 022): for files a
+    library writes with a mode of its own (safetensors: 0600) or a temporary one renamed into place
+    (mkstemp: 0600), which others (a serving engine run as another user) must read as any file."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def replace_file(path: Path, chunks) -> None:
     """Write `chunks` (bytes) to `path` all or nothing: into `.NAME.partial-XXXX` beside it, synced,
     then renamed over it (and the rename synced). On any failure (a full disk) the temporary file
@@ -52,7 +61,7 @@ def replace_file(path: Path, chunks) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
     try:
-        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp's is 0600
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else file_mode())  # mkstemp's is 0600
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
@@ -95,3 +104,48 @@ def try_lock(path: Path) -> tuple[int | None, str]:
         os.close(fd)
         return None, holder
     return fd, ""
+
+
+class OutputLock:
+    """An exclusive lock on an output (a file or a folder) for the life of its writer (`.NAME.lock`
+    beside it, holding pid@host), taken before any work: two writers never write one output, the
+    second stops at once naming the first. The lock file goes when the writer ends; a killed
+    writer's lock is released with its process (`flock`)."""
+
+    def __init__(self, output: Path, *, flag: str = "--output", what: str = "run"):
+        self.output, self.flag, self.what = Path(output), flag, what
+        self.path = self.output.with_name(f".{self.output.name}.lock")
+        self._fd = None
+
+    def _cannot_write(self, err: OSError):
+        from dflash.errors import UserError, os_reason
+
+        return UserError(f"{self.flag} {self.output}: cannot write in {self.path.parent} ({os_reason(err)})")
+
+    def __enter__(self):
+        from dflash.errors import UserError
+
+        while True:
+            try:
+                fd, holder = try_lock(self.path)
+            except OSError as err:
+                raise self._cannot_write(err) from None
+            if fd is None:
+                raise UserError(f"{self.flag} {self.output}: another {self.what} is writing it (process {holder}); "
+                                f"wait for it to end, or choose another {self.flag}")
+            # the previous holder may have removed the file between our open and our lock
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
+        except OSError as err:
+            self.__exit__()
+            raise self._cannot_write(err) from None
+        return self
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)  # still locked: whoever opens it now fails, or finds it gone
+        os.close(self._fd)

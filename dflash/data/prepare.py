@@ -23,7 +23,7 @@ from dflash.data.token_store import (
 )
 from dflash.data.tokenizing import load_tokenizer, tokenized
 from dflash.errors import UserError, disk_full, free_space, os_reason
-from dflash.partial import partial_folder
+from dflash.partial import OutputLock, partial_folder
 
 OVERLONG = ("truncate", "drop", "error")
 
@@ -195,13 +195,26 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
     of a tabular input (default: `messages` or `conversations`); `split` the split of a folder
     or DatasetDict that holds several.
     """
+    input_path, output_dir = Path(input_path), Path(output_dir)
+    _check_arguments(max_length, overlong, num_proc)
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"{flag} {output_dir}: cannot write in {output_dir.parent} ({os_reason(err)})") from None
+    # one writer per store, from the first check to the rename: a second one stops at once
+    with OutputLock(output_dir, flag=flag, what="preparation"):
+        return _write_store(input_path, tokenizer, output_dir, max_length=max_length, overlong=overlong,
+                            skip_bad=skip_bad, overwrite=overwrite, progress=progress, flag=flag,
+                            messages_field=messages_field, num_proc=num_proc, split=split)
+
+
+def _write_store(input_path: Path, tokenizer, output_dir: Path, *, max_length, overlong, skip_bad, overwrite, progress,
+                 flag, messages_field, num_proc, split) -> PrepareSummary:
+    """`prepare_jsonl`'s work, under the store's lock."""
     import datasets
     from tqdm.auto import tqdm
 
     datasets.disable_progress_bars()  # ours counts rows; theirs would repeat it per stage
-
-    input_path, output_dir = Path(input_path), Path(output_dir)
-    _check_arguments(max_length, overlong, num_proc)
     source = open_source(input_path, messages_field=messages_field, split=split)
     check_replaceable(output_dir, input_path, overwrite, flag)
     tok_path = None
@@ -253,7 +266,6 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
         "source_line": datasets.Value("int64"),
     })
     try:
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
         work = partial_folder(output_dir)
     except OSError as err:
         raise UserError(f"{flag} {output_dir}: cannot write in {output_dir.parent} ({os_reason(err)})") from None

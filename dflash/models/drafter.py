@@ -358,7 +358,7 @@ class DFlashDrafter(nn.Module):
 
         from safetensors.torch import save_file
 
-        from dflash.partial import partial_folder
+        from dflash.partial import file_mode, partial_folder
 
         directory = Path(directory)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.export_tensors().items()}
@@ -380,6 +380,7 @@ class DFlashDrafter(nn.Module):
                 json.dump(config, f, indent=2, sort_keys=True)
                 f.write("\n")
             save_file(tensors, staged / WEIGHTS_NAME, metadata={"format": "pt"})
+            os.chmod(staged / WEIGHTS_NAME, file_mode())  # safetensors writes 0600: readable as the umask says
             if directory.exists():
                 os.replace(directory, work / "old")  # removed below, once the new one is in place
             os.replace(staged, directory)

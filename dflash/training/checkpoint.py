@@ -228,7 +228,8 @@ class Checkpointer:
         raise UserError(f"--resume: none of the {len(candidates)} complete checkpoints in {self.root} "
                         "can be loaded:\n  "
                         + "\n  ".join(failures)
-                        + "\nmove them away to start over, or resume from a copy of an older run folder")
+                        + "\nthe checkpoints are kept as they are: resume with the options the run recorded in its "
+                        "config.json, or train anew in another --output-dir")
 
 
 def drafter_differences(before: dict, now: dict) -> list[str]:

@@ -328,3 +328,22 @@ def test_full_disk_while_writing_the_store_is_a_clear_error(tmp_path, tokenizer,
     with pytest.raises(UserError, match=r"store: the disk is full while writing the token store \(.* free\)"):
         prepare_jsonl(src, tokenizer, tmp_path / "store", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_two_preparations_into_one_output_the_second_stops_at_once(tmp_path, tokenizer):
+    """Both used to say "wrote ..." and the folder held one of them: the lock beside --output is
+    taken before any work, and a second writer (prepare_data, a trainer's run store) stops naming
+    the first, its flag and nothing written."""
+    from dflash.partial import OutputLock
+
+    src = write_jsonl(tmp_path / "in.jsonl", CONVERSATIONS)
+    out = tmp_path / "store"
+    with OutputLock(out, what="preparation"):  # the first writer, still working
+        with pytest.raises(UserError) as err:
+            prepare_jsonl(src, tokenizer, out, progress=False)
+        assert str(err.value).startswith(f"--output {out}: another preparation is writing it (process ")
+        with pytest.raises(UserError, match=f"the run's token store {out}: another preparation is writing it"):
+            prepare_jsonl(src, tokenizer, out, progress=False, flag="the run's token store", overwrite=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".store.lock", "in.jsonl"], "nothing written"
+    prepare_jsonl(src, tokenizer, out, progress=False)
+    assert len(TokenStore(out)) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "store"]

@@ -425,3 +425,19 @@ def test_a_signal_while_a_rank_exits_with_its_line_prints_nothing_more():
             "exit_with_error('error: rank 0: stopped because another rank failed', status=2)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (2, "error: rank 0: stopped because another rank failed\n")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=["022", "077", "002"])
+def test_exported_files_are_readable_as_the_umask_says(umask, tmp_path):
+    """safetensors writes model.safetensors 0600: a serving engine run as another user could not
+    read the drafter beside a 0644 config.json. Every exported file gets the umask's mode."""
+    import os
+
+    old = os.umask(umask)
+    try:
+        make_drafter(num_layers=1, taps=(1,)).save_pretrained(tmp_path / "drafter")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "drafter").iterdir()}
+    assert modes == {"config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
+    assert (tmp_path / "drafter").stat().st_mode & 0o777 == 0o777 & ~umask

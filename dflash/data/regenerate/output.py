@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,45 +14,7 @@ from dflash.data.conversations import parse_conversation
 from dflash.data.regenerate.config import SETTINGS, RegenerateConfig
 from dflash.data.sources import Source
 from dflash.errors import UserError, os_reason
-from dflash.partial import replace_file, try_lock
-
-
-class OutputLock:
-    """An exclusive lock on `--output` for the life of a run (`.NAME.lock` beside it, holding
-    pid@host), so that two runs never write one output; the lock file goes when the run ends."""
-
-    def __init__(self, output: Path):
-        self.path = output.with_name(f".{output.name}.lock")
-        self.output = output
-        self._fd = None
-
-    def __enter__(self):
-        while True:
-            try:
-                fd, holder = try_lock(self.path)
-            except OSError as err:
-                raise UserError(f"--output {self.output}: cannot write in {self.path.parent} ({os_reason(err)})") \
-                    from None
-            if fd is None:
-                raise UserError(f"--output {self.output}: another regenerate run is writing it (process {holder}); "
-                                "wait for it to end, or choose another --output")
-            # the previous holder may have removed the file between our open and our lock
-            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                break
-            os.close(fd)
-        self._fd = fd
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
-        except OSError as err:
-            self.__exit__()
-            raise UserError(f"--output {self.output}: cannot write in {self.path.parent} "
-                            f"({os_reason(err, self.path)})") from None
-        return self
-
-    def __exit__(self, *exc):
-        self.path.unlink(missing_ok=True)  # still locked: whoever opens it now fails, or finds it gone
-        os.close(self._fd)
+from dflash.partial import replace_file
 
 
 def conversation_key(messages: list[dict], raw: dict) -> str:

@@ -14,9 +14,10 @@ from tqdm import tqdm
 from dflash.data.conversations import BadSample, SkipCounter, render_chat
 from dflash.data.regenerate.config import RegenerateConfig
 from dflash.data.regenerate.engines import Generation, load_backend, load_tokenizer
-from dflash.data.regenerate.output import OutputLock, dump_line, resume_output, sort_output, write_all
+from dflash.data.regenerate.output import dump_line, resume_output, sort_output, write_all
 from dflash.data.sources import Source, open_source
 from dflash.errors import UserError, disk_full, os_reason
+from dflash.partial import OutputLock
 
 THINK_CLOSE = "</think>"
 
@@ -136,7 +137,7 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
     """
     cfg.validate()
     output = Path(cfg.output)
-    with OutputLock(output):
+    with OutputLock(output, what="regenerate run"):
         return _regenerate(cfg, output, backend, tokenizer, progress, say)
 
 
