@@ -153,6 +153,20 @@ def samples_from_conversations(path, tokenizer) -> list:
     return samples
 
 
+def check_positions(prompts, spec, where) -> None:
+    """Every prompt leaves the target a position to decode at: one past its positions would decode
+    nothing (or what the target was never made for), and the two runs' outputs would say nothing of
+    the drafter."""
+    positions = spec.positions
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if positions and len(prompts[longest]) >= positions:
+        over = sum(len(p) >= positions for p in prompts)
+        raise UserError(f"{where}: turn {longest} has a prompt of {len(prompts[longest]):,} tokens ({over} of "
+                        f"{len(prompts)} turns reach past the target's {positions:,} positions, "
+                        f"max_position_embeddings of {spec.name}): nothing can be decoded after it; leave those "
+                        "conversations out or shorten them (--max-turns decodes only the first turns)")
+
+
 def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
     import torch
 
@@ -227,8 +241,12 @@ def main(argv=None):
     args = parse_args(argv)
     sampling, seed = sampling_options(args)
 
+    from transformers import AutoTokenizer
+
     from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
+    from dflash.data.tokenizing import check_tokenizer_files
     from dflash.demo import TARGET
+    from dflash.models import load_target_spec
     from dflash.models.speculate import (
         DEFAULT_MAX_NEW_TOKENS,
         prompts_from_conversations,
@@ -259,9 +277,9 @@ def main(argv=None):
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 
     check_target_folder(target_path)
-    drafter, target, device, dtype = load_models(drafter_dir, target_path, args.dtype)
-    tokenizer, hf = target.tokenizer, target.hf
-    stops = stop_ids(tokenizer, target.spec.generation_eos())
+    # the turns, tokenized and checked against the target's positions, before any weight loads
+    check_tokenizer_files(target_path, "--target")
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))  # the one the target loads with
     if args.prompts:
         prompts = prompts_from_conversations(args.prompts, tokenizer)
         # the walk needs every turn decoded: not with --max-turns
@@ -271,6 +289,11 @@ def main(argv=None):
     prompts = prompts[:args.max_turns]
     if not prompts:
         raise UserError("no turns to decode")
+    check_positions(prompts, load_target_spec(str(target_path)), args.prompts or f"the held-out turns of "
+                    f"{drafter_dir.parent}")
+    drafter, target, device, dtype = load_models(drafter_dir, target_path, args.dtype)
+    hf = target.hf
+    stops = stop_ids(tokenizer, target.spec.generation_eos())
     report = speculate(hf, drafter, prompts, max_new_tokens=limit, stop_ids=stops, progress=args.progress,
                        sampling=sampling, seed=seed)
     result = {**report.summary(), "max_new_tokens": limit, "data_temperature": data_temperature}

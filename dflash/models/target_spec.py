@@ -115,6 +115,12 @@ class TargetSpec:
         """The rows of the input embedding, as the config says."""
         return int(self.config.vocab_size)
 
+    @property
+    def positions(self) -> int | None:
+        """The positions the target was made for (`max_position_embeddings`; None when its config has none)."""
+        value = getattr(self.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
     def default_layer_ids(self, num_features: int) -> list[int]:
         """The official tap rule for this target's depth."""
         from dflash.models.taps import default_target_layer_ids

@@ -438,3 +438,28 @@ def test_dflash2_speculative_sampling_accepts_as_the_official_loop(official, dem
     mine, mine_err = ours.acceptance_length, ours.acceptance_length_stderr
     assert abs(mine - theirs) < 3 * np.hypot(mine_err, theirs_err), (mine, mine_err, theirs, theirs_err)
     assert mine > 1.1 and theirs > 1.1  # drafts are accepted at temperature 1
+
+
+def test_a_prompt_past_the_targets_positions_is_refused_before_the_models_load(demo, tmp_path, capsys,
+                                                                                monkeypatch):
+    """It used to decode with a negative limit and print NOT LOSSLESS (exit 1): a false alarm about
+    the property users trust most. The turns are tokenized and checked before any weight loads."""
+    from dflash.demo import TARGET
+
+    from ..conftest import launch_script
+
+    cli = launch_script("speculate")
+    make_drafter(demo).save_pretrained(tmp_path / "drafter")
+    positions = demo["hf"].config.max_position_embeddings
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "hello"}]}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "hello " * positions}]}) + "\n")
+    monkeypatch.setattr(cli, "load_models", lambda *a: pytest.fail("the models load before the check"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts), "--target", str(TARGET),
+                  "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {prompts}: turn 1 has a prompt of ") and err.count("\n") == 1, err
+    assert f"(1 of 2 turns reach past the target's {positions:,} positions, max_position_embeddings of {TARGET})" in err
