@@ -93,18 +93,32 @@ def store_differences(store_dir: Path, source: Source | Path, tokenizer, setting
         return [f"{store_dir} is not a token store"]
     if meta.get("version") != STORE_VERSION:
         return [f"store version {meta.get('version')} is not {STORE_VERSION}"]
-    diffs = []
-    made, input_path = meta.get("input_fingerprint") or {}, source.path
-    if made.get("path") != str(input_path.resolve()):
-        diffs.append(f"input: {made.get('path')} -> {input_path.resolve()}")
-    elif not source.same_content(made):
-        diffs.append(f"input: {input_path} changed since the store was made")
+    diffs = input_differences(store_dir, source)
     if meta.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
         diffs.append(f"tokenizer: {meta.get('tokenizer')} -> {getattr(tokenizer, 'name_or_path', None)}")
     for key, value in {"messages_field": None, "split": None, **settings}.items():
         if meta.get("settings", {}).get(key) != value:
             diffs.append(f"{key}: {meta.get('settings', {}).get(key)} -> {value}")
     return diffs
+
+
+def input_differences(store_dir: Path, source: Source) -> list[str]:
+    """How the input the store at `store_dir` was made of differs from `source` now (its path or
+    its content): needs no tokenizer, so a resume checks it before the target loads."""
+    made, input_path = (read_store_meta(store_dir) or {}).get("input_fingerprint") or {}, source.path
+    if made.get("path") != str(input_path.resolve()):
+        return [f"input: {made.get('path')} -> {input_path.resolve()}"]
+    if not source.same_content(made):
+        return [f"input: {input_path} changed since the store was made"]
+    return []
+
+
+def refuse_changed_store(store_dir: Path, diffs: list[str]) -> None:
+    """A resumed run's store of other data or settings is refused, never rebuilt (nothing replaced)."""
+    if diffs:
+        raise UserError(f"--resume: the run's token store {store_dir} was made of other data or settings:\n  "
+                        + "\n  ".join(diffs) + "\nresume with the same --data, --target and --max-length, or "
+                        "start a new run (--overwrite or another --output-dir)")
 
 
 def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag: str = "--output") -> None:
@@ -318,9 +332,7 @@ def ensure_store(input_path: Path, tokenizer, store_dir: Path, *, max_length: in
     if not diffs:
         return
     if refuse_changes and store_dir.exists():
-        raise UserError(f"--resume: the run's token store {store_dir} was made of other data or settings:\n  "
-                        + "\n  ".join(diffs) + "\nresume with the same --data, --target and --max-length, or "
-                        "start a new run (--overwrite or another --output-dir)")
+        refuse_changed_store(store_dir, diffs)
     if store_dir.exists():
         say(f"rebuilding {store_dir}: " + "; ".join(diffs))
     say(f"preparing {input_path} -> {store_dir}")

@@ -7,9 +7,11 @@ the same functions (`store_path`, `held_out_split`, `turn_limit`).
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from dflash.data.cost import CostModel, drafter_rows
 from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
@@ -85,7 +87,26 @@ def check_data(cfg: TrainConfig) -> None:
                             "store, prepared "
                             "already; the column applies to conversations")
         return
-    open_source(data, messages_field=cfg.inputs.messages_field or None, flag="--data")
+    source = open_source(data, messages_field=cfg.inputs.messages_field or None, flag="--data")
+    store = store_path(data, Path(cfg.run.output_dir))
+    if cfg.run.resume and not cfg.run.force_resume and store.exists():
+        from dflash.data.prepare import input_differences, refuse_changed_store
+
+        # the input's content is known without the target's tokenizer: a changed shard is refused now
+        refuse_changed_store(store, input_differences(store, source))
+
+
+def positions_warning(lengths: np.ndarray, positions: int | None, name) -> str | None:
+    """What to say of samples longer than the target's positions (its `max_position_embeddings`):
+    the target computes their features at positions it was not made for. None when all fit."""
+    if not positions or not lengths.size or int(lengths.max()) <= positions:
+        return None
+    over = np.flatnonzero(lengths > positions)
+    longest = int(np.argmax(lengths))
+    return (f"{len(over):,} of {lengths.size:,} samples are longer than the target's {positions:,} positions "
+            f"(max_position_embeddings), the longest {name(longest)} with {int(lengths[longest]):,} tokens: the "
+            f"target was not made for the positions past {positions:,}; cut them with --max-length {positions} "
+            "(when --data is a store: prepare it again with prepare_data.py --max-length)")
 
 
 def chat_data(cfg: TrainConfig) -> str | None:
@@ -145,6 +166,9 @@ class TrainingData:
             raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
                             f"target's embedding has {vocab_rows} rows; prepare the data with the target's tokenizer")
         check_lengths(store.lengths, cfg.batches.token_budget, name=_sample_name(store, path))
+        beyond = positions_warning(store.lengths, target_spec.positions, _sample_name(store, path))
+        if beyond and (not dist.is_initialized() or dist.get_rank() == 0):
+            warnings.warn(beyond, stacklevel=2)
         self.usable = int(trainable(store.supervised, cfg.drafter.block_size).sum())
         if self.usable == 0:
             raise UserError(f"--block-size {cfg.drafter.block_size}: a sample needs at least "

@@ -368,3 +368,37 @@ def test_a_cut_arrow_stream_is_one_line(tmp_path, tokenizer):
     stream.write_bytes(stream.read_bytes()[:stream.stat().st_size // 2])
     with pytest.raises(UserError, match=re.escape(f"{stream}: cannot be read to the end (OSError: ")):
         prepare_jsonl(stream, tokenizer, tmp_path / "s", progress=False)
+
+
+def test_a_changed_shard_is_refused_on_resume_before_the_target_loads(tmp_path, tokenizer):
+    """`check_data` runs before the target loads; the resumed run's store used to be compared only
+    once the target's tokenizer was there (after its weights loaded)."""
+    from dflash.training.config import load_config
+    from dflash.training.data import check_data
+
+    shards = write_format("parquet shards", MESSAGES, tmp_path)
+    run = tmp_path / "run"
+    ensure_store(shards, tokenizer, run / "data", max_length=64, progress=False, say=lambda *_: None)
+    resume = ["--data", str(shards), "--output-dir", str(run), "--resume"]
+    check_data(load_config(resume))  # unchanged: accepted
+    dataset(MESSAGES[1:4]).to_parquet(shards / "data" / "train-00000-of-00003.parquet")
+    with pytest.raises(UserError) as err:
+        check_data(load_config(resume))
+    assert str(err.value).splitlines()[:2] == [f"--resume: the run's token store {run / 'data'} was made of other "
+                                               "data or settings:", f"  input: {shards} changed since the store was "
+                                               "made"]
+    check_data(load_config([*resume, "--force-resume"]))  # forced: rebuilt later, as before
+    check_data(load_config(resume[:-1] + ["--overwrite"]))  # a new run: rebuilt
+
+
+def test_samples_past_the_targets_positions_are_named_in_a_warning():
+    import numpy as np
+
+    from dflash.training.data import positions_warning
+
+    name = "sample {}".format
+    assert positions_warning(np.array([10, 2048]), 2048, name) is None
+    assert positions_warning(np.array([10, 4096]), None, name) is None  # a config without positions
+    text = positions_warning(np.array([10, 3000, 2049, 5]), 2048, name)
+    assert text.startswith("2 of 4 samples are longer than the target's 2,048 positions (max_position_embeddings), "
+                           "the longest sample 1 with 3,000 tokens") and "--max-length 2048" in text
