@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.errors import UserError
 from dflash.models.config import DFlash2Settings
 from dflash.models.target_spec import TargetSpec
 from dflash.sizing.fit import accelerator_memory, size_run
@@ -54,7 +55,14 @@ def drafter_dflash2(cfg: TrainConfig, spec: TargetSpec) -> DFlash2Settings | Non
     if cfg.drafter.drafter_kind == "dflash2":
         from dflash.models.dflash2 import released_settings
 
-        return released_settings()
+        settings = released_settings()
+        try:  # the released sizes against this target, before it loads (no flag sets them: the kind does)
+            settings.check(spec.hidden_size, spec.embedding_rows)
+        except ValueError as e:
+            raise UserError(f"--drafter-kind dflash2: its released sizes do not fit --target {spec.name}: "
+                            f"{str(e).replace('dflash_config.', '')}; train --drafter-kind dflash on this target, "
+                            "or start from a DFlash2 drafter sized for it (--init-drafter)") from None
+        return settings
     return None
 
 

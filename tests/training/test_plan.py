@@ -118,3 +118,25 @@ def test_a_resume_compares_every_option_that_shapes_the_run_before_anything_load
                                                 "continue with these (the run then equals neither schedule)"]
     _claim_resume(tmp_path / "run", load_config([*base, "--resume", "--lr", "1e-3", "--force-resume"]), options,
                   recorded)
+
+
+@pytest.mark.parametrize("sizes, error", [
+    pytest.param({"hidden_size": 40}, "conv_group_size 16 does not divide hidden_size 40 (the convolution's "
+                 "dynamic weights are per group of channels)", id="group size"),
+    pytest.param({"vocab_size": 12}, "selector_top_k 16 exceeds the 12 vocabulary rows", id="top-k"),
+])
+def test_dflash2_sizes_that_do_not_fit_the_target_are_refused_naming_the_flag_before_it_loads(sizes, error,
+                                                                                             tmp_path):
+    """They used to be raised once the target had loaded, naming a dflash_config key no flag sets."""
+    from transformers import Qwen3Config
+
+    tiny = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32)
+    Qwen3Config(**{**tiny, **sizes}).save_pretrained(tmp_path)
+    cfg = load_config(["--target", f"random:{tmp_path}", "--data", "random", "--drafter-kind", "dflash2",
+                       "--draft-layers", "1", "--num-target-features", "2"])
+    with pytest.raises(UserError) as err:
+        plan_run(cfg, load_target_spec(cfg.inputs.target), device=torch.device("cpu"), world_size=1)
+    assert str(err.value) == (f"--drafter-kind dflash2: its released sizes do not fit --target random:{tmp_path}: "
+                              f"{error}; train --drafter-kind dflash on this target, or start from a DFlash2 drafter "
+                              "sized for it (--init-drafter)")
