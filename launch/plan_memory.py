@@ -39,6 +39,9 @@ VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_pa
             "zero3+offload": dict(target_partition="zero3", target_offload=True)}
 
 
+MAX_GPU_GIB = 1 << 16  # 64 TiB per device: far above any accelerator, and the plan's integers stay exact
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b",
@@ -46,7 +49,7 @@ def parse_args(argv=None):
                    "(default %(default)s)")
     p.add_argument("--world-size", type=number(int, minimum=1), default=8,
                    help="ranks (GPUs) in all (default %(default)s)")
-    p.add_argument("--gpu-memory-gib", type=number(float, above=0), default=80.0,
+    p.add_argument("--gpu-memory-gib", type=number(float, above=0, maximum=MAX_GPU_GIB), default=80.0,
                    help="memory per GPU, GiB (default %(default)s)")
     p.add_argument("--token-budget", type=number(int, minimum=1), default=16384,
                    help="tokens per micro-batch (default %(default)s)")
@@ -89,6 +92,14 @@ def summarize(plan: MemoryPlan, memory: int, tokens: int, rows: int) -> dict:
             "anchor_ceiling": {length: plan.anchor_ceiling(memory, length) for length in CEILING_LENGTHS}}
 
 
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a table, the first column left-aligned and the others right-aligned, each as wide as
+    its widest cell and two spaces apart: no figure, however large, runs into the next."""
+    widths = [max(len(cell) for cell in column) for column in zip(head, *rows, strict=True)]
+    return [f"{line[0]:<{widths[0]}}" + "".join(f"  {cell:>{w}}" for cell, w in zip(line[1:], widths[1:], strict=True))
+            for line in (head, *rows)]
+
+
 def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> None:
     t = next(iter(plans.values())).target
     size = gib(t.params * (2 if args.dtype == "bf16" else 4))
@@ -96,20 +107,19 @@ def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> Non
           f"{t.largest_layer / 1e6:.0f}M; {args.world_size} x {args.gpu_memory_gib:g} GiB, "
           f"{gib(MemoryPlan.usable(memory))} usable per GPU ({RESERVE_FRACTION:.0%} and {gib(RESERVE_BYTES)} kept "
           f"free); {args.deepspeed_config}, {args.dtype}, token budget {args.token_budget:,}, {rows:,} drafter rows")
-    head = f"{'target':<15}{'peak/GPU':>11}{'fits':>6}{'host/rank':>11}{'rows that fit':>15}{'tokens that fit':>17}"
-    print(head)
-    print("-" * len(head))
-    for name, r in results.items():
-        print(f"{name:<15}{r['peak'] / GIB:>10.1f}G{'yes' if r['fits'] else 'NO':>6}{r['host_per_rank'] / GIB:>10.1f}G"
-              f"{r['row_budget_that_fits']:>15,}{r['token_budget_that_fits']:>17,}")
+    lines = table(["target", "peak/GPU", "fits", "host/rank", "rows that fit", "tokens that fit"],
+                  [[name, f"{r['peak'] / GIB:.1f}G", "yes" if r["fits"] else "NO", f"{r['host_per_rank'] / GIB:.1f}G",
+                    f"{r['row_budget_that_fits']:,}", f"{r['token_budget_that_fits']:,}"]
+                   for name, r in results.items()])
+    print("\n".join([lines[0], "-" * len(lines[0]), *lines[1:]]))
     for name, r in results.items():
         print(f"\n{name}:")
         for item, value in r["items"].items():
             print(f"  {item:<62}{gib(value):>14}")
     print(f"\nanchor ceiling (most --num-anchors for one sample of each length, block size {args.block_size}):")
-    print(f"{'target':<15}" + "".join(f"{f'{n:,} tok':>12}" for n in CEILING_LENGTHS))
-    for name, r in results.items():
-        print(f"{name:<15}" + "".join(f"{r['anchor_ceiling'][n]:>12,}" for n in CEILING_LENGTHS))
+    print("\n".join(table(["target", *(f"{n:,} tok" for n in CEILING_LENGTHS)],
+                          [[name, *(f"{r['anchor_ceiling'][n]:,}" for n in CEILING_LENGTHS)]
+                           for name, r in results.items()])))
     print("\nrows that fit: the row budget train.py takes at this token budget (--row-budget 0); tokens that fit: "
           "the largest --token-budget with one sample's rows (block size x anchors)")
 

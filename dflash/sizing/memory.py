@@ -329,8 +329,18 @@ class MemoryPlan:
         return max(loss, layer + max(0, attention - freed - rows * b * (d.intermediate + d.hidden))) + in_flight
 
     def drafter_phase(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
-        """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be)."""
+        """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be). The
+        reference attention runs in chunks past a number of scores and then holds less than just below
+        it: a micro-batch of fewer rows can need more, so the plan of `rows` is the most any micro-batch
+        of up to `rows` rows needs (monotonic in rows: a row budget bounds every micro-batch under it)."""
         row_keys = rows * tokens if row_keys is None else row_keys
+        below = reference_attention.unchunked_rows(self.drafter, self.setup, tokens)
+        price = self._drafter_phase(tokens, rows, row_keys)
+        if below is not None and 0 < below < rows:
+            price = max(price, self._drafter_phase(tokens, below, below * tokens))
+        return price
+
+    def _drafter_phase(self, tokens: int, rows: int, row_keys: int) -> int:
         reference = reference_attention.saved_per_layer(self.drafter, self.setup, rows, row_keys)
         layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
         # KL and LK read the target's final states of every token (kept from its forward)

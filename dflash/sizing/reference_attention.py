@@ -16,6 +16,16 @@ def runs_chunked(drafter, setup, row_keys: int) -> bool:
     return setup.attention == "reference" and reference_scores(row_keys, drafter.heads) > REFERENCE_SCORES
 
 
+def unchunked_rows(drafter, setup, tokens: int) -> int | None:
+    """The most rows a micro-batch of `tokens` tokens has with the reference unchunked (its scores
+    at most rows x tokens); None without the reference."""
+    from dflash.ops.dflash_block.chunked import REFERENCE_SCORES
+
+    if setup.attention != "reference" or tokens < 1:
+        return None
+    return REFERENCE_SCORES // drafter.heads // tokens
+
+
 def saved_per_layer(drafter, setup, rows: int, row_keys: int) -> int:
     """What it saves for backward in one layer: per (row, context key) pair and head its fp32 softmax
     and one copy of it at the training dtype (the value einsum's operand), per pair the visibility

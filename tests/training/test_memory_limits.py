@@ -1,0 +1,80 @@
+"""The memory plan's limits hold as a user reads them: the price of a micro-batch grows with its rows
+(a row budget bounds every micro-batch under it), a refusal's every suggestion passes, and a huge
+--gpu-memory-gib is refused by argparse while the table's columns never run together."""
+import re
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from dflash.demo import TARGET
+from dflash.errors import UserError
+from dflash.models.target_spec import load_target_spec
+from dflash.sizing.memory import MemorySetup, plan_for
+from dflash.training.config import load_config
+from dflash.training.plan import plan_run
+
+from ..conftest import launch_script
+
+# a large target, and the demo's tiny one whose drafter the CPU trains (with the reference attention)
+SPECS = {"qwen3-8b": load_target_spec("qwen3-8b", bare_presets=True), "demo": load_target_spec(str(TARGET))}
+
+
+@settings(max_examples=150, deadline=None)
+@example(target="demo", attention="reference", checkpointing=False, dtype_bytes=4, draft_layers=5, block_size=16,
+         tokens=2048, rows=[16384, 32000], features=5)  # the case the issue found
+@given(target=st.sampled_from(sorted(SPECS)), attention=st.sampled_from(["reference", "kernel"]),
+       checkpointing=st.booleans(),
+       dtype_bytes=st.sampled_from([2, 4]), draft_layers=st.integers(1, 6), block_size=st.sampled_from([8, 16]),
+       tokens=st.integers(1, 1 << 17), rows=st.lists(st.integers(0, 1 << 18), min_size=2, max_size=2),
+       features=st.integers(1, 5))
+def test_the_memory_plan_grows_with_the_rows(target, attention, checkpointing, dtype_bytes, draft_layers, block_size,
+                                             tokens, rows, features):
+    """The CPU's reference attention runs in chunks past a number of scores and holds less there: the
+    plan priced 16,000 rows below 8,192 and refused a run "needing 0.69 GiB of 0.85 usable"."""
+    setup = MemorySetup(dtype_bytes=dtype_bytes, attention=attention, activation_checkpointing=checkpointing,
+                        block_size=block_size, num_anchors=64)
+    plan = plan_for(SPECS[target], setup, draft_layers=draft_layers, features=features)
+    fewer, more = sorted(rows)
+    assert plan.peak(tokens, fewer)["total"] <= plan.peak(tokens, more)["total"]
+
+
+def test_a_refusal_sizes_what_it_prices_and_every_suggestion_passes():
+    """`--num-anchors 1000 --memory-gib 3` on the CPU: the refusal's figure is above what is usable,
+    and each flag it suggests, applied alone, gives a run the plan accepts."""
+    base = ["--num-anchors", "1000", "--memory-gib", "3"]
+    cfg = load_config(base)
+    spec = load_target_spec(cfg.inputs.target)
+    with pytest.raises(UserError) as err:
+        plan_run(cfg, spec, device=torch.device("cpu"), world_size=1)
+    text = str(err.value)
+    needs, usable = (float(x) for x in re.search(r"needs about ([\d.]+) GiB per rank, more than the ([\d.]+) GiB "
+                                                 r"usable", text).groups())
+    assert needs > usable, text
+    ways = re.search(r"\nit would fit with: (.*)\n", text).group(1).split("; or ")
+    assert ways, text
+    for way in ways:
+        flags = re.match(r"(--[\w-]+)(?: ([\w./,]+))?", way).groups()
+        args = [flags[0]] + ([flags[1].replace(",", "")] if flags[1] else [])
+        if "--deepspeed_config" in args:
+            continue  # ZeRO-3 on one CPU rank is refused by the trainer's own checks for other reasons
+        plan = plan_run(load_config([*base, *args]), spec, device=torch.device("cpu"), world_size=1)
+        assert plan.cfg.batches.row_budget >= plan.memory.min_rows(), way
+
+
+def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
+    plan_memory = launch_script("plan_memory")
+    with pytest.raises(SystemExit) as e:
+        plan_memory.main(["--gpu-memory-gib", "1e300"])
+    assert e.value.code == 2
+    assert "argument --gpu-memory-gib: must be <= 65536, got 1e300" in capsys.readouterr().err
+    plan_memory.main(["--gpu-memory-gib", "65536", "--token-budget", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    for head in ("target  ", "target  "):
+        start = lines.index(next(line for line in lines if line.startswith(head)))
+        rows = [lines[start]] + [line for line in lines[start + 1:start + 5] if line and not line.startswith("-")]
+        cells = [line.split("  ") for line in rows]
+        widths = {len([c for c in cell if c]) for cell in cells}
+        assert len(widths) == 1, rows  # every row has as many cells as the header
+        del lines[:start + 1]
