@@ -65,8 +65,9 @@ def out_of_memory(plan: MemoryPlan, memory: int | None, *, step: int, shape: tup
             f"--activation-checkpointing; {resume}")
 
 
-def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:
-    """Changes of one flag that make the run fit, each with its estimated peak."""
+def _alternatives(plan: MemoryPlan, memory: int, tokens: int, longest: int | None = None) -> list[str]:
+    """Changes of one flag that make the run fit, each with its estimated peak; no token budget below
+    `longest` (the longest sample, where known: a budget it exceeds is refused for it)."""
     s, rows = plan.setup, plan.min_rows()
     found = []
 
@@ -79,8 +80,9 @@ def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:
                                                           replace(s, activation_checkpointing=True))):
         found.append("--activation-checkpointing")
     budget = plan.tokens_that_fit(memory, rows)
-    if budget:
-        found.append(f"--token-budget {budget:,} or less")
+    if budget and (longest is None or budget >= longest):
+        found.append(f"--token-budget {budget:,} or less" if longest is None else
+                     f"--token-budget {budget:,} (down to the longest sample's {longest:,} tokens)")
     anchors = next((a for a in (256, 128, 64, 32, 16) if a < s.num_anchors and
                     fits(MemoryPlan(plan.target, plan.drafter, replace(s, num_anchors=a)))), None)
     if anchors:
@@ -90,9 +92,11 @@ def _alternatives(plan: MemoryPlan, memory: int, tokens: int) -> list[str]:
     return found
 
 
-def size_run(plan: MemoryPlan, memory: int | None, *, token_budget: int, row_budget: int) -> tuple[int, str]:
+def size_run(plan: MemoryPlan, memory: int | None, *, token_budget: int, row_budget: int,
+             longest: int | None = None) -> tuple[int, str]:
     """The row budget to plan with and the header's line on memory; refuses (UserError) a run that
-    cannot fit: what needs how much, and which flags would make it fit."""
+    cannot fit: what needs how much, and which flags would make it fit (`longest`: the longest
+    sample, where known before anything loads)."""
     rows = max(row_budget, plan.min_rows())
     if memory is None:
         peak = plan.peak(token_budget, rows)
@@ -107,7 +111,7 @@ def size_run(plan: MemoryPlan, memory: int | None, *, token_budget: int, row_bud
         asked = f"--row-budget {row_budget:,}" if row_budget > plan.min_rows() else \
             (f"one sample's {rows:,} drafter rows (--block-size x --num-anchors {plan.setup.num_anchors:,}; the most "
              f"anchors a sample of {token_budget:,} tokens fits: {ceiling:,})")
-        ways = _alternatives(plan, memory, token_budget)
+        ways = _alternatives(plan, memory, token_budget, longest)
         raise UserError(
             f"memory plan: this run needs about {gib(peak['total'])} per rank, more than the {gib(usable)} usable "
             f"of {gib(memory)} (--memory-gib; {RESERVE_FRACTION:.0%} and {gib(RESERVE_BYTES)} kept free for the CUDA "

@@ -41,10 +41,26 @@ def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_
     memory = memory_plan(cfg, spec, ds_config, dtype_bytes=dtype.itemsize, world_size=world_size, device=device,
                          dflash2=dflash2)
     row_budget, memory_line = size_run(memory, accelerator_memory(device, cfg.device.memory_gib),
-                                       token_budget=cfg.batches.token_budget, row_budget=cfg.batches.row_budget)
+                                       token_budget=cfg.batches.token_budget, row_budget=cfg.batches.row_budget,
+                                       longest=longest_sample(cfg))
     cfg = cfg.replace(row_budget=row_budget)
     settings = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
     return RunPlan(cfg, ds_config, dtype, memory, memory_line, dflash2, settings)
+
+
+def longest_sample(cfg: TrainConfig) -> int | None:
+    """The longest sample the run trains on, where known before anything loads: a prepared store's
+    (its meta), conversations cut to --max-length; None where they are cut to the token budget."""
+    from pathlib import Path
+
+    from dflash.data.sources import is_token_store
+    from dflash.data.synthetic import is_synthetic
+    from dflash.data.token_store import read_store_meta
+
+    if is_synthetic(cfg.inputs.data) or not is_token_store(Path(cfg.inputs.data)):
+        return cfg.inputs.max_length or None
+    stats = ((read_store_meta(Path(cfg.inputs.data)) or {}).get("summary") or {}).get("length_stats") or {}
+    return stats.get("max")
 
 
 def drafter_dflash2(cfg: TrainConfig, spec: TargetSpec) -> DFlash2Settings | None:

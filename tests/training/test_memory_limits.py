@@ -40,10 +40,30 @@ def test_the_memory_plan_grows_with_the_rows(target, attention, checkpointing, d
     assert plan.peak(tokens, fewer)["total"] <= plan.peak(tokens, more)["total"]
 
 
-def test_a_refusal_sizes_what_it_prices_and_every_suggestion_passes():
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    from dflash.data import prepare_jsonl
+    from dflash.demo import DATA
+
+    return prepare_jsonl(DATA, TARGET, tmp_path_factory.mktemp("demo") / "store", progress=False).output
+
+
+@pytest.mark.parametrize("data, anchors, gib", [
+    pytest.param("conversations", "1000", "3", id="conversations"),
+    pytest.param("store", "1000", "3", id="store"),
+    # a token budget that fits the memory was suggested below the store's longest sample (839 tokens)
+    pytest.param("store", "128", "2.8", id="store, a budget under its longest sample"),
+])
+def test_a_refusal_sizes_what_it_prices_and_every_suggestion_passes(data, anchors, gib, request):
     """`--num-anchors 1000 --memory-gib 3` on the CPU: the refusal's figure is above what is usable,
-    and each flag it suggests, applied alone, gives a run the plan accepts."""
-    base = ["--num-anchors", "1000", "--memory-gib", "3"]
+    and each flag it suggests, applied alone, gives a run the plan accepts and whose samples the
+    token budget holds (a store's samples are not cut: a budget below its longest was refused)."""
+    from dflash.data.planner import check_lengths
+    from dflash.data.token_store import TokenStore
+
+    base = ["--num-anchors", anchors, "--memory-gib", gib, "--token-budget", "2048"]  # the demo's budget
+    if data == "store":
+        base += ["--data", str(request.getfixturevalue("demo_store"))]
     cfg = load_config(base)
     spec = load_target_spec(cfg.inputs.target)
     with pytest.raises(UserError) as err:
@@ -61,6 +81,8 @@ def test_a_refusal_sizes_what_it_prices_and_every_suggestion_passes():
             continue  # ZeRO-3 on one CPU rank is refused by the trainer's own checks for other reasons
         plan = plan_run(load_config([*base, *args]), spec, device=torch.device("cpu"), world_size=1)
         assert plan.cfg.batches.row_budget >= plan.memory.min_rows(), way
+        if data == "store":
+            check_lengths(TokenStore(cfg.inputs.data).lengths, plan.cfg.batches.token_budget, name=str)
 
 
 def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
