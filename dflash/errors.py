@@ -193,6 +193,20 @@ def disk_full(err: BaseException) -> bool:
     return False
 
 
+# What an allocation that fails raises where torch has no OutOfMemoryError for it: the CPU's
+# allocator (a plain RuntimeError), and the accelerators' libraries that report it in words
+OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def allocation_failed(err: BaseException) -> bool:
+    """Whether `err` is an allocation that failed, on any device: torch.OutOfMemoryError (CUDA), or a
+    RuntimeError saying so (the CPU's allocator, cuBLAS)."""
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(text in str(err) for text in OUT_OF_MEMORY))
+
+
 def free_space(path) -> str:
     """Free space on the file system of `path` (or its nearest existing parent), for messages."""
     import shutil

@@ -23,7 +23,7 @@ from dflash.distributed.process_group import init_distributed
 from dflash.distributed.ranks import on_rank0
 from dflash.distributed.run_folder import RunFolder
 from dflash.distributed.shared_fs import check_shared_paths
-from dflash.errors import DiskFull, UserError
+from dflash.errors import DiskFull, UserError, allocation_failed
 from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
@@ -317,7 +317,9 @@ class Trainer:
                 engine, self.models.target.model, self.models.loss, walked, self.device, cfg.drafter.block_size,
                 timings,
                 self.phases, noise=self.noise, epoch=epoch)
-        except torch.OutOfMemoryError:
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            if not allocation_failed(err):
+                raise
             raise self._out_of_memory(shape(walked.current, cfg.drafter.block_size)) from None
         busy = waited = float("nan")
         if self.step % cfg.run.log_every == 0 or self.step + 1 >= self.data.total_steps:
@@ -333,7 +335,9 @@ class Trainer:
             self.phases.mark("other")
         try:
             engine.step()
-        except torch.OutOfMemoryError:
+        except RuntimeError as err:
+            if not allocation_failed(err):
+                raise
             raise self._out_of_memory(None) from None
         if self.phases:
             self.phases.mark("optimizer")

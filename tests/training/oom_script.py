@@ -2,8 +2,9 @@
 
   python tests/training/oom_script.py STEP [train.py options]
 
-The failure is PyTorch's own exception (torch.OutOfMemoryError, what a CUDA allocation that
-fails raises), injected on the CPU where memory does not run out.
+The failure is what the CPU's allocator raises (a plain RuntimeError, not torch.OutOfMemoryError:
+taken from an allocation that really fails), injected where memory does not run out; CUDA's
+torch.OutOfMemoryError is `test_an_allocation_failure_is_known_on_every_device`'s.
 """
 import os
 import runpy
@@ -28,9 +29,17 @@ def counted(self):
     return train_step(self)
 
 
+def cpu_allocation_failure() -> RuntimeError:
+    try:
+        torch.empty(1 << 62, dtype=torch.uint8)
+    except RuntimeError as err:
+        return err
+    raise AssertionError("an allocation of 4 EiB succeeded")
+
+
 def forward_or_oom(self, *args, **kwargs):
     if torch.is_grad_enabled() and now["step"] == at:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+        raise cpu_allocation_failure()
     return forward(self, *args, **kwargs)
 
 

@@ -100,3 +100,16 @@ def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
         widths = {len([c for c in cell if c]) for cell in cells}
         assert len(widths) == 1, rows  # every row has as many cells as the header
         del lines[:start + 1]
+
+
+def test_an_allocation_failure_is_known_on_every_device():
+    """The CPU's allocator raises a plain RuntimeError: the trainer's out-of-memory line (and its
+    --resume hint) used to show for CUDA's torch.OutOfMemoryError alone."""
+    from dflash.errors import allocation_failed
+
+    with pytest.raises(RuntimeError) as cpu:
+        torch.empty(1 << 62, dtype=torch.uint8)
+    assert allocation_failed(cpu.value) and not isinstance(cpu.value, torch.OutOfMemoryError)
+    assert allocation_failed(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
+    assert not allocation_failed(RuntimeError("Expected all tensors to be on the same device"))
+    assert not allocation_failed(ValueError("out of memory"))  # only what an allocation raises
