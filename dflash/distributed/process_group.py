@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from dflash.errors import UserError
+
 
 def init_distributed() -> None:
     """`deepspeed.init_distributed()` on this rank's device, without DeepSpeed's CPU shared-memory op.
@@ -27,4 +29,13 @@ def init_distributed() -> None:
     accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if accelerator.device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed()
+    try:
+        deepspeed.init_distributed()
+    except torch.distributed.DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        # rank 0 serves the rendezvous on MASTER_PORT: another job on this machine (a second training)
+        # has it; the launcher's default is 29500 for every job
+        raise UserError(f"port {os.environ.get('MASTER_PORT', '29500')} on {os.environ.get('MASTER_ADDR', 'localhost')}"
+                        " is taken (another run on this machine?): give this one another port, e.g. "
+                        "deepspeed --master_port 29501 launch/train.py ...") from None

@@ -441,3 +441,23 @@ def test_exported_files_are_readable_as_the_umask_says(umask, tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "drafter").iterdir()}
     assert modes == {"config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
     assert (tmp_path / "drafter").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_second_training_on_a_taken_port_is_one_line_naming_master_port(tiny_run_inputs, tmp_path, monkeypatch):
+    """`deepspeed launch/train.py` twice on one machine: the launcher's port 29500 is the first run's,
+    and the second ended in a DistNetworkError (EADDRINUSE) traceback."""
+    import socket
+
+    from . import conftest
+
+    target, data = tiny_run_inputs
+    with socket.socket() as taken:  # what the first run's rank 0 holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(conftest, "free_port", lambda: port)
+        proc = conftest.run_deepspeed(conftest.tiny_train_args(target, data, tmp_path / "run"), num_ranks=1)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: port {port} on 127.0.0.1 is taken (another run on this machine?): give this one another port, "
+        "e.g. deepspeed --master_port 29501 launch/train.py ...")
