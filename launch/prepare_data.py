@@ -15,7 +15,7 @@ Example:
 import argparse
 
 from dflash.data.prepare import OVERLONG, prepare_jsonl
-from dflash.errors import exit_on_user_error
+from dflash.errors import UserError, exit_on_user_error
 from dflash.options import number
 
 
@@ -49,10 +49,14 @@ def parse_args(argv=None):
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    summary = prepare_jsonl(args.input, args.tokenizer, args.output, max_length=args.max_length,
-                            overlong=args.overlong, skip_bad=args.skip_bad, overwrite=args.overwrite,
-                            progress=not args.no_progress, messages_field=args.messages_field,
-                            num_proc=args.num_proc, split=args.split)
+    try:
+        summary = prepare_jsonl(args.input, args.tokenizer, args.output, max_length=args.max_length,
+                                overlong=args.overlong, skip_bad=args.skip_bad, overwrite=args.overwrite,
+                                progress=not args.no_progress, messages_field=args.messages_field,
+                                num_proc=args.num_proc, split=args.split)
+    except KeyboardInterrupt:  # the store is written all or nothing: a stop leaves nothing to clean
+        raise UserError(f"stopped (Ctrl-C) before the store was complete; nothing was written to {args.output}") \
+            from None
     print(summary.text())
 
 

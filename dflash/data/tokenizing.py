@@ -2,8 +2,11 @@
 template, and the encoding of many conversations in order, by one process or several."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import signal
+import threading
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,6 +171,22 @@ def _chunks(rows) -> Iterator[tuple[list, BadSample | None]]:
         yield chunk, None
 
 
+@contextlib.contextmanager
+def _ignoring_ctrl_c():
+    """Processes started in it ignore SIGINT from their first instruction (an ignored signal stays
+    ignored across exec, and Python then installs no KeyboardInterrupt handler): Ctrl-C reaches the
+    whole process group, and only this process, which stops them, should say so, not each of them
+    with a traceback. This process's own handler is back as soon as they are started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def tokenized(rows, tokenizer, num_proc: int) -> Iterator[tuple[int, str, object]]:
     """`(index, where, result)` for each row of `rows` (`Source.rows`), in order: `result` is
     `(ids, mask)` or a refusal `(where, reason, detail)`. With `num_proc` > 1 the rows are tokenized
@@ -187,7 +206,9 @@ def tokenized(rows, tokenizer, num_proc: int) -> Iterator[tuple[int, str, object
 
     # spawn: no copy of the parent's threads (DeepSpeed, gloo, the tokenizer's own pool) and locks
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(num_proc, initializer=_start_worker, initargs=(tokenizer,)) as pool:
+    with _ignoring_ctrl_c():
+        pool = ctx.Pool(num_proc, initializer=_start_worker, initargs=(tokenizer,))
+    with pool:
         pending: deque = deque()
 
         def ready():

@@ -347,3 +347,41 @@ def test_two_preparations_into_one_output_the_second_stops_at_once(tmp_path, tok
         assert sorted(p.name for p in tmp_path.iterdir()) == [".store.lock", "in.jsonl"], "nothing written"
     prepare_jsonl(src, tokenizer, out, progress=False)
     assert len(TokenStore(out)) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "store"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_parallel_preparation_is_one_line_and_leaves_nothing(tmp_path, tokenizer):
+    """Ctrl-C reaches the whole process group: each tokenizing process printed a KeyboardInterrupt
+    traceback of its own. They ignore it now, and the command that stops them says so once."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import datasets
+
+    from dflash.distributed.ranks import live_children
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    src = tmp_path / "in.parquet"
+    rows = [c for c in CONVERSATIONS if "messages" in c]
+    datasets.Dataset.from_list(rows * 30000).to_parquet(src)
+    out = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "prepare_data.py"), "--input", str(src),
+                             "--tokenizer", str(tmp_path / "tok"), "--output", str(out), "--num-proc", "2",
+                             "--no-progress"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while live_children(proc.pid) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(3)  # the workers import and start tokenizing
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err == f"error: stopped (Ctrl-C) before the store was complete; nothing was written to {out}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet", "tok"]
