@@ -393,3 +393,27 @@ def test_a_full_disk_keeps_the_complete_lines_and_the_rerun_resumes(tmp_path, to
     stats = regenerate(cfg_for(tmp_path, prompts), backend=backend, tokenizer=tokenizer, progress=False)
     assert (stats["written"], stats["resumed"]) == (4, 4)
     assert [r["meta"]["source_line"] for r in read_jsonl(tmp_path / "out.jsonl")] == list(range(1, 9))
+
+
+def test_a_prompt_past_the_targets_positions_is_named_by_line_also_when_skipped(tmp_path, backend, tokenizer):
+    """The target's positions end (2,048 for the demo target): a prompt past them was handed to the
+    model. Its last prompt without responses (what it holds whatever is generated) is checked first."""
+    from dflash.data.regenerate.run import target_positions
+
+    positions = target_positions(str(TARGET))
+    assert positions == 2048
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
+    lines = prompts.read_text().splitlines()
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x " * positions},
+                         {"role": "user", "content": "hello " * positions}]}
+    prompts.write_text("\n".join([lines[0], json.dumps(long), lines[1]]) + "\n")
+    with pytest.raises(UserError) as err:
+        regenerate(cfg_for(tmp_path, prompts, max_new_tokens=4), backend=backend, tokenizer=tokenizer,
+                   progress=False, say=lambda *_: None)
+    assert str(err.value).startswith(f"{prompts}:2: the prompt of its last turn holds at least ")
+    assert str(err.value).endswith(f"tokens without its responses, past the target's {positions:,} positions "
+                                   "(max_position_embeddings): nothing can be generated there")
+    stats = regenerate(cfg_for(tmp_path, prompts, out="skip.jsonl", max_new_tokens=4, skip_bad=True),
+                       backend=backend, tokenizer=tokenizer, progress=False, say=lambda *_: None)
+    assert dict(stats["skipped"].counts) == {"past the positions": 1}
+    assert [r["meta"]["source_line"] for r in read_jsonl(tmp_path / "skip.jsonl")] == [1, 3]

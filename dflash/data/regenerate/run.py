@@ -44,14 +44,18 @@ def _assistant_slots(messages: list[dict]) -> list[int]:
     return slots + [len(messages)] if messages[-1]["role"] == "user" else slots
 
 
-def renderable(samples: Iterator, tokenizer, skip_bad: bool, skipped: SkipCounter) -> Iterator:
-    """The samples (`Source.rows`) whose every prompt the chat template renders, as `(index, messages,
-    raw)`; the others are a BadSample naming their line or row (or, with skip_bad, counted), before
-    any of them reaches the model."""
+def renderable(samples: Iterator, tokenizer, skip_bad: bool, skipped: SkipCounter,
+               positions: int | None = None) -> Iterator:
+    """The samples (`Source.rows`) whose every prompt the chat template renders, and whose last
+    prompt leaves the target a position to generate at (`positions`: its max_position_embeddings),
+    as `(index, messages, raw)`; the others are a BadSample naming their line or row (or, with
+    skip_bad, counted), before any of them reaches the model."""
     for lineno, where, messages, raw in samples:
         try:
             for slot in _assistant_slots(messages):
                 render_chat(tokenizer, messages[:slot], where, add_generation_prompt=True)
+            if positions:
+                _check_positions(tokenizer, messages, where, positions)
         except BadSample as err:
             if not skip_bad:
                 raise
@@ -71,6 +75,19 @@ def _batches(samples: Iterator, size: int, limit: int | None) -> Iterator[list]:
             batch = []
     if batch:
         yield batch
+
+
+def _check_positions(tokenizer, messages: list[dict], where: str, positions: int) -> None:
+    """The last prompt with every assistant turn empty (what it holds at least, whatever is
+    generated) must leave a position to generate at."""
+    last = _assistant_slots(messages)[-1]
+    bare = [{**m, "content": ""} if m["role"] == "assistant" else m for m in messages[:last]]
+    text = render_chat(tokenizer, bare, where, add_generation_prompt=True)
+    length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if length >= positions:
+        raise BadSample(where, "past the positions", f"the prompt of its last turn holds at least {length:,} tokens "
+                        f"without its responses, past the target's {positions:,} positions "
+                        "(max_position_embeddings): nothing can be generated there")
 
 
 def regenerate_batch(backend, tokenizer, batch: list[list[dict]], cfg: RegenerateConfig,
@@ -121,6 +138,16 @@ def _record(raw: dict, lineno: int, messages: list[dict], gens: list[Generation]
     return dump_line({"messages": messages, **extra, "meta": meta})
 
 
+def target_positions(target: str) -> int | None:
+    """The target's positions (its config's max_position_embeddings), None where its config does not say."""
+    from dflash.models.target_spec import load_target_spec
+
+    try:
+        return load_target_spec(target).positions
+    except UserError:  # a family dflash does not train may still be regenerated with (vLLM, SGLang)
+        return None
+
+
 def _count_rows(source: Source) -> int | None:
     """Non-blank lines of a JSONL input, rows of the others (None: unknown before reading)."""
     if source.kind != "jsonl":
@@ -146,10 +173,11 @@ def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progres
     source_data = open_source(cfg.input, messages_field=cfg.messages_field)
     done, dropped = resume_output(output, cfg, settings, say, source_data)
     tokenizer = tokenizer or load_tokenizer(cfg.target)
+    positions = target_positions(cfg.target)
     backend = backend or load_backend(cfg, tokenizer)
     skipped = SkipCounter()
     samples = renderable(source_data.rows(skip_bad=cfg.skip_bad, skipped=skipped, require_assistant=False),
-                         tokenizer, cfg.skip_bad, skipped)
+                         tokenizer, cfg.skip_bad, skipped, positions)
     total = _count_rows(source_data)
     if cfg.limit is not None:
         total = cfg.limit if total is None else min(total, cfg.limit)
