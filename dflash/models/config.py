@@ -21,6 +21,7 @@ from dflash.models.config_format import (
     check_layer_types,
     check_supported,
 )
+from dflash.models.serving import state_serving_fields
 from dflash.models.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
 
@@ -270,7 +271,7 @@ class DrafterConfig:
             out["architectures"] = [DFLASH2]
             out["dflash_config"] = {"block_size": out.pop("block_size"), **out["dflash_config"],
                                     **self.dflash2.to_json_dict()}
-        return out
+        return state_serving_fields(out, self)
 
     @staticmethod
     def gives_num_target_layers(d: dict[str, Any]) -> bool:
@@ -338,7 +339,8 @@ class DrafterConfig:
             layer_types=None if layer_types is None else list(layer_types),
             # Configs in the wild carry Qwen3Config's default window with no sliding layer.
             sliding_window=d.get("sliding_window") if sliding else None,
-            is_causal=d.get("is_causal"),
+            # what the layer types give every layer anyway (as the export states it) reads as no override
+            is_causal=_override(d.get("is_causal"), layer_types, d["num_hidden_layers"]),
             dflash2=DFlash2Settings.from_json_dict(d) if d.get("architectures") == [DFLASH2] else None,
         )
 
@@ -354,6 +356,14 @@ class DrafterConfig:
         d.pop("rope_theta")
         d.pop("is_causal", None)
         return Qwen3Config(**d)
+
+
+def _override(is_causal, layer_types, num_layers: int) -> bool | None:
+    """A config.json's `is_causal` as an override: None where every layer's type gives it already."""
+    types = layer_types or [None] * num_layers  # none given: every layer full
+    if is_causal is not None and all(bool(is_causal) == (t == SLIDING) for t in types):
+        return None
+    return is_causal
 
 
 def check_fits_target(config: DrafterConfig, target_config, num_embedding_rows: int | None = None, *,

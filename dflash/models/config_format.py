@@ -42,10 +42,13 @@ CONFIG_KEYS = frozenset(
         "block_size",
         "num_target_layers",
         "dflash_config",
+        "is_neox_style",  # the RoPE style, for vLLM and SGLang (`dflash.models.serving`)
+        "rope_is_neox_style",
     }
 )
 
-# Written only when set: an `is_causal` key, even false, overrides every layer's default in the engines.
+# Written when every layer computes one causality (`dflash.models.serving`): an `is_causal` key, even
+# false, overrides every layer's default in the engines.
 OPTIONAL_CONFIG_KEYS = frozenset({"is_causal"})
 
 FULL, SLIDING = "full_attention", "sliding_attention"

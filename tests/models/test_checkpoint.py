@@ -37,12 +37,14 @@ def test_tensor_names_and_shapes_are_exactly_the_official_set(tmp_path):
 def test_config_keys_and_values(tmp_path):
     make_drafter().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert set(config) == CONFIG_KEYS
+    assert set(config) == CONFIG_KEYS | {"is_causal"}  # every layer full: one causality, stated
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["model_type"] == "qwen3"
     assert config["head_dim"] == HEAD_DIM
     assert config["block_size"] == 16 and config["num_target_layers"] == 8
-    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 6]}
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 6], "causal": False,
+                                       "use_swa": False, "attention_sink_bias": False}
+    assert config["is_causal"] is False and config["is_neox_style"] is config["rope_is_neox_style"] is True
     assert config["layer_types"] == ["full_attention"] * 3 and config["num_hidden_layers"] == 3
     assert config["hidden_act"] == "silu" and config["rope_theta"] == 5e5 and config["rms_norm_eps"] == 1e-5
     assert config["max_position_embeddings"] == 512 and config["tie_word_embeddings"] is False
@@ -204,7 +206,8 @@ def test_exported_config_carries_what_the_engines_read(tmp_path, layer_types, wi
     drafter = make_drafter(layer_types=layer_types, sliding_window=window, is_causal=is_causal)
     drafter.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert set(config) == CONFIG_KEYS | (OPTIONAL_CONFIG_KEYS if is_causal is not None else set())
+    one_causality = len({causal for _, causal in served}) == 1  # stated; mixed: the layer types say it
+    assert set(config) == CONFIG_KEYS | (OPTIONAL_CONFIG_KEYS if one_causality else set())
     for path, (where, expected) in ENGINE_FIELDS.items():
         assert _get(config, path) == expected(drafter.config), f"{path} (read at {where})"
     # The engines read the window and types through transformers' Qwen3Config of the file.

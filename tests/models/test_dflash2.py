@@ -245,7 +245,9 @@ def test_export_writes_the_released_names_and_keys_and_loads_back(tmp_path):
     assert set(config["dflash_config"]) == {"block_size", "conv_group_size", "conv_kernel_size",
                                             "final_logit_softcapping", "mask_token_id", "output_multiplier",
                                             "selector_rank", "selector_top_k", "target_layer_ids",
-                                            "input_embedding_scale"}
+                                            "input_embedding_scale",
+                                            # stated for the engines (dflash.models.serving)
+                                            "causal", "use_swa", "swa_window_size", "attention_sink_bias"}
     from safetensors import safe_open
 
     with safe_open(tmp_path / "d2" / "model.safetensors", "pt") as f:

@@ -1,0 +1,109 @@
+"""The export states every field a serving engine reads, so that no engine falls back to a default of
+its own: each config.json is read here with the engines' resolution rules (written from their code:
+vLLM `vllm/model_executor/models/qwen3_dflash.py` `_dflash_layer_causal`, `_resolve_layer_attention`
+and the layer's `is_neox_style`; SGLang `python/sglang/srt/models/dflash.py`
+`_get_dflash_layer_attention_params` and its rotary embedding; the official DFlash2 class's
+dflash_config-first reads), once with the engines' own defaults and once with every default turned
+against us: both must give what the drafter computes."""
+import dataclasses
+import json
+
+import pytest
+
+from dflash.models import DrafterConfig
+from dflash.models.config import DFlash2Settings
+from dflash.models.config_format import FULL, SLIDING
+
+from .checkpoint_helpers import MASK_ID, make_drafter, target_config
+
+# each engine's defaults for the fields it may find missing, and the opposite of each
+DEFAULTS = {"is_neox_style": True, "use_swa": False, "attention_sink_bias": False, "window": None,
+            "softcap": None, "input_embedding_scale": 1.0, "output_multiplier": 1.0}
+HOSTILE = {"is_neox_style": False, "use_swa": True, "attention_sink_bias": True, "window": 99,
+           "softcap": 30.0, "input_embedding_scale": 2.0, "output_multiplier": 3.0}
+
+
+def vllm_layer(c: dict, i: int, defaults: dict) -> tuple:
+    """(window, causal, neox, sink) of layer i as vLLM's DFlash model resolves them."""
+    dflash = c.get("dflash_config") or {}
+    if c.get("is_causal") is not None:
+        causal = bool(c["is_causal"])
+    elif dflash.get("causal") is not None:
+        causal = bool(dflash["causal"])
+    else:
+        causal = bool(c.get("layer_types")) and c["layer_types"][i] == SLIDING
+    types, use_swa = c.get("layer_types"), dflash.get("use_swa", defaults["use_swa"])
+    any_sliding = bool(types) and SLIDING in types
+    sliding = use_swa if types is None or (use_swa and not any_sliding) else types[i] == SLIDING
+    window = dflash.get("swa_window_size", c.get("sliding_window", defaults["window"])) if sliding else None
+    sink = dflash.get("attention_sink_bias", c.get("add_swa_attention_sink_bias", defaults["attention_sink_bias"]))
+    return window, causal, c.get("is_neox_style", defaults["is_neox_style"]), sink
+
+
+def sglang_layer(c: dict, i: int, defaults: dict) -> tuple:
+    """(window, causal, neox) of layer i as SGLang's DFlash model resolves them (no causality override:
+    a full layer is ENCODER_ONLY, a sliding one DECODER with window_left = sliding_window - 1)."""
+    types = c.get("layer_types")
+    sliding = bool(types) and types[i] == SLIDING
+    window = c.get("sliding_window", defaults["window"]) if sliding else None
+    neox = c.get("rope_is_neox_style", c.get("is_neox_style", defaults["is_neox_style"]))
+    return window, sliding, neox
+
+
+def dflash2_settings(c: dict, defaults: dict) -> tuple:
+    """The official DFlash2 class's reads: dflash_config first, then the top level, then its default."""
+    dflash = c["dflash_config"]
+
+    def pick(key, default):
+        return dflash.get(key, c.get(key, default))
+    return (pick("final_logit_softcapping", defaults["softcap"]), pick("input_embedding_scale",
+                                                                       defaults["input_embedding_scale"]),
+            pick("output_multiplier", defaults["output_multiplier"]))
+
+
+S, F = SLIDING, FULL
+LAYOUTS = [  # layer types, window, is_causal override, DFlash2
+    pytest.param(None, None, None, False, id="full"),
+    pytest.param([S, S, F], 6, None, False, id="sliding-sliding-full"),
+    pytest.param([S, S, S], 6, None, False, id="all sliding"),
+    pytest.param([F, F, F], None, True, False, id="full, is_causal"),
+    pytest.param([S, S, S], 2048, False, True, id="dflash2 as released"),
+]
+
+
+def config_of(layer_types, window, is_causal, dflash2) -> DrafterConfig:
+    config = DrafterConfig.from_target(target_config(), mask_token_id=MASK_ID, block_size=16, draft_layers=3,
+                                       target_layer_ids=[1, 3, 6], layer_types=layer_types, sliding_window=window)
+    settings = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4) \
+        if dflash2 else None
+    return dataclasses.replace(config, is_causal=is_causal, dflash2=settings)
+
+
+@pytest.mark.parametrize("defaults", [DEFAULTS, HOSTILE], ids=["engine defaults", "every default against us"])
+@pytest.mark.parametrize("layer_types, window, is_causal, dflash2", LAYOUTS)
+def test_the_export_states_every_field_the_engines_read(layer_types, window, is_causal, dflash2, defaults):
+    config = config_of(layer_types, window, is_causal, dflash2)
+    exported = json.loads(json.dumps(config.to_json_dict()))  # as a file holds it
+    for i in range(config.num_hidden_layers):
+        computed_window, computed_causal = config.layer_attention(i)
+        assert vllm_layer(exported, i, defaults) == (computed_window, computed_causal, True, False), f"layer {i}"
+        window_i, causal_i, neox = sglang_layer(exported, i, defaults)
+        assert (window_i, neox) == (computed_window, True), f"layer {i}"
+        # SGLang's dflash.py reads no override: its causality is the layer type's, which the drafter
+        # computes unless is_causal says otherwise (then vLLM alone serves it as trained)
+        if is_causal is None:
+            assert causal_i == computed_causal, f"layer {i}"
+    if dflash2:
+        s = config.dflash2
+        assert dflash2_settings(exported, defaults) == (s.final_logit_softcapping, s.input_embedding_scale,
+                                                        s.output_multiplier)
+    assert DrafterConfig.from_json_dict(exported) == config, "the export reads back as it was"
+
+
+def test_the_saved_config_is_the_stated_one(tmp_path):
+    drafter = make_drafter(layer_types=[S, S, F], sliding_window=6)
+    drafter.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == {**json.loads(json.dumps(drafter.config.to_json_dict())), "dtype": "float32"}
+    assert "is_causal" not in saved, "mixed causality: the layer types state it, on which the engines agree"
+    assert saved["dflash_config"]["swa_window_size"] == saved["sliding_window"] == 6
