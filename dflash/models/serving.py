@@ -2,10 +2,9 @@
 default of its own: they read these fields as follows (read from their code, docs/ARCHITECTURE.md).
 
 - Causality, vLLM (`qwen3_dflash.py` `_dflash_layer_causal`): the top-level `is_causal`, else
-  `dflash_config.causal`, else the layer's type (sliding: causal). SGLang (`models/dflash.py`
-  `_get_dflash_layer_attention_params`): the layer's type. Where every layer computes one
-  causality, both keys say it; layers of mixed causality are left to the layer types, where the
-  engines agree.
+  `dflash_config.causal`, else the layer's type (sliding: causal). SGLang (`models/dflash.py`):
+  `is_causal`, else the layer's type. Where every layer computes one causality, both keys say it;
+  layers of mixed causality are left to the layer types, on which the engines agree.
 - Sliding window, vLLM (`_resolve_layer_attention`): `layer_types[i]`, unless `dflash_config.use_swa`
   (every layer sliding when none is), window `dflash_config.swa_window_size`, else `sliding_window`;
   SGLang: `layer_types[i]`, window `sliding_window` (less the query's own position).

@@ -1,9 +1,9 @@
 """The export states every field a serving engine reads, so that no engine falls back to a default of
 its own: each config.json is read here with the engines' resolution rules (written from their code:
 vLLM `vllm/model_executor/models/qwen3_dflash.py` `_dflash_layer_causal`, `_resolve_layer_attention`
-and the layer's `is_neox_style`; SGLang `python/sglang/srt/models/dflash.py`
-`_get_dflash_layer_attention_params` and its rotary embedding; the official DFlash2 class's
-dflash_config-first reads), once with the engines' own defaults and once with every default turned
+and the layer's `is_neox_style`; SGLang `python/sglang/srt/models/dflash.py` layer attention and
+rotary embedding; the official DFlash2 class's dflash_config-first reads; docs/ARCHITECTURE.md
+cites the lines), once with the engines' own defaults and once with every default turned
 against us: both must give what the drafter computes."""
 import dataclasses
 import json
@@ -41,13 +41,15 @@ def vllm_layer(c: dict, i: int, defaults: dict) -> tuple:
 
 
 def sglang_layer(c: dict, i: int, defaults: dict) -> tuple:
-    """(window, causal, neox) of layer i as SGLang's DFlash model resolves them (no causality override:
-    a full layer is ENCODER_ONLY, a sliding one DECODER with window_left = sliding_window - 1)."""
+    """(window, causal, neox) of layer i as SGLang's DFlash model resolves them: a full layer
+    ENCODER_ONLY, a sliding one DECODER with window_left = sliding_window - 1, the top-level
+    is_causal overriding (SGLang 0.5.23, docs/ARCHITECTURE.md; dflash_config.causal is vLLM's alone)."""
     types = c.get("layer_types")
     sliding = bool(types) and types[i] == SLIDING
     window = c.get("sliding_window", defaults["window"]) if sliding else None
+    causal = sliding if c.get("is_causal") is None else bool(c["is_causal"])
     neox = c.get("rope_is_neox_style", c.get("is_neox_style", defaults["is_neox_style"]))
-    return window, sliding, neox
+    return window, causal, neox
 
 
 def dflash2_settings(c: dict, defaults: dict) -> tuple:
@@ -87,12 +89,7 @@ def test_the_export_states_every_field_the_engines_read(layer_types, window, is_
     for i in range(config.num_hidden_layers):
         computed_window, computed_causal = config.layer_attention(i)
         assert vllm_layer(exported, i, defaults) == (computed_window, computed_causal, True, False), f"layer {i}"
-        window_i, causal_i, neox = sglang_layer(exported, i, defaults)
-        assert (window_i, neox) == (computed_window, True), f"layer {i}"
-        # SGLang's dflash.py reads no override: its causality is the layer type's, which the drafter
-        # computes unless is_causal says otherwise (then vLLM alone serves it as trained)
-        if is_causal is None:
-            assert causal_i == computed_causal, f"layer {i}"
+        assert sglang_layer(exported, i, defaults) == (computed_window, computed_causal, True), f"layer {i}"
     if dflash2:
         s = config.dflash2
         assert dflash2_settings(exported, defaults) == (s.final_logit_softcapping, s.input_embedding_scale,

@@ -90,7 +90,8 @@ def test_a_released_dflash2_drafter_continues_training(tiny_run_inputs, tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     exported = json.loads((out / "drafter" / "config.json").read_text())
     released = json.loads((folder / "config.json").read_text())
-    assert exported["dflash_config"] == released["dflash_config"]
+    # the release's settings, and what the export states for the engines besides (dflash.models.serving)
+    assert released["dflash_config"].items() <= exported["dflash_config"].items()
     assert exported["is_causal"] is False and exported["architectures"] == ["DFlash2DraftModel"]
     trained = load_file(out / "drafter" / "model.safetensors")
     assert trained.keys() == weights.keys()
