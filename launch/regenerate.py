@@ -28,6 +28,9 @@ def parse_args(argv=None) -> RegenerateConfig:
     p.add_argument("--input", required=True,
                    help="conversations ({'messages': [...]} or ShareGPT {'conversations': [...]}): a JSONL, JSON, "
                         "parquet or Arrow file, a folder of parquet shards, or a datasets save_to_disk folder")
+    p.add_argument("--split", default=None,
+                   help="the split to read where --input holds several (a Hub folder's train-*/test-* files, a "
+                        "DatasetDict)")
     p.add_argument("--messages-field", default=None,
                    help="the input's column of turns (default: messages, else conversations)")
     p.add_argument("--output", required=True,
@@ -56,6 +59,7 @@ def parse_args(argv=None) -> RegenerateConfig:
         target=a.target, input=a.input, output=a.output, max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, seed=a.seed, batch_size=a.batch_size, keep_thinking=a.keep_thinking,
         skip_bad=a.skip_bad, backend=a.backend, dtype=a.dtype, limit=a.limit, messages_field=a.messages_field,
+        split=a.split,
     )
 
 

@@ -325,6 +325,13 @@ def test_a_hub_folder_of_several_splits_needs_split_and_a_datasetdict_takes_it(t
     with pytest.raises(UserError, match=r"prepare one split into a token store \(prepare_data.py --input .*hub "
                                         r"--split train\) and pass the store as --data"):
         check_data(load_config(["--data", str(hub)]))
+    from dflash.data.regenerate import RegenerateConfig
+    from dflash.demo import TARGET
+
+    regenerate = RegenerateConfig(target=str(TARGET), input=str(hub), output=str(tmp_path / "out.jsonl"))
+    with pytest.raises(UserError, match="holds the splits train, test .*; choose one with --split, e.g. --split train"):
+        regenerate.validate()
+    RegenerateConfig(target=str(TARGET), input=str(hub), output=str(tmp_path / "out.jsonl"), split="test").validate()
 
 
 def test_a_folder_of_several_formats_is_refused_naming_one_file_of_each(tmp_path, tokenizer):

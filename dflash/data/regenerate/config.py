@@ -30,6 +30,7 @@ class RegenerateConfig:
     target_name: str | None = None  # what `meta.target` records; defaults to the path as given
     limit: int | None = None  # regenerate only the first `limit` valid conversations
     messages_field: str | None = None  # the input's conversation column (default: messages, else conversations)
+    split: str | None = None  # the split of an input that holds several (a Hub folder, a DatasetDict)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -48,7 +49,8 @@ class RegenerateConfig:
             raise UserError(f"--limit must be at least 1, got {self.limit}")
         if not (Path(self.target) / "config.json").is_file():
             raise UserError(f"--target {self.target}: not a model directory (no config.json)")
-        open_source(self.input, messages_field=self.messages_field)  # the format and columns, one line if wrong
+        # the format and columns, one line if wrong
+        open_source(self.input, messages_field=self.messages_field, split=self.split)
         if Path(self.output).resolve() == Path(self.input).resolve():
             raise UserError("--output must differ from --input")
         if not Path(self.output).resolve().parent.is_dir():

@@ -170,7 +170,7 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
 
 def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progress: bool, say) -> dict:
     settings = cfg.settings()
-    source_data = open_source(cfg.input, messages_field=cfg.messages_field)
+    source_data = open_source(cfg.input, messages_field=cfg.messages_field, split=cfg.split)
     done, dropped = resume_output(output, cfg, settings, say, source_data)
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     positions = target_positions(cfg.target)
