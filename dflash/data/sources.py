@@ -48,6 +48,8 @@ FORMATS = ("JSONL, JSON (an array of objects), parquet, Arrow (IPC file or strea
 LAYOUTS = ("'messages' [{role, content}], ShareGPT 'conversations' [{from, value}], or --messages-field COLUMN")
 ARROW_STREAM = b"\xff\xff\xff\xff"  # an IPC stream's first message starts with the continuation marker
 SAVED_MARKERS = ("state.json", "dataset_info.json")  # what Dataset.save_to_disk writes besides its Arrow files
+# `datasets`' own description files, found beside a Hub folder's shards: no conversations
+METADATA = frozenset({*SAVED_MARKERS, "dataset_infos.json", "dataset_dict.json"})
 
 
 def is_token_store(path: Path) -> bool:
@@ -85,7 +87,8 @@ def _data_files(folder: Path) -> dict[str, list[Path]]:
     format, a README, left out), each list in path order."""
     found: dict[str, list[Path]] = {}
     for p in sorted(folder.rglob("*")):
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
+        if p.is_file() and p.name not in METADATA and not any(part.startswith(".") for part in
+                                                              p.relative_to(folder).parts):
             kind = _sniff(p) if p.stat().st_size else None
             if kind is not None:
                 found.setdefault(kind, []).append(p)

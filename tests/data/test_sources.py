@@ -305,7 +305,8 @@ def test_a_hub_folder_of_several_splits_needs_split_and_a_datasetdict_takes_it(t
     (hub / "data").mkdir(parents=True)
     dataset(MESSAGES[:3]).to_parquet(hub / "data" / "train-00000-of-00001.parquet")
     dataset(MESSAGES[3:]).to_parquet(hub / "data" / "test-00000-of-00001.parquet")
-    (hub / "README.md").write_text("---\nconfigs: []\n---\n# a dataset card\n")
+    (hub / "README.md").write_text("---\nconfigs: []\n---\n# a dataset card\n")  # files of no data format,
+    (hub / "dataset_infos.json").write_text('{"default": {"splits": {}}}\n')  # and datasets' own: left out
     with pytest.raises(UserError) as err:
         prepare_jsonl(hub, tokenizer, tmp_path / "s", progress=False)
     assert str(err.value) == (f"--input {hub}: holds the splits train, test (train: 1 file(s), test: 1 file(s)); "
