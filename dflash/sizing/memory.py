@@ -329,13 +329,14 @@ class MemoryPlan:
         return max(loss, layer + max(0, attention - freed - rows * b * (d.intermediate + d.hidden))) + in_flight
 
     def drafter_phase(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
-        """`row_keys` (the reference attention's pairs; default rows x tokens, the most they can be). The
-        reference attention runs in chunks past a number of scores and then holds less than just below
-        it: a micro-batch of fewer rows can need more, so the plan of `rows` is the most any micro-batch
-        of up to `rows` rows needs (monotonic in rows: a row budget bounds every micro-batch under it)."""
-        row_keys = rows * tokens if row_keys is None else row_keys
+        """`row_keys`: the reference attention's pairs of one micro-batch, priced as it is. Without
+        them, the most any micro-batch of `tokens` tokens and up to `rows` rows needs (what a row
+        budget must bound): the reference runs in chunks past a number of scores and then holds less
+        than just below it, so fewer rows can need more; this price is monotonic in rows."""
+        if row_keys is not None:
+            return self._drafter_phase(tokens, rows, row_keys)
+        price = self._drafter_phase(tokens, rows, rows * tokens)
         below = reference_attention.unchunked_rows(self.drafter, self.setup, tokens)
-        price = self._drafter_phase(tokens, rows, row_keys)
         if below is not None and 0 < below < rows:
             price = max(price, self._drafter_phase(tokens, below, below * tokens))
         return price
