@@ -25,13 +25,16 @@ def json_array_rows(path: Path) -> Iterator[dict]:
     decoder, size, index = json.JSONDecoder(), CHUNK, 0
     try:
         with path.open("r", encoding="utf-8") as f:
-            buf, pos, eof = f.read(size), 0, False
+            buf, pos = f.read(size), 0
 
             def skip(pos):
                 while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
                     pos += 1
                 return pos
-            pos = skip(pos)
+            pos, eof = skip(pos), not buf
+            while pos >= len(buf) and not eof:  # blank space may fill a chunk
+                buf = f.read(size)
+                pos, eof = skip(0), not buf
             if buf[pos:pos + 1] != "[":
                 raise UserError(f"{path}: not a JSON array")
             pos, expect_value = skip(pos + 1), True
@@ -43,7 +46,7 @@ def json_array_rows(path: Path) -> Iterator[dict]:
                     pos = skip(pos)
                     continue
                 if buf[pos:pos + 1] == "]":
-                    if skip(pos + 1) < len(buf) or f.read(1).strip():
+                    if skip(pos + 1) < len(buf) or f.read().strip():
                         raise UserError(f"{path}: text after the JSON array's end")
                     return
                 if not expect_value:

@@ -288,7 +288,7 @@ def test_json_arrays_larger_than_a_chunk_and_broken_ones(tmp_path, tokenizer, mo
 
     monkeypatch.setattr(tables, "CHUNK", 7)  # every object straddles chunks
     src = tmp_path / "a.json"
-    src.write_text(" \n[ " + " ,\n".join(json.dumps(r) for r in MESSAGES) + " ]\n")
+    src.write_text(" " * 20 + "\n[ " + " ,\n".join(json.dumps(r) for r in MESSAGES) + " ]\n")  # blank: a chunk
     assert list(tables.json_array_rows(src)) == MESSAGES
     for text, error in [("[" + json.dumps(MESSAGES[0]) + ", {\"messages\": [", "row 1: invalid JSON"),
                         ("[" + json.dumps(MESSAGES[0]) + " {}]", "row 0: invalid JSON (expected ',' or ']' after it)"),
