@@ -34,7 +34,6 @@ codebooks without `.weight`, as released; either name loads).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash.models.blocks import Blocks
@@ -55,16 +54,12 @@ def released_settings() -> DFlash2Settings:
 def block_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int,
                group_size: int) -> torch.Tensor:
     """x (NB*B, H) block-major, dynamic (NB*B, K, H/G), base (K, H) -> (NB*B, H):
-    out[t, c] = sum_i (base[i, c] + dynamic[t, i, c // G]) x[t - i, c], zero where t - i leaves t's block."""
-    n, hidden = x.shape
-    groups = hidden // group_size
-    xb = x.view(-1, block_size, groups, group_size)
-    dyn = dynamic.view(-1, block_size, base.shape[0], groups, 1)
-    out = torch.zeros_like(xb)
-    for i in range(min(base.shape[0], block_size)):
-        shifted = xb if i == 0 else F.pad(xb[:, :-i], (0, 0, 0, 0, i, 0))  # slot k reads slot k - i
-        out = out + (base[i].view(groups, group_size).to(x.dtype) + dyn[:, :, i]) * shifted
-    return out.view(n, hidden)
+    out[t, c] = sum_i (base[i, c] + dynamic[t, i, c // G]) x[t - i, c], zero where t - i leaves t's block.
+    One op (`dflash.ops.block_conv`: Triton on CUDA, else the reference recomputed in backward), which keeps
+    only x and the weights for backward."""
+    from dflash.ops.block_conv import block_conv as conv
+
+    return conv(x, dynamic, base, block_size, group_size)
 
 
 class GroupedDynamicCausalConv(nn.Module):

@@ -65,6 +65,44 @@ def test_block_conv_is_the_per_position_formula_and_stays_inside_each_block():
     assert changed.tolist() == [t in range(B + 1, 2 * B) for t in range(blocks * B)]
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_the_block_conv_op_leaves_the_drafters_outputs_and_gradients_as_the_reference_makes_them(monkeypatch,
+                                                                                                 backend):
+    """The drafter's convolutions through `dflash.ops.block_conv` (CPU: the recomputing path; Triton in the
+    interpreter) against the same drafter with the plain reference (today's math, its whole graph kept)."""
+    import dflash.models.dflash2 as module
+    from dflash.ops.block_conv import block_conv as op
+    from dflash.ops.block_conv.naive import block_conv_naive
+
+    if backend == "triton":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CPU tensors reach Triton only through the interpreter")
+        monkeypatch.setattr(module, "block_conv", lambda *a: op(*a, backend="triton"))
+    target = tiny_target(5)
+    batch = make_batch([11, 23], seed=5)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=5, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+
+    def step():
+        drafter = tiny_dflash2(target, seed=5)
+        loss = BlockLoss(terms=[SelectorTerm(drafter.candidate_selector)], logit_scale=0.7, softcap=4.0)
+        hidden = drafter(batch, feats, blocks)
+        loss(hidden, blocks, target.shared_weights().lm_head).loss_sum.backward()
+        return hidden.detach(), {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+
+    hidden, grads = step()
+    with monkeypatch.context() as m:
+        m.setattr(module, "block_conv", block_conv_naive)
+        want_hidden, want_grads = step()
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == want_grads.keys() and any("base_kernel" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_decoding_block_by_block_equals_the_packed_training_forward():
     """`draft` (context in a cache, one block at a time) gives the training forward's block states,
     convolutions, embedding scale and non-causal sliding layers included."""
