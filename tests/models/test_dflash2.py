@@ -169,8 +169,20 @@ def dense_selector_loss(drafter, hidden, blocks, stop_grad=False):
     return total
 
 
+@pytest.mark.parametrize("head", ["off", "torch", "triton"],
+                         ids=["torch-pass", "fused-head-torch", "fused-head-triton"])
 @pytest.mark.parametrize("stop_grad", [False, True])
-def test_selector_term_is_the_dense_objective_with_its_gradients(stop_grad):
+def test_selector_term_is_the_dense_objective_with_its_gradients(monkeypatch, stop_grad, head):
+    """Through the loss room's own pass and through the fused head (`dflash.ops.head_topk`: its torch
+    reference and its Triton kernels in the interpreter), which only the rows of positive weight reach."""
+    import dflash.models.loss as loss_module
+    import dflash.ops.head_topk as head_ops
+
+    monkeypatch.setattr(loss_module, "HEAD_BACKEND", head)
+    reached = []
+    fused = head_ops.head_topk
+    monkeypatch.setattr(head_ops, "head_topk", lambda logits, *a, **k: reached.append(len(logits)) or fused(
+        logits, *a, **k))
     target = tiny_target(5)
     drafter = tiny_dflash2(target, seed=5, settings=DFlash2Settings(
         conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4, output_multiplier=0.5,
@@ -210,6 +222,8 @@ def test_selector_term_is_the_dense_objective_with_its_gradients(stop_grad):
         "selector_recall"] <= rows
     torch.testing.assert_close(out.parts["selector"], dense_selector_loss(drafter, drafter(batch, feats, blocks),
                                                                           blocks).detach(), rtol=1e-5, atol=1e-5)
+    assert sum(reached) == (0 if head == "off" else 2 * int((blocks.weights > 0).sum()))  # two passes above
+    assert head == "off" or int((blocks.weights > 0).sum()) < blocks.weights.numel()  # some rows were left out
 
 
 @pytest.mark.parametrize("stop_grad", [False, True])
