@@ -12,6 +12,10 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
   kernels      OUT/bench_kernels.json: TFLOP/s, forward and forward+backward, ours (atomic and
                deterministic) vs torch varlen (FlashAttention-2 inside torch), padded SDPA and
                FlexAttention, seed-like lengths sorted and shuffled (launch/bench_kernels.py).
+  dflash2_ops  OUT/dflash2_ops.json: DFlash2's fused ops at Qwen3-8B's sizes (bf16): the block convolution
+               (65,536 rows x 4,096, groups 16, kernel 2) and the frozen head with in-kernel top-16
+               (1,024 x 151,936 logits, softcap), first and second call against the fp32 reference, and
+               forward / backward times against the torch paths (dflash/tools/gpu_check_dflash2_ops.py).
   e2e          OUT/e2e.json: end to end, drafter training steps of the default recipe (`recipe`:
                the slot-weighted cross-entropy, AdamW; DeepSpeed ZeRO-2, bf16) on a randomly
                initialised Qwen3-8B-shaped target (`--target random:qwen3-8b`, synthetic seed-like
@@ -50,6 +54,7 @@ import zipfile
 from pathlib import Path
 
 from dflash.options import number
+from dflash.tools.gpu_check_dflash2_ops import stage_dflash2_ops
 from dflash.tools.gpu_check_training import Report, stage_dflash2, stage_e2e, stage_memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,8 +259,8 @@ def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
 
 
 # The stages in order, each with the deadline main() gives it.
-STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "e2e": stage_e2e,
-          "memory": stage_memory, "dflash2": stage_dflash2}
+STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "dflash2_ops": stage_dflash2_ops,
+          "e2e": stage_e2e, "memory": stage_memory, "dflash2": stage_dflash2}
 STAGE_NAMES = tuple(STAGES)
 
 
