@@ -193,6 +193,10 @@ class DFlash2Drafter(DFlashDrafter):
     first exactly as a DFlash drafter's, then the convolutions and the selector. Same forward
     (`forward(batch, features, blocks) -> hidden states`), so training, the eval walk and decoding share it."""
 
+    # Under --optimizer muon these stay on AdamW (`ds_config.muon_split`): the codebooks are lookup tables
+    # (as embeddings are), the base kernels (2, K, H) no matrices.
+    adamw_parameters = ("candidate_selector.*_codebook.weight", "*.base_kernel")
+
     def __init__(self, config: DrafterConfig, shared: SharedWeights | None = None, **kwargs) -> None:
         if config.dflash2 is None:
             raise ValueError("a DFlash2 drafter needs DrafterConfig.dflash2 settings")
