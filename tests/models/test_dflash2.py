@@ -103,6 +103,38 @@ def test_the_block_conv_op_leaves_the_drafters_outputs_and_gradients_as_the_refe
         torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_the_outputs_of_the_convolutions_before_the_sublayers_are_remade_not_kept():
+    """`RecomputedConvOutputs`: the sublayers' projections keep no copy of their input (the convolution's
+    output) while the forward's states wait for the backward: at least one hidden-size vector per row
+    and layer less than with the outputs kept, the same gradients."""
+    from dflash.models.drafter import DFlashDrafter as Plain
+    from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+
+    target = tiny_target(6)
+    batch = make_batch([30, 41], seed=6)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=12, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+
+    def step(remade):
+        drafter = tiny_dflash2(target, seed=6)
+        forward = drafter.block_hidden if remade else lambda *a, **k: Plain.block_hidden(drafter, *a, **k)
+        drafter.block_hidden = forward
+
+        def run():
+            hidden = drafter(batch, feats, blocks)
+            (hidden.float().square().sum()).backward()
+        peak, _ = measure_peak_tensor_bytes(run)
+        return peak, {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+
+    kept, kept_grads = step(False)
+    remade, grads = step(True)
+    rows, layers, hidden = blocks.input_ids.numel(), 2, target.config.hidden_size
+    assert kept - remade >= rows * layers * hidden * 4, (kept, remade)
+    for name in grads:
+        torch.testing.assert_close(grads[name], kept_grads[name], msg=name)
+
+
 def test_decoding_block_by_block_equals_the_packed_training_forward():
     """`draft` (context in a cache, one block at a time) gives the training forward's block states,
     convolutions, embedding scale and non-causal sliding layers included."""
