@@ -177,7 +177,7 @@ def fused_head(hidden: torch.Tensor, terms, temperatures) -> bool:
     none reads more; no temperatures."""
     from dflash.ops.common.backend import HAS_TRITON
 
-    if HEAD_BACKEND == "off" or temperatures or not terms or any(t.head_top_k is None for t in terms):
+    if HEAD_BACKEND == "off" or temperatures or not terms or any(getattr(t, "head_top_k", None) is None for t in terms):
         return False
     return HEAD_BACKEND != "auto" or (HAS_TRITON and hidden.is_cuda and hidden.dtype != torch.float64)
 
