@@ -11,20 +11,17 @@ import torch  # noqa: E402
 
 from dflash.distributed.process_group import init_distributed  # noqa: E402
 from dflash.distributed.ranks import single_process_env  # noqa: E402
+from dflash.models import DrafterConfig  # noqa: E402
 from dflash.models.drafter import drafter_class  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
 from dflash.training.ds_config import load_ds_config, with_optimizer  # noqa: E402
 from dflash.training.models import drafter_kind_settings, engine_for  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from models.drafter_helpers import MASK_ID, TAPS, tiny_target  # noqa: E402
+from tests.models.drafter_helpers import MASK_ID, TAPS, tiny_target  # noqa: E402  (PYTHONPATH: the repository)
 
 single_process_env(os.environ, num_gpus=0)
 init_distributed()
 torch._dynamo.config.disable = True
 target = tiny_target(0)
-from dflash.models import DrafterConfig  # noqa: E402
-
 config = DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=4, draft_layers=2,
                                    target_layer_ids=TAPS, **drafter_kind_settings("dflash2"))
 drafter = drafter_class(config)(config, target.shared_weights())
