@@ -1,4 +1,4 @@
-"""Offline compile gate of the Triton attention kernels: no GPU needed.
+"""Offline compile gate of the Triton kernels (attention; DFlash2's convolution and head): no GPU needed.
 
 Compiles every kernel and autotune config with Triton's compiler and ptxas (both ship in the
 triton wheel) for each GPU architecture, head dim and dtype the ops accept, and reports shared
