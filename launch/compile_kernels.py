@@ -1,4 +1,4 @@
-"""Offline compile gate of the Triton attention kernels: no GPU needed.
+"""Offline compile gate of the Triton kernels (attention; DFlash2's convolution and head): no GPU needed.
 
 Compiles every kernel and autotune config with Triton's compiler and ptxas (both ship in the
 triton wheel) for each GPU architecture, head dim and dtype the ops accept, and reports shared
@@ -36,7 +36,7 @@ from dflash.ops.common.compile_check import ARCH_NAMES, MAX_SHARED, compile_conf
 from dflash.options import number
 
 # constexprs that tell a kernel's cases apart
-REPORTED = ("CAUSAL", "HAS_WINDOW", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ")
+REPORTED = ("CAUSAL", "HAS_WINDOW", "B", "BLOCK_M", "BLOCK_N", "OWN_M", "FUSED_DQ", "H", "G", "K", "SOFTCAP")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,7 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=number(int, minimum=1), nargs="+",
                    default=[16, 32, 64, 128, 256], choices=[16, 32, 64, 128, 256])
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
-    p.add_argument("--op", nargs="+", default=["varlen", "block"], choices=["varlen", "block"])
+    p.add_argument("--op", nargs="+", default=["varlen", "block", "conv", "head"],
+                   choices=["varlen", "block", "conv", "head"],
+                   help="conv: DFlash2's block convolution (hidden = heads x head dim, groups 16, kernel 2, block 16); "
+                        "head: the fused head (top-16, with and without softcap; once, whatever the head dim)")
     p.add_argument("--heads", type=number(int, minimum=1), default=32, help="query heads (default 32, Qwen3-8B)")
     p.add_argument("--kv-heads", type=number(int, minimum=1), default=8, help="key/value heads (default 8)")
     p.add_argument("--first-only", action="store_true", help="only the first config of each kernel (a quick check)")
@@ -72,6 +75,14 @@ def _cases(op, head_dim, heads, kv_heads, dtype, arch):
     both ops and is reported with varlen."""
     from dflash.ops.common import delta
 
+    if op == "conv":
+        from dflash.ops.block_conv.triton_kernels import compile_cases
+
+        return compile_cases(heads * head_dim)
+    if op == "head":
+        from dflash.ops.head_topk.triton_kernels import compile_cases
+
+        return compile_cases(softcap=True) + compile_cases(softcap=False)
     if op == "varlen":
         from dflash.ops.varlen.triton_kernels import compile_cases
 
@@ -92,7 +103,7 @@ def _job(task):
 def tasks(args):
     out = []
     for op in args.op:
-        for head_dim in args.head_dim:
+        for head_dim in args.head_dim if op != "head" else args.head_dim[:1]:
             for dtype in args.dtype:
                 for arch in args.arch:
                     cases = _cases(op, head_dim, args.heads, args.kv_heads, dtype, arch)

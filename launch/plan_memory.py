@@ -143,7 +143,7 @@ def main(argv=None):
         from dflash.models.dflash2 import released_settings
 
         dflash2 = released_settings()
-        base["vocab_buffers"] = 2  # its logits' softcap (`loss_setup`)
+        base["vocab_buffers"] = 0  # the fused head on a GPU: the chunk's logits in bf16 alone (`loss_setup`)
     plans = {name: plan_for(spec, MemorySetup.from_ds_config(ds_config, **base, **variant),
                             draft_layers=args.draft_layers, features=args.num_target_features, dflash2=dflash2)
              for name, variant in VARIANTS.items()}

@@ -34,7 +34,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert env["interpreter"] and env["torch"] and env["triton"]
     summary = json.loads((out / "summary.json").read_text())
     assert {name: s["passed"] for name, s in summary["stages"].items()} == {
-        "correctness": True, "kernels": True, "e2e": True, "memory": True, "dflash2": True}
+        "correctness": True, "kernels": True, "dflash2_ops": True, "e2e": True, "memory": True, "dflash2": True}
+    ops = json.loads((out / "dflash2_ops.json").read_text())
+    for op in ("block_conv", "head_topk"):
+        assert [c["call"] for c in ops[op]["checks"] if c["passed"]] == ["first call", "second call"]
+        assert all(v > 0 for v in ops[op]["timings"].values())  # ours and the torch path's times
     checks = json.loads((out / "correctness.json").read_text())["checks"]
     seen = {(c["op"], c["mode"], c["call"]) for c in checks if c["passed"]}
     assert seen == {(op, mode, call) for op in ("varlen", "block", "block-sliding")

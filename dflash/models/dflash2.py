@@ -33,8 +33,9 @@ codebooks without `.weight`, as released; either name loads).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash.models.blocks import Blocks
@@ -55,16 +56,56 @@ def released_settings() -> DFlash2Settings:
 def block_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int,
                group_size: int) -> torch.Tensor:
     """x (NB*B, H) block-major, dynamic (NB*B, K, H/G), base (K, H) -> (NB*B, H):
-    out[t, c] = sum_i (base[i, c] + dynamic[t, i, c // G]) x[t - i, c], zero where t - i leaves t's block."""
-    n, hidden = x.shape
-    groups = hidden // group_size
-    xb = x.view(-1, block_size, groups, group_size)
-    dyn = dynamic.view(-1, block_size, base.shape[0], groups, 1)
-    out = torch.zeros_like(xb)
-    for i in range(min(base.shape[0], block_size)):
-        shifted = xb if i == 0 else F.pad(xb[:, :-i], (0, 0, 0, 0, i, 0))  # slot k reads slot k - i
-        out = out + (base[i].view(groups, group_size).to(x.dtype) + dyn[:, :, i]) * shifted
-    return out.view(n, hidden)
+    out[t, c] = sum_i (base[i, c] + dynamic[t, i, c // G]) x[t - i, c], zero where t - i leaves t's block.
+    One op (`dflash.ops.block_conv`: Triton on CUDA, else the reference recomputed in backward), which keeps
+    only x and the weights for backward."""
+    from dflash.ops.block_conv import block_conv as conv
+
+    return conv(x, dynamic, base, block_size, group_size)
+
+
+class RecomputedConvOutputs(torch.autograd.graph.saved_tensors_hooks):
+    """While active (a DFlash2 drafter's training forward), a tensor a convolution before a sublayer made
+    (registered by `GroupedDynamicCausalConv`) is saved for backward as its recipe, the convolution's
+    inputs, which the op and the kernel projection keep anyway, and remade once when the backward first
+    needs it: the sublayer's projections then keep no copy of their input."""
+
+    def __init__(self):
+        self.made: dict[int, tuple] = {}
+        super().__init__(self._pack, self._unpack)
+
+    def register(self, out: torch.Tensor, *recipe) -> None:
+        self.made[id(out)] = (weakref.ref(out), recipe)
+
+    def _pack(self, t):
+        entry = self.made.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return t
+        return _Recipe(entry[1], t.size(), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.remake() if isinstance(packed, _Recipe) else packed
+
+    def __exit__(self, *exc):
+        self.made.clear()
+        return super().__exit__(*exc)
+
+
+class _Recipe:
+    """A saved convolution output: its inputs, and the output once remade (shared by the projections)."""
+
+    def __init__(self, recipe: tuple, size, stride, offset):
+        self.recipe, self.geometry, self.out = recipe, (size, stride, offset), None
+
+    def remake(self) -> torch.Tensor:
+        if self.out is None:
+            with torch.no_grad():
+                self.out = block_conv(*self.recipe)
+        return self.out.as_strided(*self.geometry)
+
+
+_ACTIVE: list[RecomputedConvOutputs] = []  # the context of the running forward, if any
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -90,7 +131,11 @@ class GroupedDynamicCausalConv(nn.Module):
         if dynamic is not None:
             return block_conv(x, dynamic, self.base_kernel[1], block_size, self.group_size)
         dyn = self.kernel_projection(x).view(x.shape[0], 2, self.kernel_size, -1)
-        return block_conv(x, dyn[:, 0], self.base_kernel[0], block_size, self.group_size), dyn[:, 1]
+        recipe = (x, dyn[:, 0], self.base_kernel[0], block_size, self.group_size)
+        out = block_conv(*recipe)
+        if _ACTIVE and torch.is_grad_enabled():
+            _ACTIVE[-1].register(out, *recipe)
+        return out, dyn[:, 1]
 
     def finish(self, z: torch.Tensor, dynamic: torch.Tensor, block_size: int) -> torch.Tensor:
         return self(z, block_size, dynamic)
@@ -148,6 +193,10 @@ class DFlash2Drafter(DFlashDrafter):
     first exactly as a DFlash drafter's, then the convolutions and the selector. Same forward
     (`forward(batch, features, blocks) -> hidden states`), so training, the eval walk and decoding share it."""
 
+    # Under --optimizer muon these stay on AdamW (`ds_config.muon_split`): the codebooks are lookup tables
+    # (as embeddings are), the base kernels (2, K, H) no matrices.
+    adamw_parameters = ("candidate_selector.*_codebook.weight", "*.base_kernel")
+
     def __init__(self, config: DrafterConfig, shared: SharedWeights | None = None, **kwargs) -> None:
         if config.dflash2 is None:
             raise ValueError("a DFlash2 drafter needs DrafterConfig.dflash2 settings")
@@ -157,6 +206,19 @@ class DFlash2Drafter(DFlashDrafter):
             layer.attention_conv = GroupedDynamicCausalConv(H, s.conv_kernel_size, s.conv_group_size)
             layer.mlp_conv = GroupedDynamicCausalConv(H, s.conv_kernel_size, s.conv_group_size)
         self.candidate_selector = CandidateSelector(H, config.vocab_size, s.selector_rank, s.selector_top_k)
+
+    def block_hidden(self, *args, **kwargs) -> torch.Tensor:
+        """`DFlashDrafter.block_hidden`, the outputs of the convolutions before the sublayers remade in
+        backward (`RecomputedConvOutputs`) unless the layers are checkpointed (they keep only their inputs)."""
+        if not torch.is_grad_enabled() or self.activation_checkpointing:
+            return super().block_hidden(*args, **kwargs)
+        hooks = RecomputedConvOutputs()
+        with hooks:
+            _ACTIVE.append(hooks)
+            try:
+                return super().block_hidden(*args, **kwargs)
+            finally:
+                _ACTIVE.pop()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Unary logits (N, V) float32 of final-normed states (N, H)."""
@@ -209,13 +271,21 @@ class SelectorTerm(LogitTerm):
         super().__init__(weight)
         self.selector, self.stop_grad = selector, stop_grad
 
+    @property
+    def head_top_k(self) -> int:
+        return self.selector.top_k
+
     def start(self, blocks: Blocks, context: dict) -> None:
         rows, K = blocks.labels.numel(), self.selector.top_k
         device = blocks.labels.device
         self._labels = blocks.labels.reshape(-1)
-        self._unary = torch.empty(rows, K, dtype=torch.float32, device=device)
-        self._candidates = torch.empty(rows, K, dtype=torch.long, device=device)
-        self._gold = torch.empty(rows, dtype=torch.float32, device=device)
+        # rows the fused head skips (weight 0) keep finite stand-ins: their loss is weighted 0
+        self._unary = torch.zeros(rows, K, dtype=torch.float32, device=device)
+        self._candidates = torch.arange(K, device=device).expand(rows, K).clone()
+        self._gold = torch.zeros(rows, dtype=torch.float32, device=device)
+
+    def head_chunk(self, stats, rows):
+        self._unary[rows], self._candidates[rows], self._gold[rows] = stats.top_values, stats.top_ids, stats.gold
 
     def chunk(self, logits, lo, hi, need_grad):
         self._unary[lo:hi], self._candidates[lo:hi] = logits.topk(self.selector.top_k, dim=-1)

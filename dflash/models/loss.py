@@ -59,6 +59,9 @@ class LogitTerm:
 
     name = "term"
     vocab_buffers = 1  # (chunk x vocab) float32 buffers it holds at once besides the logits (memory plan)
+    # A term that reads only a chunk's top-K (values, ids) and gold logits sets K here and takes them in
+    # `head_chunk`: the pass may then run the fused head (`dflash.ops.head_topk`). None: it reads the logits.
+    head_top_k: int | None = None
 
     def __init__(self, weight: float = 1.0):
         if not weight >= 0:
@@ -71,6 +74,11 @@ class LogitTerm:
     def chunk(self, logits: torch.Tensor, lo: int, hi: int,
               need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits (hi - lo, V) float32 of rows lo..hi, read-only -> (loss sum, d sum / d logits or None)."""
+        raise NotImplementedError
+
+    def head_chunk(self, stats, rows: torch.Tensor) -> None:
+        """With `head_top_k` set: `HeadStats` of the chunk's scored rows `rows` (ids into the pass's rows;
+        the rows of weight 0 never reach the head, so a term must not read them)."""
         raise NotImplementedError
 
     def finish(self, hidden: torch.Tensor, blocks: Blocks, temperatures: tuple[float, ...]) -> Finished:
@@ -102,6 +110,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         label_logprobs = torch.empty(n, len(temperatures), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         rows = torch.arange(min(chunk_rows, n), device=hidden.device)
+        if fused_head(hidden, terms, temperatures):
+            return _fused_pass(ctx, hidden, weight, labels, row_weights, chunk_rows, ce_weight, terms, logit_map,
+                               loss_sum, parts, preds, label_logprobs, grad_hidden)
         for lo in range(0, n, chunk_rows):
             hi = min(lo + chunk_rows, n)
             labels_c, w = labels[lo:hi], row_weights[lo:hi].float()
@@ -154,6 +165,58 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_preds, _grad_label_logprobs, _grad_parts):
         (grad_hidden,) = ctx.saved_tensors
         return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+
+
+# "auto": the fused head (`dflash.ops.head_topk`, Triton) where it serves, i.e. on CUDA; "triton" / "torch":
+# always, with that backend (tests); "off": never.
+HEAD_BACKEND = "auto"
+
+
+def fused_head(hidden: torch.Tensor, terms, temperatures) -> bool:
+    """Whether the pass runs the fused head: a term reads top-K and gold logits (DFlash2's selector) and
+    none reads more; no temperatures."""
+    from dflash.ops.common.backend import HAS_TRITON
+
+    if HEAD_BACKEND == "off" or temperatures or not terms or any(getattr(t, "head_top_k", None) is None for t in terms):
+        return False
+    return HEAD_BACKEND != "auto" or (HAS_TRITON and hidden.is_cuda and hidden.dtype != torch.float64)
+
+
+def _fused_pass(ctx, hidden, weight, labels, row_weights, chunk_rows, ce_weight, terms, logit_map, loss_sum, parts,
+                preds, label_logprobs, grad_hidden):
+    """`_ChunkedLinearCE.forward` through the fused head: a chunk's logits stay in the compute dtype, one
+    kernel gives their log-sum-exp, gold logit, argmax and top-K, and the backward overwrites them with
+    their gradient. Only the rows of positive weight reach the head (one host sync: their count); the
+    others get argmax 0 and no gradient."""
+    from dflash.ops.head_topk import head_topk, head_topk_backward_
+
+    backend = HEAD_BACKEND
+    scale, softcap = logit_map
+    top_k = max((t.head_top_k for t in terms), default=0)
+    kept = (row_weights > 0).nonzero().squeeze(1)  # host sync: how many rows are scored
+    preds.zero_()
+    if grad_hidden is not None:
+        grad_hidden.zero_()
+    for lo in range(0, kept.numel(), chunk_rows):
+        rows = kept[lo:lo + chunk_rows]
+        labels_c, w = labels[rows], row_weights[rows].float()
+        logits = hidden[rows].to(weight.dtype) @ weight.t()  # (c, V) compute dtype: the chunk's only vocab buffer
+        stats = head_topk(logits, labels_c, top_k, logit_scale=scale, softcap=softcap, backend=backend)
+        preds[rows] = stats.argmax
+        ce = ((stats.lse - stats.gold) * w).sum()
+        parts[0] += ce
+        loss_sum += ce_weight * ce
+        for term in terms:
+            term.head_chunk(stats, rows)
+        if grad_hidden is not None:
+            head_topk_backward_(logits, labels_c, stats.lse, w * ce_weight, logit_scale=scale, softcap=softcap,
+                                backend=backend)
+            grad_hidden[rows] = (logits @ weight).to(hidden.dtype)
+        del logits, stats
+    ctx.mark_non_differentiable(preds, label_logprobs, parts)
+    if grad_hidden is not None:
+        ctx.save_for_backward(grad_hidden)
+    return loss_sum, preds, label_logprobs, parts
 
 
 def chunked_loss(hidden, lm_head_weight, labels, row_weights, chunk_rows=None, temperatures=(), *, ce_weight=1.0,

@@ -213,6 +213,12 @@ class MemoryPlan:
         return {"drafter weights": P * b, "drafter gradients": grads + s.bucket_elements * b,
                 "drafter optimizer state": state}
 
+    def backward_gradients(self) -> int:
+        """Gradient bytes a backward allocates as it goes (ZeRO 0-2: the full gradients and the buckets,
+        freed by the step; under ZeRO-3 counted as none)."""
+        d, s = self.drafter, self.setup
+        return 0 if s.zero_stage == 3 else (d.params + s.bucket_elements) * s.dtype_bytes
+
     def static(self) -> dict:
         return {**self.target_items(), **self.drafter_items()}
 
@@ -270,12 +276,24 @@ class MemoryPlan:
         return norms + attention + 4 * b * d.intermediate + self.conv_per_row()
 
     def conv_per_row(self) -> int:
-        """A DFlash2 layer's four convolutions, per block row: each saves a (base + dynamic) factor per
-        tap, a shifted copy of its input per tap but the first, and keeps its input alive (a normed
-        input or a sublayer's output no other op saved); the two dynamic-weight projections."""
+        """A DFlash2 layer's four convolutions, per block row (`dflash.ops.block_conv` keeps only its
+        inputs): the two after a sublayer keep its output (no other op saves it); the two before keep the
+        normed input the kernel projection keeps too, their outputs remade in backward
+        (`RecomputedConvOutputs`: the projections keep no copy); and the two kernel projections' outputs
+        (the dynamic weights of both convolutions around a sublayer)."""
         d, b = self.drafter, self.setup.dtype_bytes
         K = d.conv_kernel
-        return b * (4 * 2 * K * d.hidden + 2 * 2 * K * (d.hidden // d.conv_group)) if K else 0
+        return b * (2 * d.hidden + 2 * 2 * K * (d.hidden // d.conv_group)) if K else 0
+
+    def conv_backward_per_row(self) -> int:
+        """A DFlash2 convolution's backward, per row, one at a time: the Triton kernels' remade output and
+        input gradient; the CPU's recomputing reference (CPU runs use the reference attention too) holds
+        its whole graph a while, a factor and a shifted input per tap, and the output and gradients."""
+        d, s = self.drafter, self.setup
+        if not d.conv_kernel:
+            return 0
+        tensors = 2 * d.conv_kernel + 3 if s.attention == "reference" else 2
+        return tensors * d.hidden * s.dtype_bytes
 
     def selector_per_row(self) -> int:
         """DFlash2's selector loss per block row (its B - 1 scored rows): the successor codebook's rows of
@@ -311,11 +329,14 @@ class MemoryPlan:
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
-        # the selector's loss (DFlash2) is freed before the backward reaches the layers
-        loss = (rows + scored + chunk) * d.hidden * b + rows * self.selector_per_row() \
-            + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
+        # the selector's loss (DFlash2) is freed before the backward reaches the layers; its backward runs
+        # first, before any layer's gradient exists (ZeRO 0-2: in the place of the full gradients and
+        # buckets that the layers' backward then fills, `drafter_items`), so only its excess over them counts
+        selector = max(0, rows * self.selector_per_row() - self.backward_gradients())
+        loss = (rows + scored + chunk) * d.hidden * b + selector \
+            + chunk * self.target.vocab * max(4 * s.vocab_buffers + (b if b < 4 else 0), b)  # (0: the logits alone)
         row_keys = rows * tokens if row_keys is None else row_keys
-        in_flight = reference_attention.chunk_in_flight(d, s, row_keys)
+        in_flight = reference_attention.chunk_in_flight(d, s, row_keys) + rows * self.conv_backward_per_row()
         # what a layer's backward frees before it reaches the attention: its MLP's and second norm's saved
         # tensors (and, recomputed, its MLP's gradients)
         freed = rows * (4 * b * d.intermediate + (4 + 2 * b) * d.hidden + 4)

@@ -7,6 +7,8 @@ optimizer and schedule come from the training options.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from fnmatch import fnmatch
 from importlib import resources
 from pathlib import Path
 
@@ -203,12 +205,39 @@ def training_ds_config(path: str | Path, dtype_option: str, *, device, world_siz
     return ds_config, torch.bfloat16 if chosen == "bf16" else dtype
 
 
+@contextmanager
+def muon_split(module):
+    """Around `deepspeed.initialize`: after DeepSpeed tags each parameter for Muon or its AdamW (inside
+    `initialize`, by shape and name, overwriting any tag set before: every parameter of two or more
+    dimensions whose name holds neither 'embed' nor 'lm_head' goes to Muon), the parameters whose names
+    match one of `module.adamw_parameters` (fnmatch patterns the drafter class declares: lookup tables and
+    kernels that are no matrices, as a DFlash2 drafter's codebooks and base kernels) go to AdamW, by the
+    rule DeepSpeed applies to embeddings. Without patterns, or without Muon, nothing changes."""
+    import deepspeed
+
+    patterns = tuple(getattr(module, "adamw_parameters", ()))
+    tag = deepspeed.set_optimizer_flags
+
+    def set_flags(config_class, model):
+        tag(config_class, model)
+        for name, param in model.named_parameters():
+            if getattr(param, "use_muon", False) and any(fnmatch(name, p) for p in patterns):
+                param.use_muon = False
+
+    deepspeed.set_optimizer_flags = set_flags
+    try:
+        yield
+    finally:
+        deepspeed.set_optimizer_flags = tag
+
+
 def with_optimizer(config: dict, optimizer: str, *, lr: float, muon_lr: float, momentum: float,
                    weight_decay: float, named: str) -> dict:
     """The checked config with --optimizer's section: none for AdamW (the trainer hands DeepSpeed a
     torch optimizer), DeepSpeed's own Muon (`MuonWithAuxAdam`) for muon. It tags, by shape, every
     parameter of two or more dimensions whose name holds neither 'embed' nor 'lm_head' for Muon and
-    gives the rest to its AdamW; the trainer's schedule scales both learning rates alike."""
+    gives the rest to its AdamW, and so do the drafter's `adamw_parameters` (`muon_split`); the trainer's
+    schedule scales both learning rates alike."""
     from dflash.training.config import MUON_NO_CLIP
 
     if optimizer != "muon":

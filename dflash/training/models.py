@@ -175,7 +175,7 @@ def engine_for(module: torch.nn.Module, ds_config: dict, cfg: TrainConfig, total
     `total_steps`, which scales every parameter group's rate alike."""
     import deepspeed
 
-    from dflash.training.ds_config import offloads_optimizer
+    from dflash.training.ds_config import muon_split, offloads_optimizer
 
     params = list(module.parameters())
     warmup = int(cfg.optim.warmup_ratio * total_steps)
@@ -197,9 +197,10 @@ def engine_for(module: torch.nn.Module, ds_config: dict, cfg: TrainConfig, total
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                       fused=torch.device(device).type == "cuda" or None)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=module, optimizer=optimizer, model_parameters=params, config=ds_config,
-        lr_scheduler=schedule if optimizer is None else schedule(optimizer))
+    with muon_split(module):  # the drafter's lookup tables and non-matrix kernels on AdamW
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, model_parameters=params, config=ds_config,
+            lr_scheduler=schedule if optimizer is None else schedule(optimizer))
     return engine, optimizer, scheduler
 
 

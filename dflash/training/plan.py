@@ -95,22 +95,25 @@ def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_by
         ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=dev.target_partition,
         target_offload=dev.target_offload, activation_checkpointing=dev.activation_checkpointing,
         block_size=d.block_size, num_anchors=d.num_anchors, attention="reference" if reference else "kernel",
-        **loss_setup(cfg))
+        **loss_setup(cfg, device))
     return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, dflash2=dflash2)
 
 
-def loss_setup(cfg: TrainConfig) -> dict:
+def loss_setup(cfg: TrainConfig, device=None) -> dict:
     """The objective's share of the plan from the options alone (the run's `BlockLoss` is built later,
     with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and
     whether a term reads the target's final states. A DFlash2 drafter is counted with a softcap (a
-    released one may have it: the plan must not be low)."""
+    released one may have it: the plan must not be low); on `device` CUDA with no term besides its
+    selector, it runs the fused head (`loss.fused_head`): the chunk's logits in the compute dtype alone."""
     from dflash.models.loss import chunk_vocab_buffers
     from dflash.models.terms import TERMS, chunk_rows_for, parse_recipe
+    from dflash.ops.common.backend import HAS_TRITON
 
     weights = parse_recipe(cfg.loss.loss)
     terms = [TERMS[name] for name, weight in weights.items() if name != "ce" and weight]
     dflash2 = cfg.drafter.drafter_kind == "dflash2"
-    return {"vocab_buffers": chunk_vocab_buffers([t.vocab_buffers for t in terms], dflash2),
+    fused = dflash2 and not terms and device is not None and torch.device(device).type == "cuda" and HAS_TRITON
+    return {"vocab_buffers": 0 if fused else chunk_vocab_buffers([t.vocab_buffers for t in terms], dflash2),
             "chunk_rows": chunk_rows_for(weights, cfg.drafter.block_size),
             "target_states": any(getattr(t, "needs_target_states", False) for t in terms)}
 

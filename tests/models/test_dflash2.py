@@ -65,6 +65,76 @@ def test_block_conv_is_the_per_position_formula_and_stays_inside_each_block():
     assert changed.tolist() == [t in range(B + 1, 2 * B) for t in range(blocks * B)]
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_the_block_conv_op_leaves_the_drafters_outputs_and_gradients_as_the_reference_makes_them(monkeypatch,
+                                                                                                 backend):
+    """The drafter's convolutions through `dflash.ops.block_conv` (CPU: the recomputing path; Triton in the
+    interpreter) against the same drafter with the plain reference (today's math, its whole graph kept)."""
+    import dflash.models.dflash2 as module
+    from dflash.ops.block_conv import block_conv as op
+    from dflash.ops.block_conv.naive import block_conv_naive
+
+    if backend == "triton":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CPU tensors reach Triton only through the interpreter")
+        monkeypatch.setattr(module, "block_conv", lambda *a: op(*a, backend="triton"))
+    target = tiny_target(5)
+    batch = make_batch([11, 23], seed=5)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=5, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+
+    def step():
+        drafter = tiny_dflash2(target, seed=5)
+        loss = BlockLoss(terms=[SelectorTerm(drafter.candidate_selector)], logit_scale=0.7, softcap=4.0)
+        hidden = drafter(batch, feats, blocks)
+        loss(hidden, blocks, target.shared_weights().lm_head).loss_sum.backward()
+        return hidden.detach(), {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+
+    hidden, grads = step()
+    with monkeypatch.context() as m:
+        m.setattr(module, "block_conv", block_conv_naive)
+        want_hidden, want_grads = step()
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == want_grads.keys() and any("base_kernel" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_outputs_of_the_convolutions_before_the_sublayers_are_remade_not_kept():
+    """`RecomputedConvOutputs`: the sublayers' projections keep no copy of their input (the convolution's
+    output) while the forward's states wait for the backward: at least one hidden-size vector per row
+    and layer less than with the outputs kept, the same gradients."""
+    from dflash.models.drafter import DFlashDrafter as Plain
+    from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+
+    target = tiny_target(6)
+    batch = make_batch([30, 41], seed=6)
+    feats = target.features(batch)
+    blocks = draw_blocks(batch, block_size=B, num_anchors=12, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
+                         seed=0, epoch=0)
+
+    def step(remade):
+        drafter = tiny_dflash2(target, seed=6)
+        forward = drafter.block_hidden if remade else lambda *a, **k: Plain.block_hidden(drafter, *a, **k)
+        drafter.block_hidden = forward
+
+        def run():
+            hidden = drafter(batch, feats, blocks)
+            (hidden.float().square().sum()).backward()
+        peak, _ = measure_peak_tensor_bytes(run)
+        return peak, {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+
+    kept, kept_grads = step(False)
+    remade, grads = step(True)
+    rows, layers, hidden = blocks.input_ids.numel(), 2, target.config.hidden_size
+    assert kept - remade >= rows * layers * hidden * 4, (kept, remade)
+    for name in grads:
+        torch.testing.assert_close(grads[name], kept_grads[name], msg=name)
+
+
 def test_decoding_block_by_block_equals_the_packed_training_forward():
     """`draft` (context in a cache, one block at a time) gives the training forward's block states,
     convolutions, embedding scale and non-causal sliding layers included."""
@@ -131,8 +201,20 @@ def dense_selector_loss(drafter, hidden, blocks, stop_grad=False):
     return total
 
 
+@pytest.mark.parametrize("head", ["off", "torch", "triton"],
+                         ids=["torch-pass", "fused-head-torch", "fused-head-triton"])
 @pytest.mark.parametrize("stop_grad", [False, True])
-def test_selector_term_is_the_dense_objective_with_its_gradients(stop_grad):
+def test_selector_term_is_the_dense_objective_with_its_gradients(monkeypatch, stop_grad, head):
+    """Through the loss room's own pass and through the fused head (`dflash.ops.head_topk`: its torch
+    reference and its Triton kernels in the interpreter), which only the rows of positive weight reach."""
+    import dflash.models.loss as loss_module
+    import dflash.ops.head_topk as head_ops
+
+    monkeypatch.setattr(loss_module, "HEAD_BACKEND", head)
+    reached = []
+    fused = head_ops.head_topk
+    monkeypatch.setattr(head_ops, "head_topk", lambda logits, *a, **k: reached.append(len(logits)) or fused(
+        logits, *a, **k))
     target = tiny_target(5)
     drafter = tiny_dflash2(target, seed=5, settings=DFlash2Settings(
         conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4, output_multiplier=0.5,
@@ -172,6 +254,8 @@ def test_selector_term_is_the_dense_objective_with_its_gradients(stop_grad):
         "selector_recall"] <= rows
     torch.testing.assert_close(out.parts["selector"], dense_selector_loss(drafter, drafter(batch, feats, blocks),
                                                                           blocks).detach(), rtol=1e-5, atol=1e-5)
+    assert sum(reached) == (0 if head == "off" else 2 * int((blocks.weights > 0).sum()))  # two passes above
+    assert head == "off" or int((blocks.weights > 0).sum()) < blocks.weights.numel()  # some rows were left out
 
 
 @pytest.mark.parametrize("stop_grad", [False, True])

@@ -29,7 +29,7 @@ from .backend import is_interpreting
 MAX_SHARED = {80: 166912, 90: 232448, 100: 232448, 120: 101376}
 ARCH_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-FP32_TENSORS = ("LSE", "DELTA", "DQ_ACC")
+FP32_TENSORS = ("LSE", "DELTA", "DQ_ACC", "DBASE_PART", "PART_M", "PART_S", "PART_V", "GOLD", "TOP_V", "COEF")
 # Set to pin every autotuned kernel to pinned_config (a quick GPU check: no timing).
 PIN_ENV = "DFLASH_PIN_CONFIGS"
 

@@ -54,12 +54,14 @@ def autotune_configs(options: dict) -> list:
     return configs[:1] if is_interpreting() else configs
 
 
-def autotune(options: dict, key: list, fallback: str, reset_to_zero: list | None = None):
+def autotune(options: dict, key: list, fallback: str, reset_to_zero: list | None = None,
+             restore_value: list | None = None):
     """triton.autotune over `options`, pruned at the first launch of each key to the configs that fit
     the GPU in shared memory without spilling (common.compile_check). When none does, the error
     names `fallback`, a backend that serves the case. `reset_to_zero`: the buffers the kernel
     accumulates into; on a GPU the autotuner runs every config on the live buffers (many times)
-    before the real launch, and zeroes these after each run and before that launch."""
+    before the real launch, and zeroes these after each run and before that launch. `restore_value`: the
+    buffers a kernel updates in place, copied before each timed run and put back after it."""
 
     def wrap(fn):
         def prune(configs, nargs, **kwargs):
@@ -75,7 +77,7 @@ def autotune(options: dict, key: list, fallback: str, reset_to_zero: list | None
                 raise UserError(f"{err}; use {fallback}") from None
 
         tuner = triton.autotune(configs=autotune_configs(options), key=key, reset_to_zero=reset_to_zero,
-                                prune_configs_by={"early_config_prune": prune})(fn)
+                                restore_value=restore_value, prune_configs_by={"early_config_prune": prune})(fn)
         tuner.fallback = fallback
         return tuner
 

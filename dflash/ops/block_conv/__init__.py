@@ -1,0 +1,3 @@
+from .interface import block_conv
+
+__all__ = ["block_conv"]
