@@ -50,10 +50,11 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
         target_path = spec.name
         tokenizer, hf = random_target(spec, device, dtype)
     else:
-        target_path = spec.folder
-        check_target_folder(target_path)  # config.json there, each weight file whole
-        check_tokenizer_files(target_path, "--target")
-        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        target_path = spec.folder / spec.gguf_file if spec.gguf_file else spec.folder
+        if not spec.gguf_file:  # a .gguf file holds the tokenizer; transformers checks its tensors
+            check_target_folder(target_path)  # config.json there, each weight file whole
+            check_tokenizer_files(target_path, "--target")
+        tokenizer = AutoTokenizer.from_pretrained(str(spec.folder), **spec.load_kwargs)
         if chat_data is not None and not tokenizer.chat_template:
             raise UserError(f"--target {target_path}: its tokenizer has no chat template, which renders the "
                             f"conversations of --data {chat_data}; give the chat (instruct) model's folder, or add "
@@ -67,9 +68,10 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
             from dflash.distributed import partition as zero3
 
             with zero3.zero3_loading(zero3.target_zero3_config(spec, dtype, offload=offload, device=device)):
-                hf = load_language_model(target_path, dtype)  # straight into the partitions
+                hf = load_language_model(spec.folder, dtype, **spec.load_kwargs)  # straight into the partitions
         else:
-            hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
+            # an image-text checkpoint: its language model only
+            hf = load_language_model(spec.folder, dtype, device, **spec.load_kwargs)
     try:
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
