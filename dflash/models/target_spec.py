@@ -16,6 +16,8 @@ build a model nobody has).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -215,14 +217,24 @@ def check_family(model_type: str, where: str) -> None:
 
 
 def _gguf_config(folder: Path, gguf_file: str, flag: str, name: str):
+    """The config of a .gguf file (read once per process and file version: transformers parses all
+    of its metadata, the tokenizer's too, seconds for a 49K vocabulary)."""
+    stat = (folder / gguf_file).stat()
+    config = _read_gguf_config(str((folder / gguf_file).resolve()), stat.st_size, stat.st_mtime_ns, flag, name)
+    return copy.deepcopy(config)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_config(path: str, size: int, mtime_ns: int, flag: str, name: str):
     from transformers import AutoConfig
 
+    folder, gguf_file = Path(path).parent, Path(path).name
     try:
         config = AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
     except ImportError as e:  # the `gguf` package reads the file
         raise UserError(f"{flag} {name}: reading a .gguf file needs the gguf package (pip install gguf): {e}") \
             from None
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001  a foreign file's reader raises what it meets (struct.error, ...)
         raise UserError(f"{flag} {name}: cannot read {folder / gguf_file} as a GGUF model ({e})") from None
     check_family(config.model_type, f"{flag} {name}")
     return config
@@ -297,6 +309,9 @@ def load_target_spec(target: str | Path, flag: str = "--target", *, bare_presets
     path = Path(name)
     if bare_presets and path.is_file() and path.name == "config.json":
         return TargetSpec(name, _folder_config(path, flag, name), None, False)
+    if name in PRESETS and not Path(name).exists():
+        raise UserError(f"{flag} {name}: a preset is a shape without weights; give random:{name} (random weights) "
+                        "or the model's folder, Hub id or .gguf file")
     try:
         folder, gguf_file = resolve_target(name, flag)
     except UserError:

@@ -162,13 +162,14 @@ def load_backend(cfg: RegenerateConfig, tokenizer):
     return cls(cfg.target_spec, tokenizer, dtype, cfg.sampling_seed)
 
 
-def load_tokenizer(target: str):
-    """The tokenizer of `--target` (any form `resolve_target` takes), which must have a chat template."""
+def load_tokenizer(target: str, spec=None):
+    """The tokenizer of `--target` (any form `resolve_target` takes; `spec`: its TargetSpec, when
+    resolved already), which must have a chat template."""
     from transformers import AutoTokenizer
 
     from dflash.models.target_spec import load_target_spec
 
-    spec = load_target_spec(target)
+    spec = spec or load_target_spec(target)
     tokenizer = AutoTokenizer.from_pretrained(str(spec.folder), **spec.load_kwargs)
     if not tokenizer.chat_template:
         raise UserError(f"--target {target}: the tokenizer has no chat template")

@@ -144,7 +144,7 @@ def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progres
     settings = cfg.settings()
     source_data = open_source(cfg.input, messages_field=cfg.messages_field)
     done, dropped = resume_output(output, cfg, settings, say, source_data)
-    tokenizer = tokenizer or load_tokenizer(cfg.target)
+    tokenizer = tokenizer or load_tokenizer(cfg.target, cfg.target_spec)
     backend = backend or load_backend(cfg, tokenizer)
     skipped = SkipCounter()
     samples = renderable(source_data.rows(skip_bad=cfg.skip_bad, skipped=skipped, require_assistant=False),

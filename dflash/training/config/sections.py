@@ -44,7 +44,8 @@ class Inputs:
 
     target: str = _opt(
         str(demo.TARGET),
-        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target); "
+        "the frozen target: a Hugging Face causal LM folder, a Hub id (ORG/NAME, from the Hugging Face cache or "
+        "downloaded), or a .gguf file or a folder holding one (default: the built-in demo target); "
         "random:qwen3-8b or random:PATH (PATH holding a config.json): random weights of that shape and a synthetic "
         "tokenizer, to benchmark before downloading anything (data: random)",
     )
