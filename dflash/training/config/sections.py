@@ -60,6 +60,10 @@ class Inputs:
         "", "when --data is a parquet, Arrow, JSON or datasets folder: the column holding each conversation's turns "
         "({role, content} or ShareGPT {from, value}); default: messages, else conversations",
     )
+    features: str = _opt(
+        "", "a feature store (launch/capture_features.py) of --target on --data (then the token store it was "
+        "captured from): training and evaluation read the target's features from it; the target's weights never load",
+    )
     max_length: int = _opt(0, "when --data is not a store: truncate samples to this many tokens (0: the token budget)")
     eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")
     subset_tokens: int = _opt(
