@@ -228,8 +228,10 @@ def held_out(source: str, share: float, seed: int) -> bool:
 def split(prompts: list[Prompt], share: float, seed: int) -> tuple[list[Prompt], list[Prompt]]:
     """(training, held-out) by source, each ordered by length then kind and source; a prompt drawn
     twice (the same turns) is kept once."""
-    unique = {tuple(m["content"] for m in p.messages): p for p in prompts}.values()
-    order = sorted(unique, key=lambda p: (p.length, p.kind, p.source, [m["content"] for m in p.messages]))
+    unique: dict = {}
+    for p in sorted(prompts, key=lambda p: (p.length, p.kind, p.source, [m["content"] for m in p.messages])):
+        unique.setdefault(tuple(m["content"] for m in p.messages), p)  # the first of equal texts, by source
+    order = list(unique.values())
     train = [p for p in order if not held_out(p.source, share, seed)]
     return train, [p for p in order if held_out(p.source, share, seed)]
 
