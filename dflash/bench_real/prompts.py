@@ -12,7 +12,7 @@ reference sections, and long documents: whole reference topics and module source
 and multi-turn conversations whose follow-ups refer back to the first answer.
 
 The held-out split is by source: a prompt is held out when its source (the function, the module,
-the reference topic, the problem's numbers) hashes into the held-out share, so no held-out prompt
+the reference topic, the problem's text) hashes into the held-out share, so no held-out prompt
 shares its text with a training prompt. Files are ordered by length (batches of the regeneration
 pad little; an unfinished regeneration has the short prompts done).
 """
@@ -107,7 +107,7 @@ ITEMS = ["notebooks", "apples", "tickets", "bolts", "cupcakes", "stamps", "brick
 
 
 def arithmetic(rng: random.Random) -> tuple[str, str]:
-    """A multi-step word problem and its source key (the template and numbers)."""
+    """A multi-step word problem and its source key (its text's hash)."""
     n, m = rng.sample(NAMES, 2)
     item = rng.choice(ITEMS)
     a, b, c = rng.randint(3, 60), rng.randint(2, 25), rng.randint(2, 9)
@@ -131,7 +131,7 @@ def arithmetic(rng: random.Random) -> tuple[str, str]:
         f"Solve for x: {c}x + {a} = {c * b + a}. Explain each step.",
         f"{n} and {m} share {a * c} {item} in the ratio {c}:{b % 7 + 1}. How many does each get?",
     ][t]
-    return text, f"arith:{t}:{a}:{b}:{c}:{price}:{pct}:{speed}:{hours}"
+    return text, f"arith:{hashlib.sha256(text.encode()).hexdigest()[:16]}"  # the problem itself: equal texts, one split
 
 
 CODE_ASKS = ["Explain what this function from Python's `{m}` module does:", "What does the following code from "
