@@ -41,6 +41,7 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_cache_and_regenerates(hub_cach
     assert spec.folder == hub_cache and spec.gguf_file is None
     assert spec.config.to_diff_dict() | {"_name_or_path": ""} == folder.config.to_diff_dict() | {"_name_or_path": ""}
     assert spec.fingerprint()["sha256"] == folder.fingerprint()["sha256"]  # the same files: the same hash
+    assert load_target_spec("dflash-test/tiny", "--model", bare_presets=True).folder == hub_cache  # plan_memory
     # the command a user runs, by Hub id: the same answers as from the folder
     outs = []
     for name, target in (("hub", "dflash-test/tiny"), ("folder", str(TARGET))):
