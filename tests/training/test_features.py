@@ -91,3 +91,26 @@ def test_features_with_a_conversation_file_as_data_is_refused_before_loading(cap
     proc = train_one_rank(*tiny_train_args(TARGET, DATA, tmp_path / "run", "--features", captured))
     assert proc.returncode != 0
     assert "--features: reads features captured of a model's token store" in proc.stderr
+
+
+def test_compare_recipes_reads_the_features_and_evaluates_as_online(captured):
+    """The recipe sweep the store is for: every recipe's held-out loss and tau as with the target."""
+    import os
+
+    from .. import preloaded
+    from ..conftest import ROOT
+
+    results = []
+    for name, extra in (("online", ()), ("offline", ("--features", captured))):
+        out = captured.parent / f"recipes-{name}"
+        args = [str(a) for a in tiny_train_args(TARGET, captured / "tokens", out, *ARGS[4:], *extra)]
+        proc = preloaded.run(ROOT / "launch" / "compare_recipes.py",
+                             [*args, "--recipes", "a: ; b: --lr 3e-3", "--steps", "2", "--seeds", "0,1",
+                              "--eval-interval", "2"],
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, cwd=ROOT,
+                             timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recipes = json.loads((out / "recipes.json").read_text())["recipes"]
+        results.append({r: [[{k: v for k, v in e.items() if k != "train_seconds"} for e in s["evals"]]
+                            for s in stats["seeds"]] for r, stats in recipes.items()})
+    assert results[0] == results[1] and len(results[0]["b"][1]) == 2
