@@ -55,6 +55,16 @@ with torch.no_grad():
     hidden = target.hf(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
 want = torch.cat([hidden[i + 1][0] for i in target.model.target_layer_ids], dim=-1)
 report["taps_rel_err"] = float((taps - want).abs().max() / want.abs().max())  # residuals reach the hundreds
+# what captured features rely on: a sample's taps on the packed path are the same bits beside other samples
+other, _ = tokenize_conversation(target.tokenizer, [{"role": "user", "content": "Name a colour."},
+                                                    {"role": "assistant", "content": "Blue."}], "script")
+both = list(ids) + list(other)
+cu = torch.tensor([0, n, len(both)], dtype=torch.int32)
+pair = PackedBatch(torch.tensor(both, dtype=torch.long), torch.ones(len(both), dtype=torch.bool),
+                   torch.cat([torch.arange(n), torch.arange(len(other))]), cu, cu, max(n, len(other)),
+                   torch.tensor([0, 1]))
+with torch.no_grad():
+    report["taps_bitwise_beside_another"] = bool(torch.equal(target.model.features(pair)[:n], taps))
 
 Trainer(cfg, target=target).train()
 # DFlash2 (its selector over the top-K of 49K logits) with a KL term (the target's distribution over

@@ -51,6 +51,7 @@ def test_the_real_target_trains_exports_and_decodes_losslessly(tmp_path):
     assert r["taps"] == default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert r["system_rendered"] and "SmolLM" not in r["supervised"] and r["supervised"].startswith("2 + 3 = 5.")
     assert r["taps_rel_err"] < 1e-5, r
+    assert r["taps_bitwise_beside_another"]  # what a feature store captured is what a packed run computes
     assert r["export"]["rope_theta"] == 100000.0 and r["export"]["num_target_layers"] == 30
     assert r["export"]["vocab_size"] == 49152 and r["export_dflash"]["mask_token_id"] == r["mask_id"]
     assert r["export_dflash"]["target_layer_ids"] == r["taps"] and r["export"]["max_position_embeddings"] == 8192
