@@ -56,7 +56,9 @@ setup(
             "pyyaml",
             "tensorboard",
         ],
-        "test": ["pytest>=8", "pytest-xdist>=3.2", "hypothesis>=6", "ruff>=0.6"],
+        # .gguf targets: transformers reads (and dequantizes) them with it
+        "gguf": ["gguf>=0.10"],
+        "test": ["pytest>=8", "pytest-xdist>=3.2", "hypothesis>=6", "ruff>=0.6", "gguf>=0.10"],
         # GPU only, optional: flash-linear-attention's Gated DeltaNet kernels with cu_seqlens for
         # hybrid targets (Qwen3.5 / 3.6); without it their layers run the PyTorch reference.
         "fla": ["flash-linear-attention>=0.3"],

@@ -17,7 +17,8 @@ from dflash.options import number
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=str(TARGET), help="model directory (default: the demo target)")
+    p.add_argument("--target", default=str(TARGET),
+                   help="the target: a model folder, a Hub id or a .gguf file (default: the demo target)")
     p.add_argument("--input", default=str(PROMPTS), help="prompt JSONL (default: the demo prompts)")
     p.add_argument("--samples", type=number(int, minimum=1), default=64,
                    help="conversations per measurement (default: 64)")

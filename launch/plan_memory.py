@@ -45,7 +45,8 @@ MAX_GPU_GIB = 1 << 16  # 64 TiB per device: far above any accelerator, and the p
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b",
-                   help=f"target: a preset ({', '.join(PRESETS)}), a config.json or a model folder "
+                   help=f"target: a preset ({', '.join(PRESETS)}), a config.json, a model folder, a Hub id or a "
+                   ".gguf file "
                    "(default %(default)s)")
     p.add_argument("--world-size", type=number(int, minimum=1), default=8,
                    help="ranks (GPUs) in all (default %(default)s)")

@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--num-proc", type=number(int, minimum=1), default=None,
                    help="tokenizing processes (default: one per 16 MiB of input, up to the CPUs available)")
     p.add_argument("--tokenizer", required=True,
-                   help="local Hugging Face tokenizer (or model) folder with a chat template")
+                   help="local Hugging Face tokenizer (or model) folder with a chat template, or a .gguf model file")
     p.add_argument("--output", required=True, help="folder to create for the token store")
     p.add_argument("--max-length", type=number(int, minimum=1), default=None,
                    help="longest sample in tokens (default: no limit)")

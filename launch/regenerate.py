@@ -1,6 +1,6 @@
 """Regenerate a conversation dataset with the target model (the data a DFlash drafter learns from).
 
-    python launch/regenerate.py --target MODEL_DIR --input prompts.jsonl --output out.jsonl
+    python launch/regenerate.py --target MODEL --input prompts.jsonl --output out.jsonl
 
 Every assistant turn is replaced by the target's own response to the turns before it (a
 conversation that ends with a user turn gets one response). Greedy by default. Rerunning the same
@@ -24,7 +24,8 @@ from dflash.options import number
 def parse_args(argv=None) -> RegenerateConfig:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True,
-                   help="Hugging Face model directory of the target (with tokenizer and chat template)")
+                   help="the target (its tokenizer has a chat template): a Hugging Face model folder, a Hub id "
+                        "(ORG/NAME) or a .gguf file or a folder holding one")
     p.add_argument("--input", required=True,
                    help="conversations ({'messages': [...]} or ShareGPT {'conversations': [...]}): a JSONL, JSON, "
                         "parquet or Arrow file, a folder of parquet shards, or a datasets save_to_disk folder")

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.folders import check_drafter_folder, check_target_folder
+from dflash.models.folders import check_drafter_folder
 from dflash.options import number
 
 
@@ -47,7 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", help="JSONL conversations (`messages`): every assistant turn is decoded with the "
                    "file's history, and a conversation ending with a user turn gets one response (default: the "
                    "held-out turns of the drafter's run)")
-    p.add_argument("--target", help="Hugging Face target folder (default: the run's target, else the demo target)")
+    p.add_argument("--target", help="the target: a Hugging Face model folder, a Hub id or a .gguf file (default: the "
+                                    "run's target, else the demo target)")
     p.add_argument("--max-new-tokens", type=number(int, minimum=1),
                    help="limit per turn (default: the limit the data was regenerated "
                    "with, meta.max_new_tokens, else 2048)")
@@ -167,22 +168,22 @@ def check_positions(prompts, spec, where) -> None:
                         "conversations out or shorten them (--max-turns decodes only the first turns)")
 
 
-def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
+def load_models(drafter_dir: Path, spec, dtype_option: str):
     import torch
 
     from dflash.devices import resolve_dtype
-    from dflash.models import DFlashDrafter, load_target_spec
+    from dflash.models import DFlashDrafter
     from dflash.training.models import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype_option, device)
     try:
         drafter = DFlashDrafter.from_pretrained(drafter_dir)
-        target = load_target(load_target_spec(str(target_path)), device, dtype,
+        target = load_target(spec, device, dtype,
                              target_layer_ids=drafter.config.target_layer_ids, mask_token=False)
         drafter.attach(target.model.shared_weights())
     except ValueError as e:
-        raise UserError(f"--drafter {drafter_dir} with --target {target_path}: {e}") from None
+        raise UserError(f"--drafter {drafter_dir} with --target {spec.name}: {e}") from None
     drafter.to(device, dtype).eval()
     return drafter, target, device, dtype
 
@@ -241,10 +242,8 @@ def main(argv=None):
     args = parse_args(argv)
     sampling, seed = sampling_options(args)
 
-    from transformers import AutoTokenizer
-
     from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
-    from dflash.data.tokenizing import check_tokenizer_files
+    from dflash.data.tokenizing import load_tokenizer
     from dflash.demo import TARGET
     from dflash.models import load_target_spec
     from dflash.models.speculate import (
@@ -276,10 +275,9 @@ def main(argv=None):
     if limit < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 
-    check_target_folder(target_path)
+    spec = load_target_spec(str(target_path))  # a folder, a Hub id or a .gguf file; one line if none
     # the turns, tokenized and checked against the target's positions, before any weight loads
-    check_tokenizer_files(target_path, "--target")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))  # the one the target loads with
+    tokenizer = load_tokenizer(spec.folder / spec.gguf_file if spec.gguf_file else spec.folder, "--target")
     if args.prompts:
         prompts = prompts_from_conversations(args.prompts, tokenizer)
         # the walk needs every turn decoded: not with --max-turns
@@ -289,9 +287,9 @@ def main(argv=None):
     prompts = prompts[:args.max_turns]
     if not prompts:
         raise UserError("no turns to decode")
-    check_positions(prompts, load_target_spec(str(target_path)), args.prompts or f"the held-out turns of "
+    check_positions(prompts, spec, args.prompts or f"the held-out turns of "
                     f"{drafter_dir.parent}")
-    drafter, target, device, dtype = load_models(drafter_dir, target_path, args.dtype)
+    drafter, target, device, dtype = load_models(drafter_dir, spec, args.dtype)
     hf = target.hf
     stops = stop_ids(tokenizer, target.spec.generation_eos())
     report = speculate(hf, drafter, prompts, max_new_tokens=limit, stop_ids=stops, progress=args.progress,

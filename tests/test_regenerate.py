@@ -17,6 +17,7 @@ import pytest
 from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
+from dflash.models.target_spec import load_target_spec
 
 from . import preloaded
 from .conftest import greedy_reference, launch_script, read_jsonl
@@ -35,7 +36,7 @@ def backend(tokenizer):
     import torch
 
     torch.set_num_threads(1)
-    return HFBackend(str(TARGET), tokenizer, "float32")
+    return HFBackend(load_target_spec(str(TARGET)), tokenizer, "float32")
 
 
 def write_prompts(path: Path, n: int, start: int = 0) -> Path:
@@ -398,9 +399,9 @@ def test_a_full_disk_keeps_the_complete_lines_and_the_rerun_resumes(tmp_path, to
 def test_a_prompt_past_the_targets_positions_is_named_by_line_also_when_skipped(tmp_path, backend, tokenizer):
     """The target's positions end (2,048 for the demo target): a prompt past them was handed to the
     model. Its last prompt without responses (what it holds whatever is generated) is checked first."""
-    from dflash.data.regenerate.run import target_positions
+    from dflash.models.target_spec import load_target_spec
 
-    positions = target_positions(str(TARGET))
+    positions = load_target_spec(str(TARGET)).positions
     assert positions == 2048
     prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
     lines = prompts.read_text().splitlines()

@@ -10,6 +10,7 @@ import torch
 from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.demo.families import CONFIGS
+from dflash.models.target_spec import load_target_spec
 
 from .conftest import greedy_reference, read_jsonl
 
@@ -32,7 +33,7 @@ def test_regenerated_turns_are_greedy_answers(family, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in multi + short))  # prompts of unequal length
     tokenizer = load_tokenizer(str(folder))
-    backend = HFBackend(str(folder), tokenizer, "float32")
+    backend = HFBackend(load_target_spec(str(folder)), tokenizer, "float32")
     cfg = RegenerateConfig(target=str(folder), input=str(prompts), output=str(tmp_path / "out.jsonl"),
                            max_new_tokens=8, batch_size=3)
     regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)

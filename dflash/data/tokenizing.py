@@ -30,12 +30,18 @@ def check_tokenizer_files(path: str | Path, flag: str) -> None:
 
 
 def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
-    """A fast tokenizer with a chat template from a local folder; `flag` names the option in errors."""
+    """A fast tokenizer with a chat template from a local folder or a .gguf model file (the tokenizer
+    it holds); `flag` names the option in errors."""
     from transformers import AutoTokenizer
 
-    check_tokenizer_files(path, flag)
+    path = Path(path)
+    if path.suffix == ".gguf" and path.is_file():
+        folder, extra = path.parent, {"gguf_file": path.name}
+    else:
+        check_tokenizer_files(path, flag)
+        folder, extra = path, {}
     try:
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(folder), **extra)
     except (OSError, ValueError) as e:
         raise UserError(f"{flag} {path}: cannot load a tokenizer there ({e})") from None
     if not getattr(tok, "is_fast", False):

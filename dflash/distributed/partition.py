@@ -185,6 +185,9 @@ def target_bytes(model) -> dict:
 
 def target_summary(memory: dict, cfg, world_size: int) -> str:
     """The run header's line on where the target lives."""
+    if cfg.inputs.features:
+        return (f"target: its features read from --features {cfg.inputs.features}; in memory only the embedding "
+                f"and lm_head the drafter borrows, {gib(memory['full'])}")
     if cfg.device.target_partition == "none":
         return f"target: a full copy on every rank, {gib(memory['full'])}"
     where = "in CPU memory (--target-offload)" if cfg.device.target_offload else "on the device"

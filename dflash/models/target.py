@@ -339,8 +339,9 @@ class TargetModel(nn.Module):
         return masks
 
 
-def load_language_model(path, dtype: torch.dtype, device=None) -> nn.Module:
-    """The target's causal LM from a Hugging Face folder, without what features never use.
+def load_language_model(path, dtype: torch.dtype, device=None, gguf_file: str | None = None) -> nn.Module:
+    """The target's causal LM from a Hugging Face folder (or the `gguf_file` in it, dequantized to
+    `dtype`), without what features never use.
 
     An image-text checkpoint (Qwen3.5 / 3.6 ship as `...ForConditionalGeneration`) loads only its
     language model (`...ForCausalLM` on the nested text config): no vision tower in memory, the
@@ -351,10 +352,11 @@ def load_language_model(path, dtype: torch.dtype, device=None) -> nn.Module:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     path = str(path)
-    config = AutoConfig.from_pretrained(path)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(path, **extra)
     text = config.get_text_config(decoder=True)
     if text is config:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     else:
         if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
             raise UserError(f"{path}: {config.model_type} nests a {text.model_type} language model that transformers "

@@ -1,7 +1,10 @@
 """The target, resolved once from `--target` before anything loads: `TargetSpec`.
 
-`--target` is a Hugging Face model folder, `random:PRESET` (a row of `PRESETS`) or `random:PATH`
-(the shape of the model whose config.json is at PATH, random weights); the sizing tools
+`--target` is a Hugging Face model folder, a Hub id (`ORG/NAME`: the snapshot in the Hugging Face
+cache, downloaded first when online), a `.gguf` file or a folder holding one (transformers
+dequantizes it; its tokenizer and chat template come from the file), `random:PRESET` (a row of
+`PRESETS`) or `random:PATH` (the shape of the model whose config.json is at PATH, random
+weights); every command resolves it here, once (`resolve_target`). The sizing tools
 (`launch/plan_memory.py`, `launch/plan_batches.py`) also take a bare preset name or a config.json.
 Everything decided before loading reads the spec: the memory plan, the drafter settings and
 `--init-drafter`'s check, the tapped layers, the mask token's embedding row, the loader, the
@@ -13,8 +16,12 @@ build a model nobody has).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,11 @@ from typing import Any
 from dflash.errors import UserError
 
 RANDOM_PREFIX = "random:"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+GGUF_SUFFIX = ".gguf"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", GGUF_SUFFIX)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # ORG/NAME, as the Hub names repositories
+# What a Hub id downloads: a transformers checkpoint (config, tokenizer, safetensors), not every file
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
 
 # model_type -> what the packed path does beyond dense attention (the README "Targets" table)
 TARGET_FAMILIES = {
@@ -95,8 +106,14 @@ class TargetSpec:
 
     name: str  # as given (e.g. "random:qwen3-8b", a folder)
     config: Any  # the language model's transformers config (the text config of an image-text model)
-    folder: Path | None  # the model folder; None for a preset or a random target
+    folder: Path | None  # the model folder (a Hub id's snapshot); None for a preset or a random target
     random: bool  # random weights and a synthetic tokenizer, built in memory
+    gguf_file: str | None = None  # the .gguf file in `folder` the weights and tokenizer come from
+
+    @property
+    def load_kwargs(self) -> dict:
+        """What transformers' `from_pretrained(folder, ...)` needs besides the folder (model, config, tokenizer)."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
     @property
     def family(self) -> str:
@@ -134,24 +151,43 @@ class TargetSpec:
             return None
         from transformers import GenerationConfig
 
+        if self.gguf_file:
+            return self.config.eos_token_id
         try:
             return GenerationConfig.from_pretrained(str(self.folder)).eos_token_id
         except OSError:
             return json.loads((self.folder / "config.json").read_text()).get("eos_token_id")
 
     def fingerprint(self) -> dict:
-        """The folder and a hash of what tells one model from another without reading the weights:
-        config.json, and the name, size and first 64 KiB (the safetensors header) of every weight
-        file. A moved folder keeps its hash; a `random:` target is its name."""
+        """The model's path and a hash of what tells one model from another without reading every
+        byte: config.json, and of every weight file (of the .gguf file alone for a GGUF target) its
+        name, size, first 64 KiB (the header) and 64 windows of 4 KiB spread over it (the weights
+        themselves: a fine-tune of the same shapes has the same header). A moved folder keeps its
+        hash; a `random:` target is its name."""
         if self.folder is None:
             return {"path": self.name}
         h = hashlib.sha256()
-        files = [self.folder / "config.json",
-                 *sorted(p for p in self.folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]
+        if self.gguf_file:
+            files = [self.folder / self.gguf_file]
+        else:
+            files = [self.folder / "config.json",
+                     *sorted(p for p in self.folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]
         for f in files:
-            with f.open("rb") as data:
-                h.update(f"{f.name}:{f.stat().st_size}:".encode() + data.read(1 << 16))
-        return {"path": str(self.folder.resolve()), "sha256": h.hexdigest()}
+            h.update(f"{f.name}:{f.stat().st_size}:".encode())
+            _hash_samples(h, f)
+        path = self.folder / self.gguf_file if self.gguf_file else self.folder
+        return {"path": str(path.resolve()), "sha256": h.hexdigest()}
+
+
+def _hash_samples(h, path: Path, head: int = 1 << 16, windows: int = 64, window: int = 1 << 12) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as data:
+        h.update(data.read(head))
+        if size <= head:
+            return
+        for i in range(windows):
+            data.seek(head + (size - head) * i // windows)
+            h.update(data.read(window))
 
 
 def _preset_config(name: str):
@@ -186,9 +222,84 @@ def check_family(model_type: str, where: str) -> None:
                         f"{', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
+def _gguf_config(folder: Path, gguf_file: str, flag: str, name: str):
+    """The config of a .gguf file (read once per process and file version: transformers parses all
+    of its metadata, the tokenizer's too, seconds for a 49K vocabulary)."""
+    stat = (folder / gguf_file).stat()
+    config = _read_gguf_config(str((folder / gguf_file).resolve()), stat.st_size, stat.st_mtime_ns, flag, name)
+    return copy.deepcopy(config)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_config(path: str, size: int, mtime_ns: int, flag: str, name: str):
+    from transformers import AutoConfig
+
+    folder, gguf_file = Path(path).parent, Path(path).name
+    try:
+        config = AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
+    except ImportError as e:  # the `gguf` package reads the file
+        raise UserError(f"{flag} {name}: reading a .gguf file needs the gguf package (pip install gguf): {e}") \
+            from None
+    except Exception as e:  # noqa: BLE001  a foreign file's reader raises what it meets (struct.error, ...)
+        raise UserError(f"{flag} {name}: cannot read {folder / gguf_file} as a GGUF model ({e})") from None
+    check_family(config.model_type, f"{flag} {name}")
+    return config
+
+
+def hub_snapshot(repo_id: str, flag: str = "--target") -> Path:
+    """The folder of Hub model `repo_id` in the Hugging Face cache (HF_HUB_CACHE); downloaded
+    (config, tokenizer, safetensors) when it is not there and the hub is reachable."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{flag} {repo_id}: not a folder or file here, and not in the Hugging Face cache "
+                        f"({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE is set") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except RepositoryNotFoundError:
+        raise UserError(f"{flag} {repo_id}: no such folder or file here, and no such model on the Hugging Face Hub "
+                        "(or it is gated: log in with `hf auth login`)") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{flag} {repo_id}: not a folder or file here, not in the Hugging Face cache, and the "
+                        f"download failed ({reason})") from None
+
+
+def resolve_target(name: str, flag: str = "--target") -> tuple[Path, str | None]:
+    """Where the model `name` is: (its folder, the .gguf file in it or None). `name` is a model
+    folder, a .gguf file, a folder holding one .gguf file (and no config.json), or a Hub id."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != GGUF_SUFFIX:
+            raise UserError(f"{flag} {name}: a file that is not a .gguf model; give a Hugging Face model folder, "
+                            "a .gguf file or a Hub id (ORG/NAME)")
+        return path.parent, path.name
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path, None
+        ggufs = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}"))
+        if len(ggufs) == 1:
+            return path, ggufs[0]
+        if ggufs:
+            raise UserError(f"{flag} {name}: holds {len(ggufs)} .gguf files ({', '.join(ggufs[:4])}); give the one "
+                            "to load")
+        raise UserError(f"{flag} {name}: not a Hugging Face model folder (no config.json, no .gguf file)")
+    if HUB_ID.match(name) and not os.path.exists(path.parent):
+        return resolve_target(str(hub_snapshot(name, flag)), flag)
+    raise UserError(f"{flag} {name}: no such folder or file, and not a Hugging Face Hub id (ORG/NAME)")
+
+
 def load_target_spec(target: str | Path, flag: str = "--target", *, bare_presets: bool = False) -> TargetSpec:
-    """The spec of `target`: a model folder, `random:PRESET` or `random:PATH`; with `bare_presets`
-    (the sizing tools) also a preset name or a config.json. Refused (UserError) before any heavy work."""
+    """The spec of `target`: a model folder, a Hub id, a .gguf file (or a folder of one), `random:PRESET`
+    or `random:PATH`; with `bare_presets` (the sizing tools) also a preset name or a config.json.
+    Refused (UserError) in one line before any heavy work."""
     name = str(target)
     if is_random_target(name):
         shape = name[len(RANDOM_PREFIX):]
@@ -204,9 +315,16 @@ def load_target_spec(target: str | Path, flag: str = "--target", *, bare_presets
     path = Path(name)
     if bare_presets and path.is_file() and path.name == "config.json":
         return TargetSpec(name, _folder_config(path, flag, name), None, False)
-    if not (path / "config.json").is_file():
+    if name in PRESETS and not Path(name).exists():
+        raise UserError(f"{flag} {name}: a preset is a shape without weights; give random:{name} (random weights) "
+                        "or the model's folder, Hub id or .gguf file")
+    try:
+        folder, gguf_file = resolve_target(name, flag)
+    except UserError:
         if bare_presets:
-            raise UserError(f"{flag} {name}: neither a preset ({', '.join(PRESETS)}) nor a config.json or a "
-                            "Hugging Face model folder")
-        raise UserError(f"{flag} {name}: not a Hugging Face model folder (no config.json)")
-    return TargetSpec(name, _folder_config(path, flag, name), path, False)
+            raise UserError(f"{flag} {name}: neither a preset ({', '.join(PRESETS)}) nor a config.json, a Hugging "
+                            "Face model folder, a .gguf file or a Hub id") from None
+        raise
+    if gguf_file:
+        return TargetSpec(name, _gguf_config(folder, gguf_file, flag, name), folder, False, gguf_file)
+    return TargetSpec(name, _folder_config(folder, flag, name), folder, False)

@@ -27,7 +27,8 @@ class LoadedTarget(NamedTuple):
 
 def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_features: int = 5,
                 attention_backend: str = "auto", mask_token: bool = True, mask_text: str = "",
-                chat_data: str | None = None, partition: str = "none", offload: bool = False) -> LoadedTarget:
+                chat_data: str | None = None, partition: str = "none", offload: bool = False,
+                features: tuple[str, str] | None = None) -> LoadedTarget:
     """Tokenizer and frozen target of `spec`: a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
     weights of that shape and a synthetic tokenizer, `dflash.models.random_target`), tapped at
     `target_layer_ids` (default: the official rule with `num_features` taps); with `mask_token`, the
@@ -36,7 +37,8 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
     rendered with the tokenizer's chat template, which must then have one. Both are checked before
     a folder's weights load. `partition` "zero3": the target's parameters are partitioned across the
     ranks (`dflash.distributed.partition`; collective, every rank calls this), with `offload` in CPU
-    memory; the model is then a `PartitionedTarget`."""
+    memory; the model is then a `PartitionedTarget`. `features` (a feature store folder, the token store
+    it was captured from): the model reads the store (`dflash.features`); the target's weights never load."""
     from transformers import AutoTokenizer
 
     from dflash.data.tokenizing import check_tokenizer_files
@@ -50,10 +52,11 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
         target_path = spec.name
         tokenizer, hf = random_target(spec, device, dtype)
     else:
-        target_path = spec.folder
-        check_target_folder(target_path)  # config.json there, each weight file whole
-        check_tokenizer_files(target_path, "--target")
-        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        target_path = spec.folder / spec.gguf_file if spec.gguf_file else spec.folder
+        if not spec.gguf_file:  # a .gguf file holds the tokenizer; transformers checks its tensors
+            check_target_folder(target_path)  # config.json there, each weight file whole
+            check_tokenizer_files(target_path, "--target")
+        tokenizer = AutoTokenizer.from_pretrained(str(spec.folder), **spec.load_kwargs)
         if chat_data is not None and not tokenizer.chat_template:
             raise UserError(f"--target {target_path}: its tokenizer has no chat template, which renders the "
                             f"conversations of --data {chat_data}; give the chat (instruct) model's folder, or add "
@@ -63,13 +66,22 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
                 check_mask_token(tokenizer, spec.embedding_rows, mask_text)
         except ValueError as e:
             raise UserError(f"--target {target_path}: {e}") from None
+        if features:
+            from dflash.data.token_store import TokenStore
+            from dflash.features import load_captured
+
+            taps = list(target_layer_ids) if target_layer_ids else spec.default_layer_ids(num_features)
+            loaded = load_captured(features[0], spec, TokenStore(features[1]), device, dtype, taps, tokenizer)
+            mask_id = ensure_mask_token(tokenizer, loaded.model.num_embedding_rows, mask_text) if mask_token else None
+            return loaded._replace(mask_id=mask_id)
         if partition == "zero3":
             from dflash.distributed import partition as zero3
 
             with zero3.zero3_loading(zero3.target_zero3_config(spec, dtype, offload=offload, device=device)):
-                hf = load_language_model(target_path, dtype)  # straight into the partitions
+                hf = load_language_model(spec.folder, dtype, **spec.load_kwargs)  # straight into the partitions
         else:
-            hf = load_language_model(target_path, dtype, device)  # an image-text checkpoint: its language model only
+            # an image-text checkpoint: its language model only
+            hf = load_language_model(spec.folder, dtype, device, **spec.load_kwargs)
     try:
         taps = list(target_layer_ids) if target_layer_ids else None
         model = TargetModel(hf, taps, num_features=num_features, attention_backend=attention_backend)
@@ -89,7 +101,8 @@ def load_train_target(cfg: TrainConfig, spec: TargetSpec, device, dtype) -> Load
                          num_features=cfg.drafter.num_target_features, attention_backend=cfg.device.attention_backend,
                          mask_token=not cfg.drafter.init_drafter, mask_text=cfg.drafter.mask_token,
                          chat_data=chat_data(cfg),
-                         partition=cfg.device.target_partition, offload=cfg.device.target_offload)
+                         partition=cfg.device.target_partition, offload=cfg.device.target_offload,
+                         features=(cfg.inputs.features, cfg.inputs.data) if cfg.inputs.features else None)
     if not cfg.drafter.init_drafter:
         return target
     from dflash.models.config import check_fits_target

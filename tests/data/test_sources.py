@@ -189,10 +189,11 @@ def test_regenerate_reads_a_parquet_input_as_its_jsonl_and_resumes_it(tmp_path):
 
     from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate
     from dflash.demo import PROMPTS, TARGET
+    from dflash.models.target_spec import load_target_spec
 
     torch.set_num_threads(1)
     tok = load_tokenizer(str(TARGET))
-    backend = HFBackend(str(TARGET), tok, "float32")
+    backend = HFBackend(load_target_spec(str(TARGET)), tok, "float32")
     rows = [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines()[:3]]
     outputs = {}
     for kind in ("jsonl", "parquet"):

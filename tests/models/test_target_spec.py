@@ -17,7 +17,7 @@ def test_a_random_preset_is_the_sizing_tools_preset():
     assert (random.family, random.num_layers, random.embedding_rows) == ("qwen3", 36, 151936)
     assert random.default_layer_ids(5) == default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert random.fingerprint() == {"path": "random:qwen3-8b"} and random.generation_eos() is None
-    with pytest.raises(UserError, match="not a Hugging Face model folder"):
+    with pytest.raises(UserError, match="a preset is a shape without weights; give random:qwen3-8b"):
         load_target_spec("qwen3-8b")  # a bare preset has no weights to train with
 
 

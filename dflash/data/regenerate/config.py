@@ -2,7 +2,7 @@
 settings every output line records (a resumed run must agree with the lines it keeps)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.data.sources import open_source
@@ -16,7 +16,7 @@ SETTINGS = ("target", "temperature", "seed", "max_new_tokens", "keep_thinking")
 
 @dataclass
 class RegenerateConfig:
-    target: str  # Hugging Face model directory (config, weights, tokenizer with a chat template)
+    target: str  # the target as --target names it: a model folder, a Hub id, a .gguf file (`resolve_target`)
     input: str  # conversations in any format of dflash.data.sources (`messages` or ShareGPT `conversations`)
     output: str  # JSONL written in the `messages` form; appended to when it exists (resume)
     max_new_tokens: int = 2048  # per assistant turn
@@ -31,6 +31,16 @@ class RegenerateConfig:
     limit: int | None = None  # regenerate only the first `limit` valid conversations
     messages_field: str | None = None  # the input's conversation column (default: messages, else conversations)
     split: str | None = None  # the split of an input that holds several (a Hub folder, a DatasetDict)
+    _spec: object = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def target_spec(self):
+        """The resolved target (`dflash.models.target_spec`), read once."""
+        if self._spec is None:
+            from dflash.models.target_spec import load_target_spec
+
+            self._spec = load_target_spec(self.target)
+        return self._spec
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -47,8 +57,8 @@ class RegenerateConfig:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.limit is not None and self.limit < 1:
             raise UserError(f"--limit must be at least 1, got {self.limit}")
-        if not (Path(self.target) / "config.json").is_file():
-            raise UserError(f"--target {self.target}: not a model directory (no config.json)")
+        if self.target_spec.random:
+            raise UserError(f"--target {self.target}: a random target has no chat model to answer with")
         # the format and columns, one line if wrong
         open_source(self.input, messages_field=self.messages_field, split=self.split)
         if Path(self.output).resolve() == Path(self.input).resolve():

@@ -31,7 +31,7 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, target: str, tokenizer, dtype: str):
+    def __init__(self, spec, tokenizer, dtype: str):
         import torch
         from transformers import GenerationConfig
 
@@ -42,7 +42,7 @@ class HFBackend:
         if dtype == "auto":
             dtype = "bfloat16" if self.device == "cuda" else "float32"
         # any TargetModel family; an image-text checkpoint: its language model only
-        self.model = load_language_model(target, getattr(torch, dtype), self.device)
+        self.model = load_language_model(spec.folder, getattr(torch, dtype), self.device, **spec.load_kwargs)
         self.model.eval()
         self.stops = stop_ids(tokenizer, self.model.generation_config.eos_token_id)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
@@ -82,13 +82,11 @@ class VLLMBackend:
 
     name = "vllm"
 
-    def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
+    def __init__(self, spec, tokenizer, dtype: str, seed: int | None):
         from vllm import LLM
 
-        from dflash.models.target_spec import load_target_spec
-
-        self.llm = LLM(model=target, dtype=dtype, seed=seed or 0)
-        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
+        self.llm = LLM(model=_engine_path(spec), dtype=dtype, seed=seed or 0)
+        self.stops = stop_ids(tokenizer, spec.generation_eos())
 
     def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
         from vllm import SamplingParams
@@ -109,13 +107,12 @@ class SGLangBackend:
 
     name = "sglang"
 
-    def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
+    def __init__(self, spec, tokenizer, dtype: str, seed: int | None):
         import sglang
 
-        from dflash.models.target_spec import load_target_spec
-
-        self.engine = sglang.Engine(model_path=target, dtype=dtype, random_seed=seed or 0, log_level="error")
-        self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
+        self.engine = sglang.Engine(model_path=_engine_path(spec), dtype=dtype, random_seed=seed or 0,
+                                    log_level="error")
+        self.stops = stop_ids(tokenizer, spec.generation_eos())
 
     def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
         params = [
@@ -132,6 +129,11 @@ class SGLangBackend:
                        o["meta_info"]["finish_reason"]["type"] == "length")
             for o in outs
         ]
+
+
+def _engine_path(spec) -> str:
+    """What vLLM and SGLang load: the model folder, or the .gguf file itself."""
+    return str(spec.folder / spec.gguf_file) if spec.gguf_file else str(spec.folder)
 
 
 def _importable(module: str) -> bool:
@@ -154,16 +156,21 @@ def choose_backend(name: str) -> str:
 def load_backend(cfg: RegenerateConfig, tokenizer):
     name = choose_backend(cfg.backend)
     if name == "hf":
-        return HFBackend(cfg.target, tokenizer, cfg.dtype)
+        return HFBackend(cfg.target_spec, tokenizer, cfg.dtype)
     dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
     cls = VLLMBackend if name == "vllm" else SGLangBackend
-    return cls(cfg.target, tokenizer, dtype, cfg.sampling_seed)
+    return cls(cfg.target_spec, tokenizer, dtype, cfg.sampling_seed)
 
 
-def load_tokenizer(target: str):
+def load_tokenizer(target: str, spec=None):
+    """The tokenizer of `--target` (any form `resolve_target` takes; `spec`: its TargetSpec, when
+    resolved already), which must have a chat template."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    from dflash.models.target_spec import load_target_spec
+
+    spec = spec or load_target_spec(target)
+    tokenizer = AutoTokenizer.from_pretrained(str(spec.folder), **spec.load_kwargs)
     if not tokenizer.chat_template:
         raise UserError(f"--target {target}: the tokenizer has no chat template")
     return tokenizer

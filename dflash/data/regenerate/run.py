@@ -138,16 +138,6 @@ def _record(raw: dict, lineno: int, messages: list[dict], gens: list[Generation]
     return dump_line({"messages": messages, **extra, "meta": meta})
 
 
-def target_positions(target: str) -> int | None:
-    """The target's positions (its config's max_position_embeddings), None where its config does not say."""
-    from dflash.models.target_spec import load_target_spec
-
-    try:
-        return load_target_spec(target).positions
-    except UserError:  # a family dflash does not train may still be regenerated with (vLLM, SGLang)
-        return None
-
-
 def _count_rows(source: Source) -> int | None:
     """Non-blank lines of a JSONL input, rows of the others (None: unknown before reading)."""
     if source.kind != "jsonl":
@@ -172,8 +162,8 @@ def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progres
     settings = cfg.settings()
     source_data = open_source(cfg.input, messages_field=cfg.messages_field, split=cfg.split)
     done, dropped = resume_output(output, cfg, settings, say, source_data)
-    tokenizer = tokenizer or load_tokenizer(cfg.target)
-    positions = target_positions(cfg.target)
+    tokenizer = tokenizer or load_tokenizer(cfg.target, cfg.target_spec)
+    positions = cfg.target_spec.positions
     backend = backend or load_backend(cfg, tokenizer)
     skipped = SkipCounter()
     samples = renderable(source_data.rows(skip_bad=cfg.skip_bad, skipped=skipped, require_assistant=False),

@@ -101,6 +101,8 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
         values = {**RANDOM_TARGET_PRESET, **values}
     if values.get("optimizer") == "muon" and "grad_clip" not in explicit:
         values["grad_clip"] = 0.0  # see MUON_NO_CLIP
+    if values.get("features"):  # nothing of the target runs: no turns sampled or decoded unless asked (refused)
+        values = {**values, **{k: 0 for k in ("eval_sample_turns", "speculate_turns") if k not in explicit}}
     if values.get("init_drafter"):
         values = _from_init_drafter(values, explicit)
     return resolve(TrainConfig.of(**values))

@@ -44,7 +44,8 @@ class Inputs:
 
     target: str = _opt(
         str(demo.TARGET),
-        "Hugging Face causal LM folder of the frozen target (default: the built-in demo target); "
+        "the frozen target: a Hugging Face causal LM folder, a Hub id (ORG/NAME, from the Hugging Face cache or "
+        "downloaded), or a .gguf file or a folder holding one (default: the built-in demo target); "
         "random:qwen3-8b or random:PATH (PATH holding a config.json): random weights of that shape and a synthetic "
         "tokenizer, to benchmark before downloading anything (data: random)",
     )
@@ -58,6 +59,10 @@ class Inputs:
     messages_field: str = _opt(
         "", "when --data is a parquet, Arrow, JSON or datasets folder: the column holding each conversation's turns "
         "({role, content} or ShareGPT {from, value}); default: messages, else conversations",
+    )
+    features: str = _opt(
+        "", "a feature store (launch/capture_features.py) of --target on --data (then the token store it was "
+        "captured from): training and evaluation read the target's features from it; the target's weights never load",
     )
     max_length: int = _opt(0, "when --data is not a store: truncate samples to this many tokens (0: the token budget)")
     eval_fraction: float = _opt(0.02, "share of samples held out for evaluation")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from dflash.data.planner import LAYOUTS, ORDERS
 from dflash.errors import UserError
@@ -98,6 +99,8 @@ def _validate_relations(c: TrainConfig) -> None:
         _bad("target_offload", "offloads the partitions of --target-partition zero3; add it, or drop --target-offload")
     _validate_synthetic(c)
     _validate_drafter(c)
+    if c.inputs.features:
+        _validate_features(c)
     if c.optim.optimizer == "muon" and c.optim.grad_clip > 0:
         _bad("grad_clip", f"must be 0 with --optimizer muon ({MUON_NO_CLIP}), got {c.optim.grad_clip}")
     if c.optim.optimizer != "muon" and (c.optim.muon_lr != 0 or c.optim.muon_momentum != default("muon_momentum")):
@@ -126,6 +129,22 @@ def _validate_drafter(c: TrainConfig) -> None:
             if c.value(name) != default(name):
                 _bad(name, "applies to a DFlash2 drafter's selector: give --drafter-kind dflash2 (or --init-drafter "
                            "a DFlash2 drafter)")
+
+
+def _validate_features(c: TrainConfig) -> None:
+    """Captured features stand in for the target's forward, not for its decoding."""
+    from dflash.data.sources import is_token_store
+    from dflash.models.target_spec import is_random_target
+
+    if is_random_target(c.inputs.target) or not is_token_store(Path(c.inputs.data)):
+        _bad("features", f"reads features captured of a model's token store: give --data the token store it was "
+                         f"captured from (launch/capture_features.py prints it), got --target {c.inputs.target} "
+                         f"--data {c.inputs.data}")
+    for name in ("eval_sample_turns", "speculate_turns"):
+        if c.value(name):
+            _bad(name, "needs the target to decode, which --features leaves unloaded; give 0")
+    if c.device.target_partition != "none":
+        _bad("target_partition", "partitions a target's weights, which --features leaves unloaded")
 
 
 def _validate_synthetic(c: TrainConfig) -> None:

@@ -1,0 +1,82 @@
+"""Capture the target's tapped features of a data set once, for many training runs (`dflash.features`).
+
+    python launch/capture_features.py --target MODEL --data DATA --output DIR
+    deepspeed launch/train.py --target MODEL --data DIR/tokens --features DIR ...
+
+--data is a token store, or conversations (any format launch/train.py takes) tokenized here with the
+target's tokenizer into DIR/tokens (reused while the same). The run that reads the features gives
+the same --target and that token store as --data, and taps the same layers; anything else is
+refused in one line. Disk: (K + 1) x hidden x bytes per token (printed).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflash.errors import UserError, exit_on_user_error
+from dflash.options import number
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="the target: a model folder, a Hub id or a .gguf file")
+    p.add_argument("--data", required=True, help="a token store, or conversations to tokenize into DIR/tokens")
+    p.add_argument("--output", required=True, type=Path, help="the feature store folder (DIR)")
+    p.add_argument("--target-layer-ids", default="",
+                   help="tapped layers, comma-separated (default: the official rule with --num-target-features)")
+    p.add_argument("--num-target-features", type=number(int, minimum=1), default=5,
+                   help="taps when --target-layer-ids is not given (default: 5)")
+    p.add_argument("--max-length", type=number(int, minimum=1), default=None,
+                   help="when --data is conversations: truncate samples to this many tokens (default: none)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="the target's dtype (auto: bf16 on a GPU, fp32 on the CPU); the run reading the features "
+                        "trains in the same")
+    p.add_argument("--token-budget", type=number(int, minimum=1), default=16384,
+                   help="tokens per captured micro-batch (default: 16384)")
+    return p.parse_args(argv)
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        taps = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    except ValueError:
+        raise UserError(f"--target-layer-ids: comma-separated integers, got {args.target_layer_ids!r}") from None
+    if args.output.exists() and not args.output.is_dir():
+        raise UserError(f"--output {args.output}: not a folder")
+    from dflash.data.sources import is_token_store
+    from dflash.models.target_spec import load_target_spec
+
+    spec = load_target_spec(args.target)  # one line for a bad --target, before anything loads
+    if spec.random:
+        raise UserError(f"--target {args.target}: a random target's features are made in memory; nothing to capture")
+    import torch
+
+    from dflash.data.prepare import ensure_store
+    from dflash.data.token_store import TokenStore
+    from dflash.devices import resolve_dtype
+    from dflash.features import capture
+    from dflash.training.models import load_target
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,
+                         num_features=args.num_target_features, mask_token=False)
+    data = Path(args.data)
+    if is_token_store(data):
+        store_dir = data
+        TokenStore(data).check_tokenizer(target.tokenizer, f"--target {args.target}")
+    else:
+        store_dir = args.output / "tokens"
+        ensure_store(data, target.tokenizer, store_dir, max_length=args.max_length)
+    store = TokenStore(store_dir)
+    meta = capture(target, spec, store, args.output, token_budget=args.token_budget)
+    size = meta["tokens"] * meta["bytes_per_token"]
+    print(f"captured {meta['tokens']:,} tokens of {meta['samples']:,} samples at layers {meta['target_layer_ids']} "
+          f"({meta['dtype']}): {meta['bytes_per_token']:,} bytes per token, {size / 2**30:.2f} GiB in {args.output}")
+    print(f"train from them: deepspeed launch/train.py --target {args.target} --data {store_dir} "
+          f"--features {args.output}")
+
+
+if __name__ == "__main__":
+    main()

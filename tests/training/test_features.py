@@ -1,0 +1,116 @@
+"""Features captured once (`launch/capture_features.py`, `--features`): a run that reads them trains
+bitwise like the run that computes them online, and a store of another target, other data or other
+taps is refused in one line."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from dflash.demo import DATA, TARGET
+from dflash.errors import UserError
+
+from ..conftest import launch_script
+from .conftest import tiny_train_args, train_one_rank, without_timings
+
+# the walk on the held-out turns as they are (sampling turns at T needs the target to decode)
+ARGS = ("--max-steps", 3, "--eval-every", 3, "--num-target-features", 2, "--eval-sample-turns", 0)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """The demo target's features of 40 demo conversations, tokenized by the capture itself."""
+    tmp = tmp_path_factory.mktemp("features")
+    data = tmp / "data.jsonl"
+    data.write_text("".join(DATA.read_text(encoding="utf-8").splitlines(keepends=True)[:40]), encoding="utf-8")
+    torch.set_num_threads(1)
+    launch_script("capture_features").main(["--target", str(TARGET), "--data", str(data), "--output",
+                                            str(tmp / "features"), "--num-target-features", "2", "--dtype", "fp32"])
+    return tmp / "features"
+
+
+def run(out, *extra):
+    proc = train_one_rank(*tiny_train_args(TARGET, out.parent / "features" / "tokens", out, *ARGS, *extra))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "metrics.jsonl") as f:
+        # what the target holds in memory differs by design: the store run holds only the embedding
+        records = [{k: v for k, v in without_timings(json.loads(line)).items() if k != "target_resident_bytes"}
+                   for line in f]
+    return records, (out / "drafter" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_run_from_captured_features_trains_as_the_online_run(captured, layout):
+    """Packed: the same bits (loss, metrics, the exported drafter). Padded: the online padded forward
+    rounds differently from the packed one the store holds, so only the packed run is bitwise."""
+    online = run(captured.parent / f"online-{layout}", "--layout", layout)
+    offline = run(captured.parent / f"offline-{layout}", "--layout", layout, "--features", captured)
+    if layout == "packed":
+        assert offline == online
+    else:
+        losses = [[r["loss"] for r in rec if r["kind"] == "train"] for rec in (online[0], offline[0])]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+def test_the_disk_cost_is_the_taps_and_the_final_states(captured):
+    meta = json.loads((captured / "feature_store.json").read_text())
+    hidden = json.loads((TARGET / "config.json").read_text())["hidden_size"]
+    assert meta["bytes_per_token"] == (2 + 1) * hidden * 4
+    assert (captured / "features.bin").stat().st_size == meta["tokens"] * 2 * hidden * 4
+
+
+def test_a_store_of_another_target_data_or_taps_is_refused(captured, tmp_path):
+    from dflash.data.prepare import prepare_jsonl
+    from dflash.data.token_store import TokenStore
+    from dflash.features import check_matches, read_meta
+    from dflash.models.target_spec import load_target_spec
+
+    meta, store = read_meta(captured), TokenStore(captured / "tokens")
+    spec = load_target_spec(TARGET)
+    check_matches(meta, captured, spec=spec, store=store, target_layer_ids=meta["target_layer_ids"])
+    with pytest.raises(UserError, match=r"captured at target layers \[\d+, \d+\], the run taps \[1\]"):
+        check_matches(meta, captured, spec=spec, store=store, target_layer_ids=[1])
+    other = tmp_path / "target"
+    shutil.copytree(TARGET, other)
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one weight changed: a fine-tune of the same shapes
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="captured from another target"):
+        check_matches(meta, captured, spec=load_target_spec(other), store=store,
+                      target_layer_ids=meta["target_layer_ids"])
+    lines = DATA.read_text(encoding="utf-8").splitlines(keepends=True)
+    (tmp_path / "other.jsonl").write_text("".join(lines[:39] + lines[40:41]), encoding="utf-8")  # one sample other
+    prepare_jsonl(tmp_path / "other.jsonl", str(TARGET), tmp_path / "tokens", progress=False)
+    with pytest.raises(UserError, match="captured from other data"):
+        check_matches(meta, captured, spec=spec, store=TokenStore(tmp_path / "tokens"),
+                      target_layer_ids=meta["target_layer_ids"])
+
+
+def test_features_with_a_conversation_file_as_data_is_refused_before_loading(captured, tmp_path):
+    proc = train_one_rank(*tiny_train_args(TARGET, DATA, tmp_path / "run", "--features", captured))
+    assert proc.returncode != 0
+    assert "--features: reads features captured of a model's token store" in proc.stderr
+
+
+def test_compare_recipes_reads_the_features_and_evaluates_as_online(captured):
+    """The recipe sweep the store is for: every recipe's held-out loss and tau as with the target."""
+    import os
+
+    from .. import preloaded
+    from ..conftest import ROOT
+
+    results = []
+    for name, extra in (("online", ()), ("offline", ("--features", captured))):
+        out = captured.parent / f"recipes-{name}"
+        args = [str(a) for a in tiny_train_args(TARGET, captured / "tokens", out, *ARGS[4:], *extra)]
+        proc = preloaded.run(ROOT / "launch" / "compare_recipes.py",
+                             [*args, "--recipes", "a: ; b: --lr 3e-3", "--steps", "2", "--seeds", "0,1",
+                              "--eval-interval", "2"],
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, cwd=ROOT,
+                             timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recipes = json.loads((out / "recipes.json").read_text())["recipes"]
+        results.append({r: [[{k: v for k, v in e.items() if k != "train_seconds"} for e in s["evals"]]
+                            for s in stats["seeds"]] for r, stats in recipes.items()})
+    assert results[0] == results[1] and len(results[0]["b"][1]) == 2
