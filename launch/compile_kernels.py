@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--causal-only", action="store_true", help="varlen: only the causal kernels (the target's)")
     p.add_argument("--sliding-only", action="store_true",
                    help="block: only the sliding-layer variants (HAS_WINDOW, causal or not: a drafter's "
-                        "sliding_attention, DFlash2's all bidirectional)")
+                        "sliding_attention, or all bidirectional as a kind may release them)")
     p.add_argument("--kernel", nargs="+", metavar="NAME",
                    help="only these kernels (e.g. _fwd_kernel: the block forward, or varlen's, with --op)")
     p.add_argument("--jobs", type=number(int, minimum=1), default=min(4, os.cpu_count() or 1),

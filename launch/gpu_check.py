@@ -27,11 +27,11 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
                dearest micro-batch that ran, torch.cuda.max_memory_allocated (reset per budget; on
                the CPU the tensor bytes counted after every op) and their ratio, what the first run
                on a GPU calibrates the plan by. Rewritten after each budget.
-  dflash2      OUT/dflash2.json: DFlash2 drafter training steps (`--drafter-kind dflash2`, sized as
-               released), the default recipe and mode on e2e's target and samples: tokens/s (and
-               the ratio to DFlash's shuffle-packed pass), step times, peak memory.
+  kinds        OUT/<kind>.json for every drafter kind but DFlash: its training steps (`--drafter-kind`,
+               sized as released), the default recipe and mode on e2e's target and samples:
+               tokens/s (and the ratio to DFlash's shuffle-packed pass), step times, peak memory.
 The training stages (dflash/tools/gpu_check_training.py) share one target, loaded by the first of
-them; each has seconds of its own (--e2e-seconds, --memory-seconds, --dflash2-seconds), kept free
+them; each has seconds of its own (--e2e-seconds, --memory-seconds, --kinds-seconds), kept free
 of the stages before it, and what its deadline leaves unmeasured is recorded as skipped.
 
     bash launch/gpu_check.sh OUT                 # what the GPU machine runs
@@ -50,7 +50,7 @@ import zipfile
 from pathlib import Path
 
 from dflash.options import number
-from dflash.tools.gpu_check_training import Report, stage_dflash2, stage_e2e, stage_memory
+from dflash.tools.gpu_check_training import Report, stage_e2e, stage_kinds, stage_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minutes)
@@ -58,7 +58,7 @@ BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minu
 # budget's end (the correctness and kernel stages at 450 - 290 = 160 s)
 E2E_S = 200
 MEMORY_S = 40
-DFLASH2_S = 50
+KINDS_S = 50
 
 
 def parse_args(argv=None):
@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated, of {', '.join(STAGE_NAMES)}")
     p.add_argument("--budget", type=number(float, minimum=0), default=BUDGET_S,
                    help="seconds for all stages; the benchmark stops measuring when it runs out")
-    for stage, seconds in (("e2e", E2E_S), ("memory", MEMORY_S), ("dflash2", DFLASH2_S)):
+    for stage, seconds in (("e2e", E2E_S), ("memory", MEMORY_S), ("kinds", KINDS_S)):
         p.add_argument(f"--{stage}-seconds", type=number(float, minimum=0), default=seconds,
                        help=f"seconds of the budget kept for the {stage} stage (the stages before it stop earlier)")
     p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
@@ -255,7 +255,7 @@ def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
 
 # The stages in order, each with the deadline main() gives it.
 STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "e2e": stage_e2e,
-          "memory": stage_memory, "dflash2": stage_dflash2}
+          "memory": stage_memory, "kinds": stage_kinds}
 STAGE_NAMES = tuple(STAGES)
 
 
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         return 2
     Report(out / "env.json", **environment(wheels), carried_wheels_skipped=skipped)
     cfg = shapes(args.dry_run)
-    kept = {"e2e": args.e2e_seconds, "memory": args.memory_seconds, "dflash2": args.dflash2_seconds}
+    kept = {"e2e": args.e2e_seconds, "memory": args.memory_seconds, "kinds": args.kinds_seconds}
     summary = Report(out / "summary.json", stages={}, budget_s=args.budget)
     ok = True
     for name in stages:

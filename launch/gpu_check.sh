@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a lent GPU machine (launch/gpu_check.py: correctness at Qwen3-8B shapes,
 # kernel TFLOP/s, then drafter training steps on a random Qwen3-8B-shaped target: three batching
-# modes, the memory plan against the measured peak, DFlash2 steps): runs with the
+# modes, the memory plan against the measured peak, the other drafter kinds' steps): runs with the
 # image's python3 and PYTHONPATH=$PWD, installs nothing, needs no network (DeepSpeed comes as
 # wheels in wheels/, docs/BENCHMARKS.md); at most 8 minutes on one H200. Each stage writes its
 # JSON into OUT as it goes.
 #   bash launch/gpu_check.sh OUT [gpu_check.py options]   -> OUT/log.txt, env.json, correctness.json,
 #                                                            bench_kernels.json, e2e.json, memory.json,
-#                                                            dflash2.json, summary.json
+#                                                            <kind>.json per other drafter kind, summary.json
 #   bash launch/gpu_check.sh OUT --dry-run                 # tiny shapes on a CPU (Triton interpreter)
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: launch/gpu_check.sh OUT [gpu_check.py options]" >&2; exit 2; }

@@ -86,6 +86,7 @@ def main(argv=None):
     from dflash.devices import resolve_dtype
     from dflash.distributed.process_group import init_distributed
     from dflash.models.target_spec import load_target_spec
+    from dflash.training.data import chat_data
     from dflash.training.models import load_train_target
 
     init_distributed()
@@ -100,8 +101,8 @@ def main(argv=None):
                dev.dtype, dev.target_partition, dev.target_offload)
         if key not in targets:
             targets.clear()  # one target at a time: the last one's bytes are not this one's
-            targets[key] = load_train_target(cfg, load_target_spec(cfg.inputs.target), device,
-                                             resolve_dtype(dev.dtype, device))
+            targets[key] = load_train_target(load_target_spec(cfg.inputs.target), device,
+                                             resolve_dtype(dev.dtype, device), d, dev, chat_data(cfg.inputs))
         record = measure(cfg, targets[key], steps)
         if flags is not None:
             record = {"sweep": flags, **record}

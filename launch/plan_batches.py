@@ -13,7 +13,7 @@ rows per micro-batch (p50 / max) and planning seconds.
 The cost of a sample comes from the target's and drafter's sizes (--model: a preset or a
 config.json of any target family: MoE layers priced by their active experts, Gated DeltaNet
 layers per token, sliding-window layers by the pairs their window leaves, MLA by its head dims;
---drafter-kind dflash2: a DFlash2 drafter's convolutions and selector too) and its drafter
+--drafter-kind K: what the drafter kind adds per row too) and its drafter
 rows, block_size x min(anchors, candidates), from the supervised token counts (--supervised
 with --lengths, else every token counts as supervised; the store's loss masks with --data).
 Without --lengths or --data it plans the built-in seed-like distribution (902,000 samples shaped
@@ -54,11 +54,15 @@ from dflash.data.planner import (
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.data.supervision import candidates_from_supervised
 from dflash.errors import UserError, exit_on_user_error
+from dflash.models.kinds import drafter_kind
 from dflash.models.taps import default_target_layer_ids
 from dflash.models.target_spec import PRESETS
 from dflash.options import number, parse_list
 from dflash.sizing.flops import flop_cost_model, load_target_config
+from dflash.training.config.load import add_options, options_of
+from dflash.training.config.sections import KIND_OPTIONS as _KIND_OPTIONS
 
+KIND_OPTIONS = ("drafter_kind", *_KIND_OPTIONS)  # train.py's, by name
 DEFAULT_ROW_BUDGET = 327_680  # 20 x 16,384: caps the seed-like worst case (553K) at 0.6x for < 3% more micro-batches
 
 
@@ -87,11 +91,7 @@ def parse_args(argv=None):
                    help="target layers run for the features (default: last default tap + 1, e.g. 34 for Qwen3-8B)")
     p.add_argument("--draft-layers", type=number(int, minimum=1), default=5,
                    help="drafter layers (default %(default)s)")
-    p.add_argument("--drafter-kind", choices=("dflash", "dflash2"), default="dflash",
-                   help="dflash2: price the released DFlash2 drafter's convolutions and selector too, as "
-                   "train.py --drafter-kind dflash2 builds it (default %(default)s)")
-    p.add_argument("--selector-stop-grad", action="store_true",
-                   help="dflash2: the selector's gradient stops at its input, as train.py --selector-stop-grad")
+    add_options(p, KIND_OPTIONS)  # priced as train.py builds the kind
     p.add_argument("--block-size", type=number(int, minimum=2), default=16,
                    help="drafter block size (default %(default)s)")
     p.add_argument("--anchors", type=number(int, minimum=1), default=512,
@@ -186,15 +186,11 @@ def main(argv=None):
     lengths = check_lengths(lengths, args.token_budget)
     target = load_target_config(args.model)
     layers = args.target_layers or max(default_target_layer_ids(target.num_hidden_layers)) + 1
-    dflash2 = None
-    if args.drafter_kind == "dflash2":
-        from dflash.models.dflash2 import released_settings
-
-        dflash2 = released_settings()
-    elif args.selector_stop_grad:
-        raise UserError("--selector-stop-grad prices a DFlash2 drafter's selector: give --drafter-kind dflash2")
+    cfg = options_of(args, KIND_OPTIONS)
+    kind = drafter_kind(cfg.drafter.drafter_kind)
+    extra = kind.row_flops(target.hidden_size, args.draft_layers, args.block_size, kind.released_settings(), cfg.loss)
     model = flop_cost_model(target, num_target_layers=layers, draft_layers=args.draft_layers,
-                            block_size=args.block_size, dflash2=dflash2, selector_stop_grad=args.selector_stop_grad)
+                            block_size=args.block_size, extra_row_flops=extra)
     rows = drafter_rows(candidates, supervised, args.block_size, args.anchors)
     check_rows(rows, lengths, args.row_budget)
     costs = model.sample_costs(lengths, rows)

@@ -22,6 +22,7 @@ import os
 import sys
 
 from dflash.errors import UserError, exit_on_user_error
+from dflash.models.kinds import drafter_kind
 from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.options import number
 from dflash.sizing.memory import (
@@ -33,6 +34,8 @@ from dflash.sizing.memory import (
     gib,
     plan_for,
 )
+from dflash.training.config.load import add_options, options_of
+from dflash.training.plan import loss_setup
 
 CEILING_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # sample lengths of the anchor ceiling
 VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_partition="zero3"),
@@ -63,8 +66,7 @@ def parse_args(argv=None):
                    help="drafter layers (default %(default)s)")
     p.add_argument("--num-target-features", type=number(int, minimum=1), default=5,
                    help="tapped target layers (default %(default)s)")
-    p.add_argument("--drafter-kind", choices=("dflash", "dflash2"), default="dflash",
-                   help="dflash2: the released DFlash2 drafter's convolutions and selector too (default %(default)s)")
+    add_options(p, ["drafter_kind"])  # what the kind adds: its parts as released
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute drafter layers in backward")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
@@ -128,14 +130,13 @@ def main(argv=None):
     base = dict(world_size=args.world_size, dtype_bytes=2 if args.dtype == "bf16" else 4,
                 activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
                 num_anchors=args.num_anchors)
-    dflash2 = None
-    if args.drafter_kind == "dflash2":
-        from dflash.models.dflash2 import released_settings
-
-        dflash2 = released_settings()
-        base["vocab_buffers"] = 2  # its logits' softcap (`loss_setup`)
+    cfg = options_of(args, ["drafter_kind"]).replace(block_size=args.block_size)
+    base.update(loss_setup(cfg))  # the objective's share, as train.py plans it
+    kind = drafter_kind(cfg.drafter.drafter_kind)
+    settings = kind.released_settings()
+    extra = {} if settings is None else kind.memory_sizes(settings, spec.config)
     plans = {name: plan_for(spec, MemorySetup.from_ds_config(ds_config, **base, **variant),
-                            draft_layers=args.draft_layers, features=args.num_target_features, dflash2=dflash2)
+                            draft_layers=args.draft_layers, features=args.num_target_features, extra=extra)
              for name, variant in VARIANTS.items()}
     rows = max(args.row_budget, args.block_size * args.num_anchors)
     results = {name: summarize(plan, memory, args.token_budget, rows) for name, plan in plans.items()}

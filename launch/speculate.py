@@ -96,21 +96,21 @@ def run_heldout(drafter_dir: Path):
     """(target path, tokenized held-out samples, their turn limit, the temperature they were regenerated
     at) of the run the drafter came from: its store and split, found as the run found them."""
     from dflash.data.token_store import TokenStore
-    from dflash.demo import DATA, TARGET
+    from dflash.distributed.run_folder import RunPaths
+    from dflash.training.config import load_run
     from dflash.training.data import data_temperature, held_out_split, store_path, turn_limit
 
-    run = drafter_dir.parent
-    config_path = run / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"--drafter {drafter_dir}: no run config {config_path} to find its held-out turns; "
+    paths = RunPaths.of_drafter(drafter_dir)
+    if not paths.config.is_file():
+        raise UserError(f"--drafter {drafter_dir}: no run config {paths.config} to find its held-out turns; "
                         "give --prompts")
-    cfg = json.loads(config_path.read_text())
-    data = Path(cfg.get("data") or DATA)
-    store = TokenStore(store_path(data, run))
-    _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
+    cfg = load_run(paths.root)
+    data = Path(cfg.inputs.data)
+    store = TokenStore(store_path(data, paths.root))
+    _, eval_idx = held_out_split(len(store), cfg.inputs.eval_fraction, cfg.run.seed)
     if eval_idx.size == 0:
-        raise UserError(f"{config_path}: the run held nothing out (eval_fraction 0); give --prompts")
-    return (Path(cfg.get("target") or TARGET), [store[int(i)] for i in eval_idx], turn_limit(store, data),
+        raise UserError(f"{paths.config}: the run held nothing out (eval_fraction 0); give --prompts")
+    return (Path(cfg.inputs.target), [store[int(i)] for i in eval_idx], turn_limit(store, data),
             data_temperature(store, data))
 
 
@@ -119,20 +119,21 @@ def save_heldout(drafter_dir: Path, output: Path) -> int:
     import os
 
     from dflash.data.token_store import TokenStore
-    from dflash.demo import DATA
+    from dflash.distributed.run_folder import RunPaths
+    from dflash.training.config import load_run
     from dflash.training.data import held_out_split, source_file, store_path
 
-    config_path = drafter_dir.parent / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"--drafter {drafter_dir}: no run config {config_path} to find its held-out conversations")
-    cfg = json.loads(config_path.read_text())
-    data = Path(cfg.get("data") or DATA)
-    store = TokenStore(store_path(data, drafter_dir.parent))
+    paths = RunPaths.of_drafter(drafter_dir)
+    if not paths.config.is_file():
+        raise UserError(f"--drafter {drafter_dir}: no run config {paths.config} to find its held-out conversations")
+    cfg = load_run(paths.root)
+    data = Path(cfg.inputs.data)
+    store = TokenStore(store_path(data, paths.root))
     source = source_file(store, data)
     if not source.is_file() or store.meta.get("input_format", "jsonl") != "jsonl":
         raise UserError(f"--save-heldout: the run's data {data} came from no JSONL file that is still there "
                         "(it copies the held-out lines of one)")
-    _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
+    _, eval_idx = held_out_split(len(store), cfg.inputs.eval_fraction, cfg.run.seed)
     lines = source.read_text(encoding="utf-8").splitlines()
     numbers = store.dataset.data.table.column("source_line").to_numpy()[eval_idx]
     tmp = output.with_name(output.name + ".tmp")
@@ -158,7 +159,7 @@ def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
 
     from dflash.devices import resolve_dtype
     from dflash.models import DFlashDrafter, load_target_spec
-    from dflash.training.models import load_target
+    from dflash.models.target_load import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype_option, device)

@@ -139,7 +139,7 @@ def score_and_walk(
         raise ValueError(f"the walk at temperatures {sampled} needs the target's token log-probabilities")
     n = batch.input_ids.numel()
     accepted = np.zeros(n, dtype=np.int64)
-    argmax_accepted = None  # the backbone's own argmax, where a selector chooses the drafts
+    argmax_accepted = None  # the backbone's own argmax, where the network chooses the drafts
     ratios = np.zeros((len(sampled), n, block_size - 1))
     bounds = batch.cu_seqlens_cpu.tolist()
     for anchors in chunks:
@@ -160,8 +160,10 @@ def score_and_walk(
             acc = torch.cumprod(out.argmax_hits.cpu().long(), dim=1).sum(dim=1).numpy()
             argmax_accepted[pos] = acc
             stats.argmax_anchor_accepted += int(acc.sum()) + acc.size
-        for name in ("selector_rows", "selector_recall", "selector_correct"):
-            setattr(stats, name, getattr(stats, name) + float(out.metrics.get(name, 0.0)))
+        for name, value in out.metrics.items():
+            if name != "argmax_tau_sum":  # walked here from `argmax_hits`
+                stats.metric_sums[name] = stats.metric_sums.get(name, 0.0) + float(value)
+        stats.figures = stats.figures or out.figures
     mask = batch.loss_mask.cpu().numpy()
     spans = [(bos + s, bos + e) for bos, eos in zip(bounds[:-1], bounds[1:], strict=True)
              for s, e in turn_spans(mask[bos:eos])]

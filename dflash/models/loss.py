@@ -12,6 +12,7 @@ optimizer step (all micro-batches, all ranks).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -59,6 +60,16 @@ class LogitTerm:
 
     name = "term"
     vocab_buffers = 1  # (chunk x vocab) float32 buffers it holds at once besides the logits (memory plan)
+    metric_names: tuple[str, ...] = ()  # the named sums its `finish` reports (`LossOutput.metrics`)
+    # the training options it reads (`dflash.models.kinds.Option`, section "loss"), by name: `build` takes them
+    options: dict = {}
+    weighs_blocks = False  # its weights need whole blocks: the loss's chunks hold whole blocks (`chunk_rows_for`)
+
+    @classmethod
+    def build(cls, weight: float, options, lm_head: torch.Tensor) -> LogitTerm:
+        """The term of `--loss` weight `weight`, with its `options` read from `options` (the run's loss
+        section, or any object with those attributes) and the lm_head it may share with the target."""
+        return cls(weight)
 
     def __init__(self, weight: float = 1.0):
         if not weight >= 0:
@@ -78,13 +89,22 @@ class LogitTerm:
         Modules it calls are called through their forward (so ZeRO-3 gathers their parameters)."""
         return Finished(hidden.new_zeros((), dtype=torch.float32))
 
+    def figures(self, sums: dict, blocks: float) -> dict:
+        """The figures of its named sums (`metric_names`, and `argmax_tau_sum` when it chose the drafts),
+        summed over micro-batches and ranks, of `blocks` blocks: what a step's or a walk's record adds."""
+        return {}
+
+    def words(self, record: dict) -> str:
+        """Its figures in the evaluation's line (after the walk's own)."""
+        return ""
+
 
 class Finished(NamedTuple):
     """What a term adds after the lm_head pass (`LogitTerm.finish`)."""
 
     loss_sum: torch.Tensor  # scalar float32, differentiable: added to the chunks' sums of the term
     metrics: dict[str, torch.Tensor] = {}  # named detached sums for `LossOutput.metrics`
-    # When the term's module chooses the drafts (a DFlash2 drafter's selector), what the acceptance
+    # When the term's module chooses the drafts (a candidate selector), what the acceptance
     # metrics read instead of the lm_head's argmax and softmax: per row whether its draft is the label
     # given the labels before it (rows,) bool, and log q_t(label) (rows, len(temperatures)).
     correct: torch.Tensor | None = None
@@ -160,8 +180,8 @@ def chunked_loss(hidden, lm_head_weight, labels, row_weights, chunk_rows=None, t
                  terms=(), logit_scale=1.0, softcap=None):
     """The objective's one chunked lm_head pass: ce_weight x weighted cross-entropy plus each term's
     weight x its sum (see `chunked_weighted_ce` for the arguments). The logits everything reads are
-    softcap tanh(logit_scale x raw / softcap) (softcap None: logit_scale x raw), as a DFlash2 drafter's
-    `output_multiplier` and `final_logit_softcapping` make them.
+    softcap tanh(logit_scale x raw / softcap) (softcap None: logit_scale x raw), as a drafter kind's logit
+    map makes them (`DrafterKind.logit_map`).
 
     Returns (loss_sum, preds, label_logprobs, parts): parts (1 + len(terms),) float32, the unweighted
     sums of the cross-entropy and of each term.
@@ -260,6 +280,8 @@ class LossOutput:
     # when a term chooses the drafts (`Finished.correct`, so `hits` are its path's): the hits of the lm_head's
     # own argmax, (NB, B-1) bool, what the same backbone would accept drafting its argmax
     argmax_hits: torch.Tensor | None = None
+    # how the named sums of `metrics` become figures once summed (`BlockLoss.figures`)
+    figures: Callable[[dict, float], dict] | None = None
 
 
 def chunk_vocab_buffers(term_buffers: list[int], softcap: bool) -> int:
@@ -295,6 +317,18 @@ class BlockLoss:
             raise ValueError(f"loss parts must have distinct names, got {names}")
         if not self.ce_weight and not any(t.weight for t in self.terms):
             raise ValueError("the objective is empty: the cross-entropy weight is 0 and no term weighs anything")
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The named sums of `LossOutput.metrics` its terms report (the same on every rank)."""
+        return tuple(name for t in self.terms for name in t.metric_names)
+
+    def figures(self, sums: dict, blocks: float) -> dict:
+        """The terms' figures of the named sums over `blocks` blocks (`LogitTerm.figures`)."""
+        return {k: v for t in self.terms for k, v in t.figures(sums, blocks).items()}
+
+    def words(self, record: dict) -> str:
+        return "".join(t.words(record) for t in self.terms)
 
     @property
     def vocab_buffers(self) -> int:
@@ -347,4 +381,5 @@ class BlockLoss:
             parts=dict(zip(["ce"] + [t.name for t in self.terms], parts.unbind(), strict=True)),
             metrics=metrics,
             argmax_hits=argmax_hits,
+            figures=self.figures,
         )

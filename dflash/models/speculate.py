@@ -10,7 +10,7 @@ accepted length: `TargetCache` crops attention layers and restores recurrent one
 the leading drafts equal to the target's argmax are accepted, and the target's next token is added.
 The verified tokens' features become the drafter's new context. Output is the target's greedy output.
 The drafter runs its one forward (`DFlashDrafter.draft`, the training forward with a `DrafterCache`);
-a DFlash2 drafter's drafts follow its selector's path (`draft_block`).
+a network that chooses its drafts (`chooses_drafts`: a candidate selector) proposes them (`draft_block`).
 Sampled (temperature > 0): the drafts are drawn from the drafter's distribution and verified by the
 ratio test (`Sampler`); the output is distributed as the target's own sampling, not equal to it.
 
@@ -76,9 +76,9 @@ def greedy_decode(hf, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: S
 def draft_block(drafter: DFlashDrafter, sampler: Sampler, cache: DrafterCache, features: torch.Tensor,
                 anchor: int) -> tuple[list[int], torch.Tensor | None]:
     """One block's drafts and their proposal q (B-1, V) (None when greedy): a DFlash drafter's slots
-    independently (`Sampler.draft`), a DFlash2 drafter's along its selector's path, each slot's q over
-    its K candidates conditioned on the drafts before it (what the ratio test needs)."""
-    if getattr(drafter, "candidate_selector", None) is None:
+    independently (`Sampler.draft`), or those its network proposes (`propose`: a candidate selector's path),
+    each slot's q over its candidates conditioned on the drafts before it (what the ratio test needs)."""
+    if not drafter.chooses_drafts:
         return sampler.draft(drafter.draft(cache, features, anchor))
     s = sampler.sampling
     sampled = not s.greedy and s.drafts == "sampled"

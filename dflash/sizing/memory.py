@@ -98,8 +98,8 @@ class DrafterSizes:
     head_dim: int
     layers: int
     features: int  # tapped target layers
-    # a DFlash2 drafter (`DFlash2Settings`; 0: DFlash): its convolutions' taps and channels per
-    # dynamic weight, its selector's rank and candidates, and the vocabulary its codebooks cover
+    # a drafter kind's own parts (`DrafterKind.memory_sizes`; 0: none): block convolutions' taps and
+    # channels per dynamic weight, a candidate selector's rank and candidates, the vocabulary its codebooks cover
     conv_kernel: int = 0
     conv_group: int = 1
     selector_rank: int = 0
@@ -107,25 +107,21 @@ class DrafterSizes:
     vocab: int = 0
 
     @classmethod
-    def from_target(cls, config, *, layers: int, features: int, dflash2=None) -> DrafterSizes:
+    def from_target(cls, config, *, layers: int, features: int, extra: dict | None = None) -> DrafterSizes:
         """The drafter DFlash builds for `config` (its hidden size, heads and MLP width; an MoE
-        target without a dense width: its routed experts' width per token); with `dflash2` (its
-        `DFlash2Settings`) the DFlash2 drafter's convolutions and selector too."""
+        target without a dense width: its routed experts' width per token); `extra`: the sizes of a
+        drafter kind's own parts (`DrafterKind.memory_sizes`)."""
         heads = int(config.num_attention_heads)
         width = getattr(config, "intermediate_size", None) or \
             int(config.num_experts_per_tok) * int(config.moe_intermediate_size)
-        extra = {} if dflash2 is None else dict(
-            conv_kernel=dflash2.conv_kernel_size, conv_group=dflash2.conv_group_size,
-            selector_rank=dflash2.selector_rank, selector_top_k=dflash2.selector_top_k,
-            vocab=int(config.vocab_size))
         return cls(hidden=int(config.hidden_size), intermediate=int(width), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-                   layers=layers, features=features, **extra)
+                   layers=layers, features=features, **(extra or {}))
 
     @property
     def conv_params(self) -> int:
-        """One DFlash2 convolution pair (before and after a sublayer): base kernels and the projection."""
+        """One block-convolution pair (before and after a sublayer): base kernels and the projection."""
         H, K = self.hidden, self.conv_kernel
         return 2 * K * H + H * 2 * K * (H // self.conv_group) if K else 0
 
@@ -270,7 +266,7 @@ class MemoryPlan:
         return norms + attention + 4 * b * d.intermediate + self.conv_per_row()
 
     def conv_per_row(self) -> int:
-        """A DFlash2 layer's four convolutions, per block row: each saves a (base + dynamic) factor per
+        """A layer's four block convolutions, per block row: each saves a (base + dynamic) factor per
         tap, a shifted copy of its input per tap but the first, and keeps its input alive (a normed
         input or a sublayer's output no other op saved); the two dynamic-weight projections."""
         d, b = self.drafter, self.setup.dtype_bytes
@@ -278,7 +274,7 @@ class MemoryPlan:
         return b * (4 * 2 * K * d.hidden + 2 * 2 * K * (d.hidden // d.conv_group)) if K else 0
 
     def selector_per_row(self) -> int:
-        """DFlash2's selector loss per block row (its B - 1 scored rows): the successor codebook's rows of
+        """A candidate selector's loss per block row (its B - 1 scored rows): the successor codebook's rows of
         the K candidates (saved, and their gradient in the backward, with every layer's activations
         still held), the predecessor's row, the hidden projection and their product, the top-K's
         values, ids and scores."""
@@ -302,7 +298,7 @@ class MemoryPlan:
 
     def transient(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, one
-        lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a DFlash2 selector's
+        lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a candidate selector's
         loss and its backward; the backward frees saved activations as fast as it makes gradients, but
         the reference attention's backward (`reference_attention.backward_per_layer`) needs more than the
         layer freed before it (its MLP and second norm). With activation checkpointing, the backward's
@@ -311,7 +307,7 @@ class MemoryPlan:
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
-        # the selector's loss (DFlash2) is freed before the backward reaches the layers
+        # the selector's loss is freed before the backward reaches the layers
         loss = (rows + scored + chunk) * d.hidden * b + rows * self.selector_per_row() \
             + chunk * self.target.vocab * (4 * s.vocab_buffers + (b if b < 4 else 0))
         row_keys = rows * tokens if row_keys is None else row_keys
@@ -402,10 +398,10 @@ class MemoryPlan:
 
 
 def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, features: int,
-             dflash2=None) -> MemoryPlan:
-    """`dflash2`: a DFlash2 drafter's `DFlash2Settings` (None: DFlash)."""
+             extra: dict | None = None) -> MemoryPlan:
+    """`extra`: the sizes of a drafter kind's own parts (`DrafterKind.memory_sizes`)."""
     config = spec.config
-    drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, dflash2=dflash2)
+    drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, extra=extra)
     return MemoryPlan(target_sizes(config), drafter, setup)
 
 

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from dflash.data.batch import PackedBatch
-from dflash.training.config import TrainConfig
+from dflash.distributed.run_folder import RunPaths
+from dflash.training.config.sections import Eval
 from dflash.training.data import TrainingData
 from dflash.training.models import Models
-
-TURNS_FILE = "eval_turns.json"  # in the run folder: the held-out turns sampled at each temperature
+from dflash.training.plan import EvalSettings
 
 
 def turn_seed(seed: int, temperature: float, turn: int) -> int:
@@ -35,9 +35,11 @@ def turn_seed(seed: int, temperature: float, turn: int) -> int:
 
 
 class Evaluator:
-    def __init__(self, cfg: TrainConfig, data: TrainingData, models: Models, device, dtype,
+    def __init__(self, options: Eval, settings: EvalSettings, data: TrainingData, models: Models, device, dtype,
                  say: Callable[[str], None] = lambda text: None):
-        self.cfg, self.data, self.models, self.device, self.dtype = cfg, data, models, device, dtype
+        """`options`: the `eval` section; `settings`: the run plan's `EvalSettings`."""
+        self.options, self.settings = options, settings
+        self.data, self.models, self.device, self.dtype = data, models, device, dtype
         self.say = say  # rank 0's messages
         self._chunks = None  # held-out micro-batches and the drafter forwards each takes, once planned
         self._turns: dict[float, list] = {}  # this rank's share of the turns sampled at each temperature
@@ -60,8 +62,8 @@ class Evaluator:
 
         if self._chunks is None:
             lengths = self.data.maker.store.lengths[self.data.eval_idx]
-            batches = heldout_batches(lengths, self.cfg.batches.token_budget, sort=True, seed=self.cfg.run.seed)
-            forwards = [len(every_anchor(self._batch(b), self.cfg.drafter.block_size)) for b in batches]
+            batches = heldout_batches(lengths, self.settings.token_budget, sort=True, seed=self.settings.seed)
+            forwards = [len(every_anchor(self._batch(b), self.settings.block_size)) for b in batches]
             self._chunks = (batches, forwards)
         return self._chunks
 
@@ -69,10 +71,9 @@ class Evaluator:
         """The temperatures whose tau@T walks turns sampled by the target (`sampled_turns`): every T > 0
         of --eval-temperatures the held-out data were not sampled at (unknown counts as not), unless
         --eval-sample-turns is 0 or the target is partitioned (sampling needs it whole on each rank)."""
-        partitioned = self.cfg.device.target_partition != "none"
-        if not self.cfg.eval.eval_sample_turns or self.data.eval_idx.size == 0 or partitioned:
+        if not self.options.eval_sample_turns or self.data.eval_idx.size == 0 or self.settings.partitioned:
             return ()
-        return tuple(t for t in self.cfg.eval.eval_temperatures if t > 0 and t != self.data.data_temperature)
+        return tuple(t for t in self.options.eval_temperatures if t > 0 and t != self.data.data_temperature)
 
     @torch.no_grad()
     def walk(self) -> dict | None:
@@ -84,7 +85,7 @@ class Evaluator:
         if self.data.eval_idx.size == 0:
             return None
         sampled = self.sampled_temperatures()
-        record = self._walk_data(tuple(t for t in self.cfg.eval.eval_temperatures if t not in sampled))
+        record = self._walk_data(tuple(t for t in self.options.eval_temperatures if t not in sampled))
         if sampled:
             record.update(self._walk_sampled(sampled))
         return record
@@ -106,7 +107,7 @@ class Evaluator:
 
         batches, chunks = self._plan()
         batch = self._batch(batches[next((k for k, c in enumerate(chunks) if c), 0)]).to(self.device)
-        return batch, self.models.target.model.features(batch), every_anchor(batch, self.cfg.drafter.block_size)[0]
+        return batch, self.models.target.model.features(batch), every_anchor(batch, self.settings.block_size)[0]
 
     def _repeat_forwards(self, count: int, stand_in) -> None:
         """`count` drafter forwards on the stand-in, discarded: every rank runs as many drafter
@@ -121,14 +122,15 @@ class Evaluator:
         from dflash.models.expected_walk import target_inputs
         from dflash.models.walk_stats import WalkStats
 
-        B, rank, world_size = self.cfg.drafter.block_size, dist.get_rank(), dist.get_world_size()
+        B, rank, world_size = self.settings.block_size, dist.get_rank(), dist.get_world_size()
         target = self.models.target.model
         batches, chunks = self._plan()
         # Round robin over ranks, in rounds that every rank runs alike: one target forward and as
         # many drafter forwards as the busiest rank of the round (a partitioned target and ZeRO-3
         # gather parameters collectively, in the same order everywhere); a rank past the last batch
         # runs the target on a stand-in batch, and the extra forwards are discarded.
-        stats = WalkStats(B, temperatures)
+        loss = self.models.eval_loss  # its terms' named sums ride in the walk's vector, and become its figures
+        stats = WalkStats(B, temperatures, metric_names=loss.metric_names)
         padded = chunks + [0] * (-len(chunks) % world_size)
         rounds = [padded[i:i + world_size] for i in range(0, len(padded), world_size)]
         uneven = len(padded) > len(chunks) or any(c < max(r) for r in rounds for c in r)
@@ -145,7 +147,7 @@ class Evaluator:
             self._repeat_forwards(max(forwards) - forwards[rank], stand_in)
         total = stats.to_tensor(self.device)
         dist.all_reduce(total)
-        return WalkStats.from_tensor(total, B, temperatures).metrics()
+        return WalkStats.from_tensor(total, B, temperatures, loss.metric_names, loss.figures).metrics()
 
     def _walk_sampled(self, temperatures: tuple[float, ...]) -> dict:
         """tau@T and tau@T_stderr along the turns sampled at each of `temperatures` (this rank's share,
@@ -153,7 +155,7 @@ class Evaluator:
         from dflash.models.acceptance import walk_samples
         from dflash.models.walk_stats import WalkStats, stderr_key, tau_key
 
-        B = self.cfg.drafter.block_size
+        B = self.settings.block_size
         turns = {t: self.sampled_turns(t) for t in temperatures}
         forwards = 0
 
@@ -163,7 +165,7 @@ class Evaluator:
             return self._forward(*args, **kwargs)
 
         stats = [walk_samples(forward, self.models.target.model, turns[t], block_size=B, stop_ids=self.data.stop_ids,
-                              token_budget=self.cfg.batches.token_budget, temperatures=(t,), device=self.device)
+                              token_budget=self.settings.token_budget, temperatures=(t,), device=self.device)
                  for t in temperatures]
         most = torch.tensor(forwards, device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -182,14 +184,14 @@ class Evaluator:
         from dflash.models.speculate import prompts_from_samples
 
         d = self.data
-        return prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), self.cfg.eval.eval_sample_turns)
+        return prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), self.options.eval_sample_turns)
 
     def _fingerprint(self, prompts, limit: int) -> dict:
         """What the sampled turns depend on, besides the temperature (a resumed run reuses them only if
         it is the same)."""
         digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
-        return {"target": str(self.cfg.inputs.target), "prompts": digest, "turns": len(prompts),
-                "seed": self.cfg.run.seed,
+        return {"target": str(self.settings.target), "prompts": digest, "turns": len(prompts),
+                "seed": self.settings.seed,
                 "max_new_tokens": limit, "stop_ids": sorted(int(i) for i in self.data.stop_ids)}
 
     def sampled_turns(self, temperature: float) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -219,7 +221,7 @@ class Evaluator:
         """The turns sampled at `temperature` that eval_turns.json holds for this fingerprint (rank 0
         reads, every rank gets them), or None."""
         found = [None]
-        path = Path(self.cfg.run.output_dir) / TURNS_FILE
+        path = RunPaths(self.settings.output_dir).eval_turns
         if dist.get_rank() == 0 and path.is_file():
             try:
                 saved = json.loads(path.read_text())
@@ -246,17 +248,17 @@ class Evaluator:
                  f"alone (once per run; tau@{temperature:g} walks them, --eval-sample-turns)")
         mine = range(rank, len(prompts), world_size)
         outs = sample_turns(self.models.target.hf, [prompts[k] for k in mine],
-                            [turn_seed(self.cfg.run.seed, temperature, k) for k in mine],
+                            [turn_seed(self.settings.seed, temperature, k) for k in mine],
                             sampling=Sampling(temperature),
                             max_new_tokens=fingerprint["max_new_tokens"], stop_ids=self.data.stop_ids,
-                            progress=self.cfg.run.progress and rank == 0)
+                            progress=self.settings.progress and rank == 0)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, outs)
         turns = [None] * len(prompts)
         for r, part in enumerate(gathered):
             turns[r::world_size] = part
         if rank == 0:
-            path = Path(self.cfg.run.output_dir) / TURNS_FILE
+            path = RunPaths(self.settings.output_dir).eval_turns
             try:
                 saved = json.loads(path.read_text()) if path.is_file() else {}
             except (OSError, ValueError):
@@ -274,7 +276,7 @@ class Evaluator:
         """Once: what tau@T walks at each temperature of --eval-temperatures."""
         t = self.data.data_temperature
         sampled = self.sampled_temperatures()
-        others = [x for x in self.cfg.eval.eval_temperatures if x > 0 and x != t and x not in sampled]
+        others = [x for x in self.options.eval_temperatures if x > 0 and x != t and x not in sampled]
         if self._noted or not (others or sampled) or self.data.eval_idx.size == 0:
             return None
         self._noted = True
@@ -290,7 +292,7 @@ class Evaluator:
             notes.append(f"note: the held-out turns are {origin}; {', '.join(f'tau@{x:g}' for x in others)} follow "
                          "them, the acceptance decoding would have on them, exact for decoding at T only on turns "
                          "sampled at T (" + ("a partitioned target does not sample them"
-                                             if self.cfg.device.target_partition != "none"
+                                             if self.settings.partitioned
                                              else "--eval-sample-turns N > 0 samples them")
                          + "; docs/ARCHITECTURE.md)")
         return "\n".join(notes)
@@ -308,7 +310,7 @@ class Evaluator:
         drafter.to(self.device, self.dtype).eval()
         limit = d.turn_limit or DEFAULT_MAX_NEW_TOKENS
         report = speculate(target.hf, drafter, prompts, max_new_tokens=limit, stop_ids=d.stop_ids,
-                           reference=False, progress=self.cfg.run.progress).summary()
+                           reference=False, progress=self.settings.progress).summary()
         result = {"step": step, "max_new_tokens": limit, **report}
         output.write_text(json.dumps(result, indent=2) + "\n")
         turns = f"{report['turns']} held-out turn{'s' * (report['turns'] != 1)}"

@@ -212,19 +212,19 @@ def test_train_py_checks_the_data_and_its_column_before_anything_loads(tmp_path,
 
     src = write_format("parquet", [{"dialog": r["messages"], "id": r["id"]} for r in MESSAGES], tmp_path)
     with pytest.raises(UserError, match=r"parquet: no 'messages' or 'conversations' column \(columns: dialog, id\)"):
-        check_data(load_config(["--data", str(src)]))
+        check_data(load_config(["--data", str(src)]).inputs)
     with pytest.raises(UserError, match=r"parquet: no column 'turns' \(--messages-field\); columns: dialog, id"):
-        check_data(load_config(["--data", str(src), "--messages-field", "turns"]))
-    check_data(load_config(["--data", str(src), "--messages-field", "dialog"]))
+        check_data(load_config(["--data", str(src), "--messages-field", "turns"]).inputs)
+    check_data(load_config(["--data", str(src), "--messages-field", "dialog"]).inputs)
     store = prepare_jsonl(write_format("jsonl", MESSAGES, tmp_path), tokenizer, tmp_path / "store",
                           progress=False).output
     with pytest.raises(UserError, match="--messages-field dialog: --data .* is a token store"):
-        check_data(load_config(["--data", store, "--messages-field", "dialog"]))
+        check_data(load_config(["--data", store, "--messages-field", "dialog"]).inputs)
     with pytest.raises(UserError, match="--messages-field: names a column of conversations; --data random"):
         load_config(["--target", "random:qwen3-0.6b", "--data", "random", "--messages-field", "dialog"])
     # the target's chat template renders conversations of every format, and nothing else
-    assert chat_data(load_config(["--data", str(src)])) == str(src)
-    assert chat_data(load_config(["--data", store])) is None
+    assert chat_data(load_config(["--data", str(src)]).inputs) == str(src)
+    assert chat_data(load_config(["--data", store]).inputs) is None
 
 
 def test_train_py_trains_on_a_parquet_file_with_its_messages_field(tmp_path):

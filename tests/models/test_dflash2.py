@@ -11,9 +11,16 @@ from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, Draft
 from dflash.models.acceptance import walk_tau
 from dflash.models.anchors import to_packed
 from dflash.models.blocks import Blocks, block_scorer
-from dflash.models.config import DFlash2Settings
 from dflash.models.config_format import SLIDING
-from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm, block_conv, selector_figures, unary_logits
+from dflash.models.kinds.dflash2 import (
+    DFlash2Drafter,
+    DFlash2Settings,
+    SelectorTerm,
+    block_conv,
+    row_flops,
+    selector_figures,
+    unary_logits,
+)
 
 from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
 
@@ -24,7 +31,7 @@ SETTINGS = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank
 def tiny_config(target, settings=SETTINGS, window=6):
     return DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, draft_layers=2,
                                      target_layer_ids=TAPS, layer_types=[SLIDING] * 2, sliding_window=window,
-                                     is_causal=False, dflash2=settings)
+                                     is_causal=False, kind="dflash2", kind_settings=settings)
 
 
 def tiny_dflash2(target, seed=0, settings=SETTINGS):
@@ -96,7 +103,7 @@ def test_a_new_dflash2_drafter_computes_what_the_dflash_drafter_of_its_seed_does
     torch.manual_seed(7)
     import dataclasses
 
-    dflash = DFlashDrafter(dataclasses.replace(config, dflash2=None), target.shared_weights())
+    dflash = DFlashDrafter(dataclasses.replace(config, kind="dflash", kind_settings=None), target.shared_weights())
     batch = make_batch([12, 20], seed=4)
     feats = target.features(batch)
     blocks = draw_blocks(batch, block_size=B, num_anchors=6, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
@@ -141,7 +148,7 @@ def test_selector_term_is_the_dense_objective_with_its_gradients(stop_grad):
     feats = target.features(batch)
     blocks = draw_blocks(batch, block_size=B, num_anchors=5, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
                          seed=0, epoch=0)
-    s = drafter.config.dflash2
+    s = drafter.config.kind_settings
     params = dict(drafter.named_parameters())
 
     def grads(loss_fn):
@@ -192,7 +199,7 @@ def test_the_flop_model_prices_the_convolutions_and_the_selector_as_a_flop_count
     blocks = draw_blocks(batch, block_size=B, num_anchors=4, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
                          seed=0, epoch=0)
     dflash2 = DFlash2Drafter(config, target.shared_weights())
-    dflash = DFlashDrafter(dataclasses.replace(config, dflash2=None), target.shared_weights())
+    dflash = DFlashDrafter(dataclasses.replace(config, kind="dflash", kind_settings=None), target.shared_weights())
 
     def step(drafter, terms):
         BlockLoss(chunk_rows=5, terms=terms)(drafter(batch, feats, blocks), blocks, drafter.lm_head).loss_sum.backward()
@@ -200,7 +207,8 @@ def test_the_flop_model_prices_the_convolutions_and_the_selector_as_a_flop_count
     measured = measure_flops(step, dflash2, [SelectorTerm(dflash2.candidate_selector, 0.3, stop_grad)])[0] \
         - measure_flops(step, dflash, [])[0]
     sizes = dict(num_target_layers=max(TAPS) + 1, draft_layers=2, num_features=len(TAPS), block_size=B)
-    priced = flop_cost_model(target.config, **sizes, dflash2=settings, selector_stop_grad=stop_grad)
+    priced = flop_cost_model(target.config, **sizes, extra_row_flops=row_flops(
+        target.config.hidden_size, 2, B, settings, stop_grad))
     plain = flop_cost_model(target.config, **sizes)
     rows = blocks.input_ids.numel()
     assert rows == blocks.num_blocks * B > 0
@@ -350,7 +358,7 @@ def test_the_official_dflash2_class_loads_the_export_strictly_with_the_same_outp
     ids[:, 0] = tokens[anchors]
     pos = torch.tensor(anchors)[:, None] + torch.arange(B)
     cu = torch.tensor([0, T], dtype=torch.int32)
-    scale = drafter.config.dflash2.input_embedding_scale
+    scale = drafter.config.kind_settings.input_embedding_scale
     with torch.no_grad():
         ours = drafter.block_hidden(feats, ids.reshape(-1), pos.reshape(-1), torch.arange(T), (cu, cu), blocks)
         ours = ours.view(-1, B, ours.shape[-1])
@@ -377,7 +385,7 @@ def strong_selector(seed, top_k=4):
 
 
 def selector_loss(drafter):
-    s = drafter.config.dflash2
+    s = drafter.config.kind_settings
     return BlockLoss(chunk_rows=7, terms=[SelectorTerm(drafter.candidate_selector)], logit_scale=s.output_multiplier,
                      softcap=s.final_logit_softcapping)
 
@@ -437,7 +445,7 @@ def test_the_walk_reports_the_selector_beside_the_backbones_argmax():
     same backbone drafting its argmax (= the walk scored without the selector), and the selector's recall
     and accuracy over every anchor's block; a DFlash drafter's walk has none of them."""
     target, drafter = strong_selector(12, top_k=6)
-    s = drafter.config.dflash2
+    s = drafter.config.kind_settings
     batch = make_batch([26], seed=3)
     with torch.no_grad():  # the turn the backbone's argmax drafts at slot 1: every block accepts a token or more
         for t in range(6, 26):

@@ -22,10 +22,9 @@ from dflash.models import (
 )
 from dflash.models import sampling as sampling_module
 from dflash.models.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
-from dflash.models.config import DFlash2Settings
 from dflash.models.config_format import SLIDING
-from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm
 from dflash.models.expected_walk import expected_blocks, slot_ratios, target_inputs
+from dflash.models.kinds.dflash2 import DFlash2Drafter, DFlash2Settings, SelectorTerm
 from dflash.models.sampling import Sampler, Sampling, verify_block
 from dflash.models.speculate import (
     greedy_decode,
@@ -369,7 +368,8 @@ def trained2(demo):
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
                                        draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=[SLIDING],
-                                       sliding_window=2048, is_causal=False, dflash2=DFlash2Settings(
+                                       sliding_window=2048, is_causal=False, kind="dflash2",
+                                       kind_settings=DFlash2Settings(
                                            conv_kernel_size=2, conv_group_size=16, selector_rank=32,
                                            selector_top_k=16))
     drafter = DFlash2Drafter(config, demo["target"].shared_weights(), attention_backend="torch")

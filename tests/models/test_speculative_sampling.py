@@ -28,8 +28,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dflash.models import DFlashDrafter, DrafterConfig, SharedWeights
 from dflash.models import sampling as sampling_module
 from dflash.models import speculate as speculate_module
-from dflash.models.config import DFlash2Settings
-from dflash.models.dflash2 import DFlash2Drafter
+from dflash.models.kinds.dflash2 import DFlash2Drafter, DFlash2Settings
 from dflash.models.sampling import Sampler, Sampling, target_probs, top_p_filter, verify_block
 from dflash.models.speculate import greedy_decode, speculative_decode
 
@@ -58,7 +57,7 @@ def tiny2(tiny):
     its identity start (its transitions matter)."""
     hf, _ = tiny
     config = DrafterConfig.from_target(hf.config, mask_token_id=VOCAB - 1, block_size=3, draft_layers=1,
-                                       target_layer_ids=[0], dflash2=DFlash2Settings(
+                                       target_layer_ids=[0], kind="dflash2", kind_settings=DFlash2Settings(
                                            conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=2))
     drafter2 = DFlash2Drafter(config, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight),
                               attention_backend="torch").eval()

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.models import DFlashDrafter, DrafterConfig
 from dflash.models.config_format import SLIDING
-from dflash.models.dflash2 import DFlash2Drafter
+from dflash.models.kinds.dflash2 import DFlash2Drafter
 from dflash.training.config import load_config
 
 from .conftest import read_metrics, run_deepspeed, tiny_train_args

@@ -39,7 +39,7 @@ def build_models():
                                      layer_types=[SLIDING] * 2, sliding_window=64)
     drafter = DFlashDrafter(dcfg, target.shared_weights(), attention_backend="auto")
     cfg = load_config(["--data", "d.jsonl", "--block-size", str(B)])
-    return config, target, drafter, cfg, training_loss(cfg, drafter)
+    return config, target, drafter, cfg, training_loss(cfg.loss, cfg.drafter.block_size, drafter)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from dflash.data.batch import PackedBatch
 from dflash.errors import UserError
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
 from dflash.models.drafter import drafter_class
+from dflash.models.kinds import drafter_kind
 from dflash.models.target_spec import load_target_spec
 from dflash.models.tensor_bytes import measure_peak_tensor_bytes
 from dflash.models.terms import needs_target_states, target_context
@@ -55,7 +56,8 @@ def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
     dcfg = DrafterConfig.from_target(config, mask_token_id=0, draft_layers=3, target_layer_ids=[0, 1, 2],
                                      **settings)
     drafter2 = drafter_class(dcfg)(dcfg)
-    sizes2 = DrafterSizes.from_target(config, layers=3, features=3, dflash2=settings["dflash2"])
+    sizes2 = DrafterSizes.from_target(config, layers=3, features=3, extra=drafter_kind("dflash2").memory_sizes(
+        settings["kind_settings"], config))
     assert sizes2.params == sum(p.numel() for p in drafter2.parameters())  # convolutions and selector
     assert sizes2.layer_params == sum(p.numel() for p in drafter2.layers[0].parameters()) > sizes.layer_params
 
@@ -98,7 +100,7 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
                          seed=0, epoch=0)
 
     cfg = load_config(["--data", "d.jsonl", "--loss", recipe, "--block-size", "16", "--drafter-kind", kind])
-    loss = training_loss(cfg, drafter)
+    loss = training_loss(cfg.loss, cfg.drafter.block_size, drafter)
 
     def step():
         context = None
@@ -110,8 +112,8 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
         loss(drafter(batch, features, blocks), blocks, drafter.lm_head, context=context).loss_sum.backward()
 
     measured, _ = measure_peak_tensor_bytes(step)
-    plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=2, features=2,
-                                                                     dflash2=dcfg.dflash2),
+    plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(
+        config, layers=2, features=2, extra=drafter_kind(dcfg.kind).memory_sizes(dcfg.kind_settings, config)),
                       MemorySetup(dtype_bytes=dtype.itemsize, num_anchors=8, activation_checkpointing=checkpointing,
                                   **loss_setup(cfg)))
     assert plan.setup.vocab_buffers >= loss.vocab_buffers  # a DFlash2 drafter: a softcap counted, whether set or not
