@@ -283,7 +283,7 @@ def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_p
                "qwen3_moe, qwen3_5_text, qwen3_5_moe_text, gpt_oss, deepseek_v3)")
     proc = _plan_memory("--model", tmp_path / "gpt2")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: --model {tmp_path / 'gpt2'}: {refusal}"], proc.stderr[-2000:]
+        f"error: --target {tmp_path / 'gpt2'}: {refusal}"], proc.stderr[-2000:]
     out = tmp_path / "run"
     proc = train_one_rank(*tiny_train_args(tmp_path / "gpt2", tiny_run_inputs[1], out), timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

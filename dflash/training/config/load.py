@@ -75,10 +75,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def _add_option(parser, name: str, default, aliases=(), help_default=None) -> None:
+def _add_option(parser, name: str, default, aliases=(), help_default=None, help_text=None) -> None:
     f = OPTIONS[name]
     shown = f.default if help_default is None else help_default
-    kwargs = {"dest": f.name, "default": default, "help": f"{f.metadata['help']} (default: {shown!r})"}
+    kwargs = {"dest": f.name, "default": default, "help": f"{help_text or f.metadata['help']} (default: {shown!r})"}
     kind = _kind(f)
     if kind == "bool":
         kwargs["action"] = argparse.BooleanOptionalAction
@@ -90,14 +90,21 @@ def _add_option(parser, name: str, default, aliases=(), help_default=None) -> No
     parser.add_argument(*names, **kwargs)
 
 
-def add_options(parser, names, defaults: dict | None = None, aliases: dict | None = None) -> None:
+# What the planning scripts (launch/plan_memory.py, plan_batches.py) plan for when not told: a Qwen3-8B
+# target on 80 GiB GPUs, not the demo's (their `add_options` defaults)
+PLANNING_DEFAULTS = {"target": "qwen3-8b", "memory_gib": 80.0}
+
+
+def add_options(parser, names, defaults: dict | None = None, aliases: dict | None = None,
+                helps: dict | None = None) -> None:
     """train.py's options `names` on another script's parser (a planning script's): the same flags, types,
-    help and defaults, or the script's own `defaults` (a planning preset), and older flag names as
-    `aliases`. `options_of(args, names)` reads them back into a `TrainConfig`, checked."""
-    defaults, aliases = defaults or {}, aliases or {}
+    help and defaults, or the script's own `defaults` (`PLANNING_DEFAULTS`) and `helps` (what the option
+    means there), and older flag names as deprecated `aliases`. `options_of(args, names)` reads them back
+    into a `TrainConfig`, checked as train.py checks them."""
+    defaults, aliases, helps = defaults or {}, aliases or {}, helps or {}
     for name in names:
         value = defaults.get(name, OPTIONS[name].default)
-        _add_option(parser, name, value, aliases.get(name, ()), value)
+        _add_option(parser, name, value, aliases.get(name, ()), value, helps.get(name))
 
 
 def options_of(args, names) -> TrainConfig:
