@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from dflash.errors import UserError
+from dflash.models.anchors import DEFAULT_NUM_ANCHORS
 from dflash.models.loss import DEFAULT_CHUNK_ROWS
 from dflash.models.target_spec import TargetSpec
 from dflash.sizing import reference_attention
@@ -151,7 +152,7 @@ class MemorySetup:
     target_offload: bool = False
     activation_checkpointing: bool = False
     block_size: int = 16
-    num_anchors: int = 512
+    num_anchors: int = DEFAULT_NUM_ANCHORS
     # the drafter's block attention: "kernel" (Triton or FlexAttention: output and log-sum-exp saved) or
     # "reference" (dflash.ops' per-sample torch reference, the CPU's: its scores saved, per row and key)
     attention: str = "kernel"

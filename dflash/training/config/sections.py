@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
+from dflash.models.anchors import DEFAULT_NUM_ANCHORS
 from dflash.models.config_format import FULL, LAYER_TYPES, SLIDING
 from dflash.models.kinds import DEFAULT, all_kinds, kind_options
 from dflash.models.terms import term_options
@@ -141,7 +142,7 @@ class Drafter:
     drafter_kind: str = _opt(DEFAULT, f"{', '.join(k.name for k in all_kinds())}: {_kinds_help()}")
     draft_layers: int = _opt(5, "drafter decoder layers")
     block_size: int = _opt(16, "drafted tokens per block, anchor slot included")
-    num_anchors: int = _opt(512, "anchors drawn per sample (fewer if it has fewer candidates)")
+    num_anchors: int = _opt(DEFAULT_NUM_ANCHORS, "anchors drawn per sample (fewer if it has fewer candidates)")
     target_layer_ids: tuple[int, ...] | None = _opt(
         None,
         "tapped target layers, e.g. 1,9,17,25,33 (default: the official rule)",
