@@ -52,12 +52,12 @@ from dflash.data.planner import (
 )
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.data.supervision import candidates_from_supervised
+from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.kinds import drafter_kind
-from dflash.models.taps import default_target_layer_ids
-from dflash.models.target_spec import PRESETS
 from dflash.options import number, parse_list
 from dflash.sizing.flops import flop_cost_model, load_target_config
+from dflash.target.spec import PRESETS
+from dflash.target.taps import default_target_layer_ids
 from dflash.training.config.load import PLANNING_DEFAULTS, add_options, options_of
 from dflash.training.config.sections import KIND_OPTIONS
 

@@ -23,9 +23,8 @@ import json
 import os
 import sys
 
+from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.kinds import drafter_kind
-from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.options import number
 from dflash.sizing.memory import (
     GIB,
@@ -36,6 +35,7 @@ from dflash.sizing.memory import (
     gib,
     plan_for,
 )
+from dflash.target.spec import PRESETS, load_target_spec
 from dflash.training.config.load import PLANNING_DEFAULTS, add_options, options_of
 from dflash.training.plan import loss_setup
 

@@ -34,12 +34,12 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.folders import check_drafter_folder, check_target_folder
+from dflash.folders import check_drafter_folder, check_target_folder
 from dflash.options import number
 
 
 def parse_args(argv=None):
-    from dflash.models.sampling import DRAFTS
+    from dflash.decoding.sampling import DRAFTS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default="runs/demo/drafter",
@@ -76,7 +76,7 @@ def parse_args(argv=None):
 
 def sampling_options(args):
     """(Sampling, seed) from the flags; sampling flags without a temperature are refused."""
-    from dflash.models.sampling import Sampling
+    from dflash.decoding.sampling import Sampling
 
     if args.temperature == 0:
         given = [flag for flag, on in (("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None),
@@ -159,7 +159,7 @@ def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
 
     from dflash.devices import resolve_dtype
     from dflash.models import DFlashDrafter, load_target_spec
-    from dflash.models.target_load import load_target
+    from dflash.target.load import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype_option, device)
@@ -176,10 +176,10 @@ def load_models(drafter_dir: Path, target_path: Path, dtype_option: str):
 
 def eval_walk(drafter, target, samples, device, *, limit: int, stops, sampling) -> dict:
     """The eval walk on the decoded turns' data: greedy tau, anchor tau and, when sampling, tau@T."""
+    from dflash.decoding.acceptance import walk_samples
+    from dflash.decoding.walk_stats import tau_key
     from dflash.models import BlockLoss, default_gamma, slot_weights
-    from dflash.models.acceptance import walk_samples
-    from dflash.models.blocks import block_scorer
-    from dflash.models.walk_stats import tau_key
+    from dflash.objective.blocks import block_scorer
 
     temperatures = (0.0,) if sampling.greedy else (0.0, sampling.temperature)
     B = drafter.block_size
@@ -229,13 +229,13 @@ def main(argv=None):
     sampling, seed = sampling_options(args)
 
     from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
-    from dflash.demo import TARGET
-    from dflash.models.speculate import (
+    from dflash.decoding.speculate import (
         DEFAULT_MAX_NEW_TOKENS,
         prompts_from_conversations,
         prompts_from_samples,
         speculate,
     )
+    from dflash.demo import TARGET
 
     drafter_dir = Path(args.drafter)
     if not (drafter_dir / "config.json").is_file():

@@ -74,7 +74,7 @@ def make_run_folder(path: Path) -> None:
 def foreign_drafter(output_dir: Path) -> None:
     """Refuse a `drafter/` folder that is not a drafter export: the run exports there at the end,
     and would stop at that point rather than replace what it did not write."""
-    from dflash.models.drafter import is_drafter_folder
+    from dflash.drafter.network import is_drafter_folder
 
     drafter = output_dir / "drafter"
     if drafter.exists() and not is_drafter_folder(drafter):

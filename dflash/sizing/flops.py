@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+from dflash.drafter.config import drafter_intermediate_size
 from dflash.errors import UserError
-from dflash.models.config import drafter_intermediate_size
-from dflash.models.target_spec import PRESETS, load_target_spec, missing_sizes, read_config_json
+from dflash.target.spec import PRESETS, load_target_spec, missing_sizes, read_config_json
 
 
 def load_target_config(model: str):
-    """The sizes the cost model prices: a preset of `dflash.models.target_spec.PRESETS` (e.g.
+    """The sizes the cost model prices: a preset of `dflash.target.spec.PRESETS` (e.g.
     "qwen3-8b") or the path of a target's config.json (or its folder); only the sizes are read,
     so a config of any model_type will do."""
     if model in PRESETS:

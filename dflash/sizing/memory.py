@@ -11,7 +11,7 @@ forward and backward: per token the features, the fused context and every layer'
 and values; per block row (block size x anchors of every sample) every layer's saved
 activations, and the larger of the loss's lm_head chunk and one layer's backward buffers.
 
-The coefficients count what each op saves for backward in this code (`dflash.models.drafter`,
+The coefficients count what each op saves for backward in this code (`dflash.drafter.network`,
 RMSNorm in fp32, the block attention's Triton kernels) at the training dtype; the estimate is
 checked against measured peaks of CPU runs (`launch/plan_memory.py --measure`, docs/BENCHMARKS.md).
 On top of the peak, a GPU loses memory the tensors never see (CUDA context, NCCL buffers,
@@ -24,10 +24,10 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from dflash.errors import UserError
-from dflash.models.anchors import DEFAULT_NUM_ANCHORS
-from dflash.models.loss import DEFAULT_CHUNK_ROWS
-from dflash.models.target_spec import TargetSpec
+from dflash.objective.anchors import DEFAULT_NUM_ANCHORS
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS
 from dflash.sizing import reference_attention
+from dflash.target.spec import TargetSpec
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffers

@@ -73,7 +73,7 @@ def shared_target(train_cfg):
 
     from dflash.devices import resolve_dtype
     from dflash.distributed.process_group import init_distributed
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
     from dflash.training.data import chat_data
     from dflash.training.models import load_train_target
 
@@ -167,7 +167,7 @@ def measure_memory_at(train_cfg, target, runs: Path, deadline: float) -> dict:
     import torch
 
     from dflash.distributed.partition import target_bytes
-    from dflash.models.tensor_bytes import TensorBytes
+    from dflash.sizing.tensor_bytes import TensorBytes
     from dflash.tools import compare
 
     cuda = torch.cuda.is_available()
@@ -258,9 +258,9 @@ def stage_memory(out: Path, cfg: dict, deadline: float) -> bool:
 
 
 def stage_kinds(out: Path, cfg: dict, deadline: float) -> bool:
-    """Every drafter kind but DFlash (`dflash.models.kinds`), one after the other: `kind_steps`. Passes
+    """Every drafter kind but DFlash (`dflash.drafter.kinds`), one after the other: `kind_steps`. Passes
     when every kind's did."""
-    from dflash.models.kinds import DEFAULT, all_kinds
+    from dflash.drafter.kinds import DEFAULT, all_kinds
 
     return all([kind_steps(kind.name, out, cfg, deadline) for kind in all_kinds() if kind.name != DEFAULT])
 

@@ -46,8 +46,8 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
     tapped features of `epoch`. A loss whose terms read the target's distribution (KL, LK) gets the
     target's final states, from the same target forward.
     """
-    from dflash.models.anchors import to_packed
-    from dflash.models.terms import needs_target_states, target_context
+    from dflash.objective.anchors import to_packed
+    from dflash.objective.terms import needs_target_states, target_context
 
     if timings is not None:
         from deepspeed.accelerator import get_accelerator

@@ -51,14 +51,14 @@ class Evaluator:
         """Held-out samples packed, every turn cut where decoding stops: its first stop token, or the
         token limit the data were regenerated with."""
         from dflash.data.collate import collate_packed
-        from dflash.models.acceptance import limited
+        from dflash.decoding.acceptance import limited
 
         d = self.data
         return limited(collate_packed(d.maker.store, d.eval_idx[indices]), d.turn_limit, d.stop_ids)
 
     def _plan(self) -> tuple[list, list[int]]:
         """Held-out micro-batches (sorted, packed) and how many drafter forwards each takes (cached)."""
-        from dflash.models.acceptance import every_anchor, heldout_batches
+        from dflash.decoding.acceptance import every_anchor, heldout_batches
 
         if self._chunks is None:
             lengths = self.data.maker.store.lengths[self.data.eval_idx]
@@ -78,7 +78,7 @@ class Evaluator:
     @torch.no_grad()
     def walk(self) -> dict | None:
         """Walk tau on the held-out split: a block at every position of every assistant turn (short
-        ones too), walked as greedy speculative decoding does (`dflash.models.acceptance`), beside it
+        ones too), walked as greedy speculative decoding does (`dflash.decoding.acceptance`), beside it
         anchor_tau (the mean over those blocks), per-slot accuracy and the loss; and `tau@T` with
         `tau@T_stderr` at each T > 0 of --eval-temperatures, on the turns sampled at T
         (`sampled_temperatures`) or on the data's. Collective."""
@@ -92,7 +92,7 @@ class Evaluator:
 
     def _forward(self, batch, features, anchors, **kwargs):
         if self._score is None:
-            from dflash.models.blocks import block_scorer
+            from dflash.objective.blocks import block_scorer
 
             m = self.data.maker
             self._score = block_scorer(self.models.engine, self.models.eval_loss, self.models.drafter.lm_head,
@@ -103,7 +103,7 @@ class Evaluator:
         """A held-out batch, its taps and first anchors, for the discarded forwards that keep ranks in
         step; its target forward is collective when the target is partitioned, so every rank makes it
         at the same point."""
-        from dflash.models.acceptance import every_anchor
+        from dflash.decoding.acceptance import every_anchor
 
         batches, chunks = self._plan()
         batch = self._batch(batches[next((k for k, c in enumerate(chunks) if c), 0)]).to(self.device)
@@ -118,9 +118,9 @@ class Evaluator:
     def _walk_data(self, temperatures: tuple[float, ...]) -> dict:
         """The walk on the data's held-out turns, round robin over ranks: greedy tau and tau@T at
         `temperatures`."""
-        from dflash.models.acceptance import every_anchor, score_and_walk
-        from dflash.models.expected_walk import target_inputs
-        from dflash.models.walk_stats import WalkStats
+        from dflash.decoding.acceptance import every_anchor, score_and_walk
+        from dflash.decoding.expected_walk import target_inputs
+        from dflash.decoding.walk_stats import WalkStats
 
         B, rank, world_size = self.settings.block_size, dist.get_rank(), dist.get_world_size()
         target = self.models.target.model
@@ -152,8 +152,8 @@ class Evaluator:
     def _walk_sampled(self, temperatures: tuple[float, ...]) -> dict:
         """tau@T and tau@T_stderr along the turns sampled at each of `temperatures` (this rank's share,
         summed over ranks)."""
-        from dflash.models.acceptance import walk_samples
-        from dflash.models.walk_stats import WalkStats, stderr_key, tau_key
+        from dflash.decoding.acceptance import walk_samples
+        from dflash.decoding.walk_stats import WalkStats, stderr_key, tau_key
 
         B = self.settings.block_size
         turns = {t: self.sampled_turns(t) for t in temperatures}
@@ -181,7 +181,7 @@ class Evaluator:
 
     def _prompts(self) -> list[list[int]]:
         """The prompts of the first --eval-sample-turns held-out turns (their history as in the data)."""
-        from dflash.models.speculate import prompts_from_samples
+        from dflash.decoding.speculate import prompts_from_samples
 
         d = self.data
         return prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), self.options.eval_sample_turns)
@@ -197,12 +197,12 @@ class Evaluator:
     def sampled_turns(self, temperature: float) -> list[tuple[np.ndarray, np.ndarray]]:
         """This rank's share (turn k on rank k mod world size) of the held-out turns sampled at
         `temperature`, as (ids, loss mask) samples: the prompt of each of the first --eval-sample-turns
-        held-out turns, continued by the target alone at T (`dflash.models.speculate.sample_turns`, turn
+        held-out turns, continued by the target alone at T (`dflash.decoding.speculate.sample_turns`, turn
         k seeded with `turn_seed(seed, T, k)`, at most the data's turn limit, to the first stop token).
         They do not depend on the drafter: sampled at the first call (collective), then kept, and
         written by rank 0 to the run folder's eval_turns.json, which a resumed run reads back."""
         if temperature not in self._turns:
-            from dflash.models.speculate import DEFAULT_MAX_NEW_TOKENS
+            from dflash.decoding.speculate import DEFAULT_MAX_NEW_TOKENS
 
             prompts = self._prompts()
             fingerprint = self._fingerprint(prompts, self.data.turn_limit or DEFAULT_MAX_NEW_TOKENS)
@@ -238,9 +238,9 @@ class Evaluator:
     def _sample(self, temperature: float, prompts, fingerprint: dict) -> list[list[int]]:
         """Every rank samples its share of the turns, all ranks get them all; rank 0 keeps them in
         eval_turns.json (a file it cannot write is said, and the turns are sampled again on a resume)."""
+        from dflash.decoding.sampling import Sampling
+        from dflash.decoding.speculate import sample_turns
         from dflash.errors import os_reason
-        from dflash.models.sampling import Sampling
-        from dflash.models.speculate import sample_turns
         from dflash.partial import replace_file
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -301,8 +301,8 @@ class Evaluator:
         """Greedy speculative decoding of the first `turns` held-out turns with the exported drafter
         (call on one rank): the acceptance length decoding reaches, to set beside the eval walk tau;
         written to `output` as JSON, and said."""
+        from dflash.decoding.speculate import DEFAULT_MAX_NEW_TOKENS, prompts_from_samples, speculate
         from dflash.models import DFlashDrafter
-        from dflash.models.speculate import DEFAULT_MAX_NEW_TOKENS, prompts_from_samples, speculate
 
         d, target = self.data, self.models.target
         prompts = prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), turns)

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from dflash.distributed.ranks import on_rank0
+from dflash.drafter.kinds import drafter_kind
 from dflash.errors import NonFiniteWeights, UserError
-from dflash.models.kinds import drafter_kind
-from dflash.models.target_load import LoadedTarget, load_target
-from dflash.models.target_spec import TargetSpec
+from dflash.target.load import LoadedTarget, load_target
+from dflash.target.spec import TargetSpec
 from dflash.training.config.sections import Device, Drafter, Loss, Optim
 
 
@@ -29,7 +29,7 @@ def load_train_target(spec: TargetSpec, device, dtype, drafter: Drafter, placeme
                          partition=placement.target_partition, offload=placement.target_offload)
     if not d.init_drafter:
         return target
-    from dflash.models.config import check_fits_target
+    from dflash.drafter.config import check_fits_target
     from dflash.training.config import init_drafter_config
 
     config = init_drafter_config(d.init_drafter, spec)
@@ -83,11 +83,11 @@ def drafter_kind_settings(name: str, settings=None) -> dict:
 
 def training_loss(loss: Loss, block_size: int, drafter, *, recipe: bool = True):
     """The objective of `drafter`: with `recipe`, --loss's ce_weight x the cross-entropy plus its terms
-    (dflash.models.terms), else the cross-entropy alone (what held-out runs are compared by); and its
+    (dflash.objective.terms), else the cross-entropy alone (what held-out runs are compared by); and its
     kind's own terms and logit map (`DrafterKind.terms`, `logit_map`). Chunks of whole blocks when a
     term weighs blocks (D-PACE)."""
     from dflash.models import BlockLoss
-    from dflash.models.terms import build_terms, chunk_rows_for, parse_recipe
+    from dflash.objective.terms import build_terms, chunk_rows_for, parse_recipe
 
     weights = parse_recipe(loss.loss) if recipe else {"ce": 1.0}
     terms = build_terms(weights, loss, lm_head=drafter.lm_head)
@@ -144,8 +144,8 @@ class Models:
     def __init__(self, settings, loss: Loss, optim: Optim, target: LoadedTarget, ds_config: dict, *,
                  total_steps: int, device):
         """`settings`: the run plan's `ModelSettings` (the drafter to build)."""
+        from dflash.drafter.network import drafter_class
         from dflash.models import DrafterConfig
-        from dflash.models.drafter import drafter_class
         from dflash.training.ds_config import zero_stage
 
         self.target = target

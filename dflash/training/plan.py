@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from dflash.models.kinds import drafter_kind
-from dflash.models.target_spec import TargetSpec
+from dflash.drafter.kinds import drafter_kind
 from dflash.sizing.fit import accelerator_memory, size_run
 from dflash.sizing.memory import MemoryPlan, MemorySetup, plan_for
+from dflash.target.spec import TargetSpec
 from dflash.training.config import TrainConfig, default, init_drafter_config
 from dflash.training.ds_config import training_ds_config, with_optimizer
 
@@ -145,8 +145,8 @@ def loss_setup(cfg: TrainConfig) -> dict:
     with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and
     whether a term reads the target's final states. A kind whose logits may pass a softcap is counted
     with one (`DrafterKind.may_softcap`: the plan must not be low)."""
-    from dflash.models.loss import chunk_vocab_buffers
-    from dflash.models.terms import TERMS, chunk_rows_for, parse_recipe
+    from dflash.objective.loss import chunk_vocab_buffers
+    from dflash.objective.terms import TERMS, chunk_rows_for, parse_recipe
 
     weights = parse_recipe(cfg.loss.loss)
     terms = [TERMS[name] for name, weight in weights.items() if name != "ce" and weight]
@@ -162,7 +162,7 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     official rule for a target of `num_target_layers` when not given), the drafter's size, block,
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN
-    from dflash.models.taps import default_target_layer_ids
+    from dflash.target.taps import default_target_layer_ids
 
     types = list(cfg.drafter.drafter_layer_types or [])
     settings = {"--block-size": cfg.drafter.block_size, "--draft-layers": cfg.drafter.draft_layers,

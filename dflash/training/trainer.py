@@ -24,10 +24,10 @@ from dflash.distributed.ranks import on_rank0
 from dflash.distributed.run_folder import RunFolder, RunPaths
 from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError
-from dflash.models.target_load import LoadedTarget
-from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
+from dflash.target.load import LoadedTarget
+from dflash.target.spec import load_target_spec, target_folder
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import OPTIONS, TrainConfig, speculate_turns

@@ -44,7 +44,7 @@ def test_flop_coefficients_of_qwen3_8b_by_hand():
 
 
 def test_plan_batches_prices_the_released_dflash2_drafter(tmp_path, capsys):
-    from dflash.models.kinds.dflash2 import released_settings, row_flops
+    from dflash.drafter.kinds.dflash2 import released_settings, row_flops
 
     np.save(tmp_path / "l.npy", np.full(64, 600, dtype=np.int64))
     args = ["--lengths", str(tmp_path / "l.npy"), "--token-budget", "4096", "--json"]

@@ -7,12 +7,9 @@ import json
 import pytest
 import torch
 
-from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, DrafterConfig, draw_blocks, slot_weights
-from dflash.models.acceptance import walk_tau
-from dflash.models.anchors import to_packed
-from dflash.models.blocks import Blocks, block_scorer
-from dflash.models.config_format import SLIDING
-from dflash.models.kinds.dflash2 import (
+from dflash.decoding.acceptance import walk_tau
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds.dflash2 import (
     DFlash2Drafter,
     DFlash2Settings,
     SelectorTerm,
@@ -21,6 +18,9 @@ from dflash.models.kinds.dflash2 import (
     selector_figures,
     unary_logits,
 )
+from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, DrafterConfig, draw_blocks, slot_weights
+from dflash.objective.anchors import to_packed
+from dflash.objective.blocks import Blocks, block_scorer
 
 from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
 

@@ -25,12 +25,12 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dflash.decoding import sampling as sampling_module
+from dflash.decoding import speculate as speculate_module
+from dflash.decoding.sampling import Sampler, Sampling, target_probs, top_p_filter, verify_block
+from dflash.decoding.speculate import greedy_decode, speculative_decode
+from dflash.drafter.kinds.dflash2 import DFlash2Drafter, DFlash2Settings
 from dflash.models import DFlashDrafter, DrafterConfig, SharedWeights
-from dflash.models import sampling as sampling_module
-from dflash.models import speculate as speculate_module
-from dflash.models.kinds.dflash2 import DFlash2Drafter, DFlash2Settings
-from dflash.models.sampling import Sampler, Sampling, target_probs, top_p_filter, verify_block
-from dflash.models.speculate import greedy_decode, speculative_decode
 
 VOCAB, PROMPT, LENGTH, RUNS, ALPHA = 4, [1, 2, 0], 4, 600, 1e-3
 

@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash.models import BlockLoss, chunked_loss
-from dflash.models.anchors import Anchors
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
-from dflash.models.terms import (
+from dflash.objective.anchors import Anchors
+from dflash.objective.terms import (
     CU_SEQLENS,
     TARGET_STATES,
     DPaceTerm,
@@ -21,6 +20,7 @@ from dflash.models.terms import (
     build_terms,
     parse_recipe,
 )
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 
 B = 5  # block size: 4 scored slots per block
 

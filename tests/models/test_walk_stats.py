@@ -4,7 +4,7 @@ from dataclasses import fields
 import numpy as np
 import pytest
 
-from dflash.models.walk_stats import WalkStats
+from dflash.decoding.walk_stats import WalkStats
 
 TEMPERATURES = (0.0, 0.7, 1.0)
 NAMES = ("selector_rows", "selector_correct")  # a loss term's named sums (`LogitTerm.metric_names`)

@@ -83,8 +83,8 @@ def released_drafter(folder, **change):
     from safetensors.torch import save_file
 
     from dflash.demo import TARGET as DEMO_TARGET
+    from dflash.drafter.config_format import FULL, SLIDING
     from dflash.models import DFlashDrafter, DrafterConfig
-    from dflash.models.config_format import FULL, SLIDING
 
     target = json.loads((DEMO_TARGET / "config.json").read_text())
     config = DrafterConfig.from_target(type("T", (), {**target, "rope_parameters": target["rope_parameters"]}),

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.kinds import DrafterKind, Option, register
-from dflash.models.loss import Finished, LogitTerm
+from dflash.drafter.kinds import DrafterKind, Option, register
+from dflash.drafter.network import DFlashDrafter
+from dflash.objective.loss import Finished, LogitTerm
 
 
 @dataclass(frozen=True)

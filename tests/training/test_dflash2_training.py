@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds.dflash2 import DFlash2Drafter
 from dflash.models import DFlashDrafter, DrafterConfig
-from dflash.models.config_format import SLIDING
-from dflash.models.kinds.dflash2 import DFlash2Drafter
 from dflash.training.config import load_config
 
 from .conftest import read_metrics, run_deepspeed, tiny_train_args

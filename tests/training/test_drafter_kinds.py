@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from dflash.decoding.speculate import greedy_decode, speculative_decode
+from dflash.drafter.kinds import architectures, drafter_kind
 from dflash.models import DFlashDrafter, TargetModel
-from dflash.models.kinds import architectures, drafter_kind
-from dflash.models.speculate import greedy_decode, speculative_decode
 
 from . import gated_kind
 from .conftest import read_metrics, run_deepspeed, tiny_train_args
@@ -20,7 +20,7 @@ from .conftest import read_metrics, run_deepspeed, tiny_train_args
 def test_a_registered_kind_is_found_by_name_and_architecture_and_clashes_are_refused():
     assert drafter_kind("gated") is gated_kind.KIND and "GatedDFlashDraftModel" in architectures()
     with pytest.raises(ValueError, match="clashes with 'gated'"):
-        from dflash.models.kinds import register
+        from dflash.drafter.kinds import register
 
         register(type("Again", (gated_kind.GatedKind,), {})())
     with pytest.raises(ValueError, match=r"unknown drafter kind 'nope' \(known: dflash, dflash2, gated"):

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dflash.decoding import speculate as speculate_module
+from dflash.decoding.sampling import Sampling
+from dflash.decoding.speculate import speculate
 from dflash.distributed.ranks import free_port
 from dflash.distributed.run_folder import RunPaths
 from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, slot_weights
-from dflash.models import speculate as speculate_module
-from dflash.models.sampling import Sampling
-from dflash.models.speculate import speculate
 from dflash.training.config import TrainConfig
 from dflash.training.evaluator import Evaluator, turn_seed
 from dflash.training.plan import EvalSettings

@@ -10,15 +10,15 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash.data.batch import PackedBatch
+from dflash.decoding.acceptance import every_anchor, score_and_walk
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.network import DrafterCache
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
-from dflash.models.acceptance import every_anchor, score_and_walk
-from dflash.models.blocks import Blocks, block_scorer
-from dflash.models.config_format import SLIDING
-from dflash.models.drafter import DrafterCache
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+from dflash.objective.blocks import Blocks, block_scorer
 from dflash.ops.dflash_block import chunked
 from dflash.sizing import reference_attention
 from dflash.sizing.memory import DrafterSizes, MemoryPlan, MemorySetup, target_sizes
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 from dflash.training.config import load_config
 from dflash.training.models import training_loss
 from dflash.training.plan import loss_setup

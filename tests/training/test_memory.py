@@ -9,13 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash.data.batch import PackedBatch
+from dflash.drafter.kinds import drafter_kind
+from dflash.drafter.network import drafter_class
 from dflash.errors import UserError
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
-from dflash.models.drafter import drafter_class
-from dflash.models.kinds import drafter_kind
-from dflash.models.target_spec import load_target_spec
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
-from dflash.models.terms import needs_target_states, target_context
+from dflash.objective.terms import needs_target_states, target_context
 from dflash.sizing.fit import size_run
 from dflash.sizing.memory import (
     GIB,
@@ -25,6 +23,8 @@ from dflash.sizing.memory import (
     plan_for,
     target_sizes,
 )
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
+from dflash.target.spec import load_target_spec
 from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
 from dflash.training.plan import loss_setup

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from dflash.errors import UserError
-from dflash.models.target_spec import load_target_spec
 from dflash.sizing.memory import GIB
+from dflash.target.spec import load_target_spec
 from dflash.training.config import load_config
 from dflash.training.plan import plan_run
 
@@ -27,7 +27,7 @@ def test_plan_run_sizes_the_row_budget_from_the_memory_plan_alone():
 
 
 def test_plan_run_takes_the_released_dflash2_sizes_for_the_memory_and_the_cost_model():
-    from dflash.models.kinds.dflash2 import released_settings
+    from dflash.drafter.kinds.dflash2 import released_settings
 
     args = ["--target", "random:qwen3-8b", "--memory-gib", "80", "--token-budget", "4096", "--num-anchors", "64"]
     spec = load_target_spec("random:qwen3-8b")

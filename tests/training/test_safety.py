@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dflash.distributed.ranks import free_port
 from dflash.errors import UserError
-from dflash.models.target_spec import load_target_spec
+from dflash.target.spec import load_target_spec
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
 

@@ -35,7 +35,7 @@ class HFBackend:
         import torch
         from transformers import GenerationConfig
 
-        from dflash.models.target import load_language_model
+        from dflash.target.model import load_language_model
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +85,7 @@ class VLLMBackend:
     def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
         from vllm import LLM
 
-        from dflash.models.target_spec import load_target_spec
+        from dflash.target.spec import load_target_spec
 
         self.llm = LLM(model=target, dtype=dtype, seed=seed or 0)
         self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())
@@ -112,7 +112,7 @@ class SGLangBackend:
     def __init__(self, target: str, tokenizer, dtype: str, seed: int | None):
         import sglang
 
-        from dflash.models.target_spec import load_target_spec
+        from dflash.target.spec import load_target_spec
 
         self.engine = sglang.Engine(model_path=target, dtype=dtype, random_seed=seed or 0, log_level="error")
         self.stops = stop_ids(tokenizer, load_target_spec(target).generation_eos())

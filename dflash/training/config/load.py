@@ -13,9 +13,9 @@ import dataclasses
 from pathlib import Path
 
 from dflash import demo
+from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError
-from dflash.models.kinds import drafter_kind
-from dflash.models.loss import GAMMA_BY_BLOCK_SIZE
+from dflash.objective.loss import GAMMA_BY_BLOCK_SIZE
 from dflash.options import number, parse_list
 from dflash.training.config.sections import OPTIONS, SECTION_OF, SECTIONS, TrainConfig, flag, layer_type
 from dflash.training.config.validate import validate
@@ -120,7 +120,7 @@ def options_of(args, names) -> TrainConfig:
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
     """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
-    from dflash.models.target_spec import target_folder
+    from dflash.target.spec import target_folder
 
     args = build_parser(description).parse_args(argv)
     values = {}
@@ -162,8 +162,8 @@ def load_run(run_dir) -> TrainConfig:
 def init_drafter_config(folder: str, spec):
     """The DrafterConfig of --init-drafter `folder`, checked against the target (its `TargetSpec`;
     raises UserError naming the field that disagrees). Reads config files and the weights' header only."""
-    from dflash.models.config import DrafterConfig, check_fits_target
-    from dflash.models.folders import check_drafter_folder
+    from dflash.drafter.config import DrafterConfig, check_fits_target
+    from dflash.folders import check_drafter_folder
 
     path = Path(folder)
 
@@ -183,7 +183,7 @@ def _from_init_drafter(values: dict, explicit: set) -> dict:
     if values.get("mask_token"):
         raise UserError(f"--mask-token {values['mask_token']!r} contradicts --init-drafter {values['init_drafter']}: "
                         "the drafter's dflash_config.mask_token_id is its mask token (leave --mask-token out)")
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     c = init_drafter_config(values["init_drafter"], load_target_spec(values.get("target", OPTIONS["target"].default)))
     taken = {

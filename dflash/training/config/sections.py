@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
-from dflash.models.anchors import DEFAULT_NUM_ANCHORS
-from dflash.models.config_format import FULL, LAYER_TYPES, SLIDING
-from dflash.models.kinds import DEFAULT, all_kinds, kind_options
-from dflash.models.terms import term_options
+from dflash.drafter.config_format import FULL, LAYER_TYPES, SLIDING
+from dflash.drafter.kinds import DEFAULT, all_kinds, kind_options
+from dflash.objective.anchors import DEFAULT_NUM_ANCHORS
+from dflash.objective.terms import term_options
 from dflash.ops import ATTENTION_BACKENDS
 
 TARGET_PARTITIONS = ("none", "zero3")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 from dflash.data.planner import LAYOUTS, ORDERS
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds import drafter_kind, kind_names
 from dflash.errors import UserError
-from dflash.models.config_format import SLIDING
-from dflash.models.kinds import drafter_kind, kind_names
-from dflash.models.loss import GAMMA_BY_BLOCK_SIZE
+from dflash.objective.loss import GAMMA_BY_BLOCK_SIZE
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.training.config.sections import (
     KIND_OPTIONS,
@@ -100,7 +100,7 @@ def check_kind_options(c: TrainConfig) -> None:
 
 
 def _validate_relations(c: TrainConfig) -> None:
-    from dflash.models.terms import parse_recipe
+    from dflash.objective.terms import parse_recipe
 
     try:
         parse_recipe(c.loss.loss)
@@ -152,7 +152,7 @@ def _validate_drafter(c: TrainConfig) -> None:
 def _validate_synthetic(c: TrainConfig) -> None:
     """A random target's shape is known before anything loads, and it has no text to tokenize data with."""
     from dflash.data.synthetic import is_synthetic, parse_samples
-    from dflash.models.target_spec import load_target_spec, target_folder
+    from dflash.target.spec import load_target_spec, target_folder
 
     if is_synthetic(c.inputs.data):
         parse_samples(c.inputs.data)

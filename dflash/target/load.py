@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from dflash.errors import UserError
-from dflash.models.target_spec import TargetSpec
+from dflash.target.spec import TargetSpec
 
 
 class LoadedTarget(NamedTuple):
@@ -23,7 +23,7 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
                 attention_backend: str = "auto", mask_token: bool = True, mask_text: str = "",
                 chat_data: str | None = None, partition: str = "none", offload: bool = False) -> LoadedTarget:
     """Tokenizer and frozen target of `spec`: a Hugging Face folder (or `random:PRESET` / `random:PATH`: random
-    weights of that shape and a synthetic tokenizer, `dflash.models.random_target`), tapped at
+    weights of that shape and a synthetic tokenizer, `dflash.target.random_weights`), tapped at
     `target_layer_ids` (default: the official rule with `num_features` taps); with `mask_token`, the
     DFlash mask token (`mask_text`, default MASK_TOKEN) is added to the tokenizer in a spare
     embedding row, or reused if the tokenizer has it. `chat_data`: conversations that will be
@@ -35,9 +35,9 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
 
     from dflash.data.tokenizing import check_tokenizer_files
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
+    from dflash.folders import check_target_folder
     from dflash.models import TargetModel, load_language_model
-    from dflash.models.folders import check_target_folder
-    from dflash.models.random_target import random_target
+    from dflash.target.random_weights import random_target
 
     mask_text = mask_text or MASK_TOKEN
     if spec.random:

@@ -15,7 +15,7 @@ of accepted + 1, which weights easy and hard positions alike and so overstates d
 per-slot accuracy.
 
 At a temperature T > 0 the same scores give `tau@T`, the expected acceptance length of speculative
-sampling (`dflash.models.expected_walk`); the sums and figures: `dflash.models.walk_stats`.
+sampling (`dflash.decoding.expected_walk`); the sums and figures: `dflash.decoding.walk_stats`.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import torch
 
 from dflash.data.batch import PackedBatch
 from dflash.data.supervision import candidate_positions
-from dflash.models.anchors import Anchors
-from dflash.models.expected_walk import expected_turn_blocks, slot_ratios, target_inputs
-from dflash.models.walk_stats import WalkStats
+from dflash.decoding.expected_walk import expected_turn_blocks, slot_ratios, target_inputs
+from dflash.decoding.walk_stats import WalkStats
+from dflash.objective.anchors import Anchors
 
 DEFAULT_MAX_BLOCKS = 2048  # blocks per drafter forward: block_size x this many query rows
 
@@ -127,7 +127,7 @@ def score_and_walk(
     """Score the blocks of `chunks` (from `every_anchor(batch)`) and walk every turn of `batch`.
 
     forward(batch, features, anchors) -> LossOutput: the drafter and its loss on the blocks at the anchors
-    given (`dflash.models.blocks.block_scorer`), exactly those of training (inputs, positions, visibility).
+    given (`dflash.objective.blocks.block_scorer`), exactly those of training (inputs, positions, visibility).
     Cut the turns where decoding stops first (`limited`), for both the anchors and this call.
     temperatures: of the walk (`tau@T`, 0 = greedy); for those > 0, forward is called with
     `temperatures=` them (the drafter's `label_logq`) and `target_logprobs` (`token_logprobs`) must

@@ -5,7 +5,7 @@ The official format is a Qwen3 config (`model_type: "qwen3"`, `architectures:
 {"mask_token_id", "target_layer_ids"}`. Serving engines build the drafter's layers from the
 Qwen3 fields, so every size is written explicitly (`head_dim` included: Qwen3Config's default
 of 128 would be silently wrong for other head sizes). The format's keys, layer types and the
-refusals of what engines would serve differently: `dflash.models.config_format`.
+refusals of what engines would serve differently: `dflash.drafter.config_format`.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from dflash.models.config_format import SLIDING, check_engine_agreement, check_layer_types, check_supported
-from dflash.models.kinds import DEFAULT, drafter_kind, kind_of_architectures
-from dflash.models.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
+from dflash.drafter.config_format import SLIDING, check_engine_agreement, check_layer_types, check_supported
+from dflash.drafter.kinds import DEFAULT, drafter_kind, kind_of_architectures
+from dflash.target.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -49,7 +49,7 @@ class DrafterConfig:
     layer_types: list[str] | None = None  # one of LAYER_TYPES per layer; None: all full_attention
     sliding_window: int | None = None  # positions a sliding layer sees, the query's own included
     is_causal: bool | None = None  # overrides every layer's causality (engines' top-level is_causal)
-    kind: str = DEFAULT  # its drafter kind (`dflash.models.kinds`), which its architecture names
+    kind: str = DEFAULT  # its drafter kind (`dflash.drafter.kinds`), which its architecture names
     kind_settings: Any = None  # what the kind adds to a DFlash drafter's config (None: nothing)
 
     def __post_init__(self) -> None:
@@ -107,7 +107,7 @@ class DrafterConfig:
 
         vocab_size defaults to the config's; pass the embedding's row count if it differs.
         layer_types / sliding_window: the drafter's own layer types (default all full_attention).
-        kind, kind_settings: the drafter kind and its settings (`dflash.models.kinds`);
+        kind, kind_settings: the drafter kind and its settings (`dflash.drafter.kinds`);
         is_causal: the top-level override of every layer's causality.
         """
         L = target_config.num_hidden_layers

@@ -25,12 +25,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.kinds import architectures, drafter_kind
 from dflash.errors import DiskFull, NonFiniteWeights, UserError, disk_full, free_space
-from dflash.models.anchors import Anchors, to_packed
-from dflash.models.blocks import Blocks
-from dflash.models.config import DrafterConfig
-from dflash.models.kinds import architectures, drafter_kind
-from dflash.models.target import SharedWeights
+from dflash.objective.anchors import Anchors, to_packed
+from dflash.objective.blocks import Blocks
+from dflash.target.model import SharedWeights
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -189,7 +189,7 @@ class DFlashDrafter(nn.Module):
             held by reference, never registered, never saved. Needed for forward only.
         attention_backend: `dflash.ops` backend ("auto": Triton on CUDA, torch elsewhere).
 
-    Training call (the blocks drawn by the loader, `dflash.models.blocks.draw_blocks`):
+    Training call (the blocks drawn by the loader, `dflash.objective.blocks.draw_blocks`):
         hidden = drafter(batch, target.features(batch), blocks)
         out = BlockLoss()(hidden, blocks, drafter.lm_head)
         engine.backward(out.loss_sum / step_weight_total)
@@ -321,13 +321,13 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, batch: PackedBatch | PaddedBatch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         """Training forward of one micro-batch: the final-normed states of its blocks, (NB*B, H), for a
-        loss (`dflash.models.loss.BlockLoss`).
+        loss (`dflash.objective.loss.BlockLoss`).
 
         Args:
             batch: packed or padded micro-batch (a padded one is packed here; the features
                 of `TargetModel.features` are already in packed order for both).
             features: (T, K*H) target taps of the batch's real tokens, packed order.
-            blocks: the micro-batch's blocks (`dflash.models.blocks`), on the batch's device.
+            blocks: the micro-batch's blocks (`dflash.objective.blocks`), on the batch's device.
         """
         packed = to_packed(batch)
         if features.shape[0] != packed.input_ids.shape[0]:

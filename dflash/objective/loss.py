@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from dflash.models.blocks import Blocks
+    from dflash.objective.blocks import Blocks
 
 DEFAULT_CHUNK_ROWS = 1024
 # Loss decay per block size from the paper; other block sizes must set gamma explicitly.
@@ -61,7 +61,7 @@ class LogitTerm:
     name = "term"
     vocab_buffers = 1  # (chunk x vocab) float32 buffers it holds at once besides the logits (memory plan)
     metric_names: tuple[str, ...] = ()  # the named sums its `finish` reports (`LossOutput.metrics`)
-    # the training options it reads (`dflash.models.kinds.Option`, section "loss"), by name: `build` takes them
+    # the training options it reads (`dflash.drafter.kinds.Option`, section "loss"), by name: `build` takes them
     options: dict = {}
     weighs_blocks = False  # its weights need whole blocks: the loss's chunks hold whole blocks (`chunk_rows_for`)
 
@@ -266,7 +266,7 @@ class LossOutput:
     tau_sum: torch.Tensor  # scalar float32: sum over blocks of the offline acceptance length
     slot_correct: torch.Tensor  # (B-1,) int64: argmax == label, per slot k = 1..B-1
     slot_count: torch.Tensor  # (B-1,) int64: scored labels per slot
-    hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
+    hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk, dflash.decoding.acceptance)
     num_blocks: int
     num_skipped: int  # samples skipped for too few supervised tokens
     # unweighted sums of each part of the objective ("ce" and every term's name), detached scalars

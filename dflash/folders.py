@@ -44,8 +44,8 @@ def check_drafter_folder(folder: str | Path, where: str, check_config=None):
     the error to name first)."""
     import torch
 
-    from dflash.models.config import DrafterConfig
-    from dflash.models.drafter import CONFIG_NAME, WEIGHTS_NAME, drafter_class
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.network import CONFIG_NAME, WEIGHTS_NAME, drafter_class
 
     folder = Path(folder)
     for name in (CONFIG_NAME, WEIGHTS_NAME):

@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.blocks import Blocks
-from dflash.models.config import DrafterConfig
-from dflash.models.drafter import DFlashDecoderLayer, DFlashDrafter
-from dflash.models.loss import Finished, LogitTerm
-from dflash.models.target import SharedWeights
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.network import DFlashDecoderLayer, DFlashDrafter
+from dflash.objective.blocks import Blocks
+from dflash.objective.loss import Finished, LogitTerm
+from dflash.target.model import SharedWeights
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 

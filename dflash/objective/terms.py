@@ -1,4 +1,4 @@
-"""The objective's terms besides the cross-entropy (`LogitTerm`s of `dflash.models.loss`), and the
+"""The objective's terms besides the cross-entropy (`LogitTerm`s of `dflash.objective.loss`), and the
 `--loss` recipe that mixes them.
 
 - `DPaceTerm` (D-PACE): the cross-entropy of every slot weighted by how much its confidence moves
@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from dflash.models.kinds import Option
-from dflash.models.loss import DEFAULT_CHUNK_ROWS, LogitTerm
+from dflash.drafter.kinds import Option
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS, LogitTerm
 
 TARGET_STATES = "target_states"  # context key: (tokens, H) final-normed target hidden states, packed order
 CU_SEQLENS = "cu_seqlens"  # context key: (S+1,) sample boundaries of the packed layout

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.models.config_format import SLIDING
-from dflash.models.kinds import DrafterKind, Option
-from dflash.models.kinds.dflash2.network import (
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds import DrafterKind, Option
+from dflash.drafter.kinds.dflash2.network import (
     CandidateSelector,
     DFlash2Drafter,
     GroupedDynamicCausalConv,
@@ -25,7 +25,7 @@ SLIDING_WINDOW = 2048
 
 @dataclass
 class DFlash2Settings:
-    """What a DFlash2 drafter adds (`dflash.models.dflash2`): grouped dynamic causal convolutions of
+    """What a DFlash2 drafter adds (`DrafterConfig.kind_settings`): grouped dynamic causal convolutions of
     `conv_kernel_size` taps, one dynamic weight per `conv_group_size` channels, around each attention
     and MLP sublayer; a candidate selector over the top-`selector_top_k` unary logits with codebooks
     of `selector_rank`; unary logits = softcap(output_multiplier x lm_head(h)); noise embeddings x

@@ -20,7 +20,7 @@ import importlib
 from typing import Any, NamedTuple
 
 # name -> the module that defines it (its `KIND`): the registry's table
-BUILT_IN = {"dflash": "dflash.models.kinds.dflash", "dflash2": "dflash.models.kinds.dflash2"}
+BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2"}
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}
