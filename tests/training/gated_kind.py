@@ -1,7 +1,8 @@
 """A test-only drafter kind, written as a kind of one's own would be: the DFlash drafter whose layers
 scale their attention output by a learned gate per channel, with the gate's starting value in its
-config.json, and a loss term of its own that reports a figure. Run as a script it is `launch/train.py`
-with this kind known (`--drafter-kind gated`)."""
+config.json, an option (it joins the training options when this module is imported before
+`dflash.training`, as its script does), and a loss term of its own that reports a figure. Run as a
+script it is `launch/train.py` with this kind known (`--drafter-kind gated`)."""
 from __future__ import annotations
 
 import runpy
@@ -82,7 +83,7 @@ class GatedKind(DrafterKind):
             raise ValueError(f"a gated drafter needs its GateSettings, got {config.kind_settings!r}")
 
     def terms(self, drafter, loss_options) -> list:
-        return [ScoredRows(0.0)] if loss_options.count_scored_rows else []
+        return [ScoredRows(0.0)] if self.option(loss_options, "count_scored_rows") else []
 
 
 KIND = register(GatedKind())

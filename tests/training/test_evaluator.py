@@ -16,12 +16,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
+from dflash import testing
 from dflash.decoding import speculate as speculate_module
 from dflash.decoding.sampling import Sampling
 from dflash.decoding.speculate import speculate
-from dflash.distributed.ranks import free_port
 from dflash.distributed.run_folder import RunPaths
 from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, slot_weights
 from dflash.training.config import TrainConfig
@@ -37,13 +36,8 @@ REPEATS = 4  # each of the demo's 8 held-out turns 4 times: 32 turns, each sampl
 
 @pytest.fixture(scope="module")
 def one_rank():
-    if dist.is_initialized():
+    with testing.one_rank():
         yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from dflash.data.batch import PackedBatch
 from dflash.drafter.kinds import drafter_kind
@@ -25,6 +25,7 @@ from dflash.sizing.memory import (
 )
 from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 from dflash.target.spec import load_target_spec
+from dflash.testing import tiny_qwen3_config
 from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
 from dflash.training.plan import loss_setup
@@ -84,8 +85,7 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
     final states for KL and LK) and a DFlash or DFlash2 drafter (its convolutions and selector): the
     plan's bytes against every tensor storage alive after each op."""
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024)
+    config = tiny_qwen3_config(vocab_size=512, intermediate_size=192, num_hidden_layers=3, max_position_embeddings=1024)
     target = TargetModel(AutoModelForCausalLM.from_config(config).to(dtype), [0, 1], attention_backend="triton")
     dcfg = DrafterConfig.from_target(config, mask_token_id=511, draft_layers=2, target_layer_ids=[0, 1],
                                      **drafter_kind_settings(kind))

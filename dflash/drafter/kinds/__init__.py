@@ -53,6 +53,11 @@ class DrafterKind:
 
     network: type  # the module a config of this kind builds (`DFlashDrafter` or a subclass)
 
+    def option(self, options, name: str):
+        """The value of the kind's own option `name` in a section (`options`), its default where the section
+        has none (a kind registered after the training options were built)."""
+        return getattr(options, name, self.options[name].default)
+
     def released_settings(self) -> Any:
         """`DrafterConfig.kind_settings` of a new drafter of this kind (None: none)."""
         return None

@@ -158,15 +158,15 @@ class DFlash2Kind(DrafterKind):
         config.kind_settings.check(config.hidden_size, config.vocab_size)
 
     def terms(self, drafter, loss_options) -> list:
-        return [SelectorTerm(drafter.candidate_selector, loss_options.selector_weight,
-                             loss_options.selector_stop_grad)]
+        return [SelectorTerm(drafter.candidate_selector, self.option(loss_options, "selector_weight"),
+                             self.option(loss_options, "selector_stop_grad"))]
 
     def logit_map(self, config) -> tuple[float, float | None]:
         s = config.kind_settings
         return s.output_multiplier, s.final_logit_softcapping
 
     def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
-        return row_flops(hidden, layers, block_size, settings, loss_options.selector_stop_grad)
+        return row_flops(hidden, layers, block_size, settings, self.option(loss_options, "selector_stop_grad"))
 
     def memory_sizes(self, settings, target_config) -> dict:
         return dict(conv_kernel=settings.conv_kernel_size, conv_group=settings.conv_group_size,
