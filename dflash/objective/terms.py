@@ -125,6 +125,7 @@ class _TargetDistributionTerm(LogitTerm):
         k = torch.arange(B - 1, device=start.device)  # slot k + 1 is predicted from position anchor + k
         self.positions = (start[:, None] + k[None, :]).reshape(-1).clamp(0, states.shape[0] - 1)
         self.states = states
+        self.row_weights = blocks.weights.reshape(-1)
 
     def target_probs(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's probabilities (U, V) float32 of the U distinct positions of rows lo..hi, each
@@ -143,10 +144,6 @@ class KLTerm(_TargetDistributionTerm):
 
     name = "kl"
     vocab_buffers = 2  # the target's probabilities of the rows and the drafter's softmax (the gradient)
-
-    def start(self, blocks, context: dict) -> None:
-        super().start(blocks, context)
-        self.row_weights = blocks.weights.reshape(-1)
 
     def chunk(self, logits, lo, hi, need_grad):
         t, w = self.temperature, self.row_weights[lo:hi].float()
@@ -174,10 +171,6 @@ class LKTerm(_TargetDistributionTerm):
     def __init__(self, weight: float = 1.0, temperature: float = 1.0, *, lm_head=None, eps: float = 1e-5):
         super().__init__(weight, temperature, lm_head=lm_head)
         self.eps = float(eps)
-
-    def start(self, blocks, context: dict) -> None:
-        super().start(blocks, context)
-        self.row_weights = blocks.weights.reshape(-1)
 
     def chunk(self, logits, lo, hi, need_grad):
         t, w = self.temperature, self.row_weights[lo:hi].float()
