@@ -170,7 +170,7 @@ class CapturedTarget(torch.nn.Module):
         return self.model.embed.shape[0]
 
     def shared_weights(self):
-        from dflash.models.target import SharedWeights
+        from dflash.target.model import SharedWeights
 
         return SharedWeights(embed=self.model.embed, lm_head=self.model.lm_head)
 
@@ -194,7 +194,7 @@ class CapturedTarget(torch.nn.Module):
 def load_captured(folder, spec, store, device, dtype, target_layer_ids, tokenizer):
     """A LoadedTarget whose model reads the feature store at `folder` (checked against the run's
     target, data and taps); `hf` carries the config only: nothing of the target runs."""
-    from dflash.training.models import LoadedTarget
+    from dflash.target.load import LoadedTarget
 
     meta = read_meta(folder)
     check_matches(meta, folder, spec=spec, store=store, target_layer_ids=target_layer_ids)

@@ -46,7 +46,7 @@ def main(argv=None):
     if args.output.exists() and not args.output.is_dir():
         raise UserError(f"--output {args.output}: not a folder")
     from dflash.data.sources import is_token_store
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     spec = load_target_spec(args.target)  # one line for a bad --target, before anything loads
     if spec.random:
@@ -57,7 +57,7 @@ def main(argv=None):
     from dflash.data.token_store import TokenStore
     from dflash.devices import resolve_dtype
     from dflash.features import capture
-    from dflash.training.models import load_target
+    from dflash.target.load import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,

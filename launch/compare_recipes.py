@@ -16,8 +16,8 @@ A recipe is a name and the training flags that make it, on top of the options ev
 at the cosine schedule; and speculators' recipe at a constant rate, the demo's). A recipe may set only
 --loss, --dpace-alpha, --distill-temperature, --optimizer, --lr, --muon-lr, --muon-momentum,
 --weight-decay, --warmup-ratio, --schedule, --grad-clip, --gamma, --feature-noise, and the drafter's
-kind (--drafter-kind, --selector-weight, --selector-stop-grad, --drafter-layer-types, --sliding-window:
-DFlash against DFlash2, e.g. --recipes "dflash: ; dflash2: --drafter-kind dflash2"); every other option
+kind (--drafter-kind, the kind's own options, --drafter-layer-types, --sliding-window: kinds against each
+other, e.g. --recipes "dflash: ; other: --drafter-kind K"); every other option
 is given once and shared.
 With neither --target nor --data it runs the built-in CPU demo.
 Output in --output-dir (default runs/recipes): recipes.json, recipes.png (tau and tau@T against

@@ -1,4 +1,4 @@
-"""Offline compile gate of the Triton kernels (attention; DFlash2's convolution and head): no GPU needed.
+"""Offline compile gate of the Triton kernels (attention; the block convolution and the fused head): no GPU needed.
 
 Compiles every kernel and autotune config with Triton's compiler and ptxas (both ship in the
 triton wheel) for each GPU architecture, head dim and dtype the ops accept, and reports shared
@@ -50,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
     p.add_argument("--op", nargs="+", default=["varlen", "block", "conv", "head"],
                    choices=["varlen", "block", "conv", "head"],
-                   help="conv: DFlash2's block convolution (hidden = heads x head dim, groups 16, kernel 2, block 16); "
+                   help="conv: the block convolution of convolution drafters (hidden = heads x head dim, groups 16, "
+                        "kernel 2, block 16); "
                         "head: the fused head (top-16, with and without softcap; once, whatever the head dim)")
     p.add_argument("--heads", type=number(int, minimum=1), default=32, help="query heads (default 32, Qwen3-8B)")
     p.add_argument("--kv-heads", type=number(int, minimum=1), default=8, help="key/value heads (default 8)")
@@ -58,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--causal-only", action="store_true", help="varlen: only the causal kernels (the target's)")
     p.add_argument("--sliding-only", action="store_true",
                    help="block: only the sliding-layer variants (HAS_WINDOW, causal or not: a drafter's "
-                        "sliding_attention, DFlash2's all bidirectional)")
+                        "sliding_attention, or all bidirectional as a kind may release them)")
     p.add_argument("--kernel", nargs="+", metavar="NAME",
                    help="only these kernels (e.g. _fwd_kernel: the block forward, or varlen's, with --op)")
     p.add_argument("--jobs", type=number(int, minimum=1), default=min(4, os.cpu_count() or 1),

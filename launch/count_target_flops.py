@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash.data.batch import PackedBatch
 from dflash.data.seed_lengths import SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.models import TargetModel, default_target_layer_ids
-from dflash.models.target_spec import load_target_spec
 from dflash.options import number
 from dflash.sizing.flops import measure_flops, target_forward_flops
+from dflash.target.spec import load_target_spec
 
 
 def greedy(lengths, budget, cost):

@@ -12,10 +12,10 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
   kernels      OUT/bench_kernels.json: TFLOP/s, forward and forward+backward, ours (atomic and
                deterministic) vs torch varlen (FlashAttention-2 inside torch), padded SDPA and
                FlexAttention, seed-like lengths sorted and shuffled (launch/bench_kernels.py).
-  dflash2_ops  OUT/dflash2_ops.json: DFlash2's fused ops at Qwen3-8B's sizes (bf16): the block convolution
+  fused_ops    OUT/fused_ops.json: the fused drafter ops at Qwen3-8B's sizes (bf16): the block convolution
                (65,536 rows x 4,096, groups 16, kernel 2) and the frozen head with in-kernel top-16
                (1,024 x 151,936 logits, softcap), first and second call against the fp32 reference, and
-               forward / backward times against the torch paths (dflash/tools/gpu_check_dflash2_ops.py).
+               forward / backward times against the torch paths (dflash/tools/gpu_check_fused_ops.py).
   e2e          OUT/e2e.json: end to end, drafter training steps of the default recipe (`recipe`:
                the slot-weighted cross-entropy, AdamW; DeepSpeed ZeRO-2, bf16) on a randomly
                initialised Qwen3-8B-shaped target (`--target random:qwen3-8b`, synthetic seed-like
@@ -31,12 +31,12 @@ Stages, each writing its JSON into OUT as it goes (a run cut short keeps what it
                dearest micro-batch that ran, torch.cuda.max_memory_allocated (reset per budget; on
                the CPU the tensor bytes counted after every op) and their ratio, what the first run
                on a GPU calibrates the plan by. Rewritten after each budget.
-  dflash2      OUT/dflash2.json: DFlash2 drafter training steps (`--drafter-kind dflash2`, sized as
-               released), the default recipe and mode on e2e's target and samples: tokens/s (and
-               the ratio to DFlash's shuffle-packed pass), step times, peak memory.
+  kinds        OUT/<kind>.json for every drafter kind but DFlash: its training steps (`--drafter-kind`,
+               sized as released), the default recipe and mode on e2e's target and samples:
+               tokens/s (and the ratio to DFlash's shuffle-packed pass), step times, peak memory.
 The training stages (dflash/tools/gpu_check_training.py) share one target, loaded by the first of
-them; each has seconds of its own (--e2e-seconds, --memory-seconds, --dflash2-seconds, and the
-ops stage --dflash2-ops-seconds), kept free
+them; each has seconds of its own (--e2e-seconds, --memory-seconds, --kinds-seconds, and the ops
+stage --fused-ops-seconds), kept free
 of the stages before it, and what its deadline leaves unmeasured is recorded as skipped.
 
     bash launch/gpu_check.sh OUT                 # what the GPU machine runs
@@ -55,8 +55,8 @@ import zipfile
 from pathlib import Path
 
 from dflash.options import number
-from dflash.tools.gpu_check_dflash2_ops import stage_dflash2_ops
-from dflash.tools.gpu_check_training import Report, stage_dflash2, stage_e2e, stage_memory
+from dflash.tools.gpu_check_fused_ops import stage_fused_ops
+from dflash.tools.gpu_check_training import Report, stage_e2e, stage_kinds, stage_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minutes)
@@ -64,8 +64,8 @@ BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minu
 # before the budget's end (the correctness and kernel stages at 450 - 330 = 120 s)
 E2E_S = 200
 MEMORY_S = 40
-DFLASH2_S = 50
-DFLASH2_OPS_S = 40
+KINDS_S = 50
+FUSED_OPS_S = 40
 
 
 def parse_args(argv=None):
@@ -74,8 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated, of {', '.join(STAGE_NAMES)}")
     p.add_argument("--budget", type=number(float, minimum=0), default=BUDGET_S,
                    help="seconds for all stages; the benchmark stops measuring when it runs out")
-    for stage, seconds in (("dflash2_ops", DFLASH2_OPS_S), ("e2e", E2E_S), ("memory", MEMORY_S),
-                           ("dflash2", DFLASH2_S)):
+    for stage, seconds in (("fused_ops", FUSED_OPS_S), ("e2e", E2E_S), ("memory", MEMORY_S), ("kinds", KINDS_S)):
         p.add_argument(f"--{stage.replace('_', '-')}-seconds", type=number(float, minimum=0), default=seconds,
                        help=f"seconds of the budget kept for the {stage} stage (the stages before it stop earlier)")
     p.add_argument("--wheels", type=Path, default=ROOT / "wheels",
@@ -262,8 +261,8 @@ def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
 
 
 # The stages in order, each with the deadline main() gives it.
-STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "dflash2_ops": stage_dflash2_ops,
-          "e2e": stage_e2e, "memory": stage_memory, "dflash2": stage_dflash2}
+STAGES = {"correctness": stage_correctness, "kernels": stage_kernels, "fused_ops": stage_fused_ops, "e2e": stage_e2e,
+          "memory": stage_memory, "kinds": stage_kinds}
 STAGE_NAMES = tuple(STAGES)
 
 
@@ -315,8 +314,8 @@ def main(argv=None) -> int:
         return 2
     Report(out / "env.json", **environment(wheels), carried_wheels_skipped=skipped)
     cfg = shapes(args.dry_run)
-    kept = {"dflash2_ops": args.dflash2_ops_seconds, "e2e": args.e2e_seconds, "memory": args.memory_seconds,
-            "dflash2": args.dflash2_seconds}
+    kept = {"fused_ops": args.fused_ops_seconds, "e2e": args.e2e_seconds, "memory": args.memory_seconds,
+            "kinds": args.kinds_seconds}
     summary = Report(out / "summary.json", stages={}, budget_s=args.budget)
     ok = True
     for name in stages:

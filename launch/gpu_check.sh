@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a lent GPU machine (launch/gpu_check.py: correctness at Qwen3-8B shapes,
-# kernel TFLOP/s, DFlash2's fused ops against their torch paths, then drafter training steps on a
-# random Qwen3-8B-shaped target: three batching modes, the memory plan against the measured peak,
-# DFlash2 steps): runs with the
+# kernel TFLOP/s, the fused drafter ops against their torch paths, then drafter training steps on a
+# random Qwen3-8B-shaped target: three batching
+# modes, the memory plan against the measured peak, the other drafter kinds' steps): runs with the
 # image's python3 and PYTHONPATH=$PWD, installs nothing, needs no network (DeepSpeed comes as
 # wheels in wheels/, docs/BENCHMARKS.md); at most 8 minutes on one H200. Each stage writes its
 # JSON into OUT as it goes.
 #   bash launch/gpu_check.sh OUT [gpu_check.py options]   -> OUT/log.txt, env.json, correctness.json,
-#                                                            bench_kernels.json, dflash2_ops.json, e2e.json,
-#                                                            memory.json, dflash2.json, summary.json
+#                                                            bench_kernels.json, fused_ops.json, e2e.json, memory.json,
+#                                                            <kind>.json per other drafter kind, summary.json
 #   bash launch/gpu_check.sh OUT --dry-run                 # tiny shapes on a CPU (Triton interpreter)
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: launch/gpu_check.sh OUT [gpu_check.py options]" >&2; exit 2; }

@@ -15,9 +15,9 @@ import time
 import torch
 
 from dflash.models import chunked_weighted_ce
-from dflash.models.loss import DEFAULT_CHUNK_ROWS
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS
 from dflash.options import number
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 measured peak of tensor bytes with the plan's estimate for the micro-batches that ran.
 
 Takes train.py's options (the run folder is overwritten); on the CPU the peak counts every tensor
-storage alive after each op (`dflash.models.tensor_bytes`), the target's
+storage alive after each op (`dflash.sizing.tensor_bytes`), the target's
 parameters counted as loaded. Prints one JSON line per rank:
 {"rank", "measured", "estimate", "error" (estimate / measured - 1), "tokens", "rows", "items"}.
 Each `--sweep "FLAGS"` is one configuration, the options with FLAGS added (they win), measured in
@@ -47,7 +47,7 @@ def measure(cfg, target, steps: int) -> dict:
     import torch.distributed as dist
 
     from dflash.distributed.partition import target_bytes
-    from dflash.models.tensor_bytes import TensorBytes
+    from dflash.sizing.tensor_bytes import TensorBytes
     from dflash.training.memory_probe import PhaseMemory
     from dflash.training.trainer import Trainer
 
@@ -85,7 +85,8 @@ def main(argv=None):
 
     from dflash.devices import resolve_dtype
     from dflash.distributed.process_group import init_distributed
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
+    from dflash.training.data import chat_data
     from dflash.training.models import load_train_target
 
     init_distributed()
@@ -100,8 +101,8 @@ def main(argv=None):
                dev.dtype, dev.target_partition, dev.target_offload)
         if key not in targets:
             targets.clear()  # one target at a time: the last one's bytes are not this one's
-            targets[key] = load_train_target(cfg, load_target_spec(cfg.inputs.target), device,
-                                             resolve_dtype(dev.dtype, device))
+            targets[key] = load_train_target(load_target_spec(cfg.inputs.target), device,
+                                             resolve_dtype(dev.dtype, device), d, dev, chat_data(cfg.inputs))
         record = measure(cfg, targets[key], steps)
         if flags is not None:
             record = {"sweep": flags, **record}

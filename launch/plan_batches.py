@@ -10,10 +10,10 @@ membership; low = i.i.d.), cost balance per micro-batch index and per step (mean
 ranks of the cost, averaged: the share of time not spent waiting for the slowest rank), drafter
 rows per micro-batch (p50 / max) and planning seconds.
 
-The cost of a sample comes from the target's and drafter's sizes (--model: a preset or a
+The cost of a sample comes from the target's and drafter's sizes (--target: a preset or a
 config.json of any target family: MoE layers priced by their active experts, Gated DeltaNet
 layers per token, sliding-window layers by the pairs their window leaves, MLA by its head dims;
---drafter-kind dflash2: a DFlash2 drafter's convolutions and selector too) and its drafter
+--drafter-kind K: what the drafter kind adds per row too) and its drafter
 rows, block_size x min(anchors, candidates), from the supervised token counts (--supervised
 with --lengths, else every token counts as supervised; the store's loss masks with --data).
 Without --lengths or --data it plans the built-in seed-like distribution (902,000 samples shaped
@@ -27,7 +27,7 @@ come index by index, so each rank's come in its execution order.
 Examples:
   python launch/plan_batches.py --token-budget 49152 --world-size 8
   python launch/plan_batches.py --lengths seed_lengths.npy --supervised seed_supervised.npy --world-size 64
-  python launch/plan_batches.py --data data/store --token-budget 16384 --world-size 8 --model target/ --json
+  python launch/plan_batches.py --data data/store --token-budget 16384 --world-size 8 --target target/ --json
 """
 import argparse
 import dataclasses
@@ -42,7 +42,6 @@ from dflash.data.cost import drafter_rows
 from dflash.data.plan_stats import dealing_stats, plan_stats
 from dflash.data.planner import (
     DEFAULT_MIX,
-    DEFAULT_WINDOW,
     LAYOUTS,
     ORDERS,
     PlannerConfig,
@@ -53,12 +52,18 @@ from dflash.data.planner import (
 )
 from dflash.data.seed_lengths import SEED_BOUNDARIES, SEED_TOKEN_BUDGET, seed_like_lengths
 from dflash.data.supervision import candidates_from_supervised
+from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.taps import default_target_layer_ids
-from dflash.models.target_spec import PRESETS
 from dflash.options import number, parse_list
 from dflash.sizing.flops import flop_cost_model, load_target_config
+from dflash.target.spec import PRESETS
+from dflash.target.taps import default_target_layer_ids
+from dflash.training.config.load import PLANNING_DEFAULTS, add_options, options_of
+from dflash.training.config.sections import KIND_OPTIONS
 
+# train.py's options, by name: the same flags, defaults and checks (but the planning target and budgets)
+PLANNED = ("target", "token_budget", "seed", "packing_window", "draft_layers", "block_size", "num_anchors",
+           "row_budget", "drafter_kind", *KIND_OPTIONS)
 DEFAULT_ROW_BUDGET = 327_680  # 20 x 16,384: caps the seed-like worst case (553K) at 0.6x for < 3% more micro-batches
 
 
@@ -67,37 +72,20 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help=".npy file of sample lengths")
     src.add_argument("--data", help="token store folder (from launch/prepare_data.py)")
-    p.add_argument("--token-budget", type=number(int, minimum=1), default=SEED_TOKEN_BUDGET,
-                   help="tokens per micro-batch (default %(default)s)")
+    add_options(p, PLANNED, {**PLANNING_DEFAULTS, "token_budget": SEED_TOKEN_BUDGET, "row_budget": DEFAULT_ROW_BUDGET},
+                aliases={"target": ["--model"], "num_anchors": ["--anchors"], "packing_window": ["--window"]},
+                helps={"target": f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json (or its "
+                                 "folder) of a dense, MoE, hybrid Gated DeltaNet, sliding-window or MLA target",
+                       "row_budget": "drafter rows per micro-batch at most, in the balanced plans (0: no cap)"})
     p.add_argument("--world-size", type=number(int, minimum=1), default=1, help="number of ranks (default %(default)s)")
     b = p.add_mutually_exclusive_group()
-    b.add_argument("--buckets", type=number(int, minimum=1), default=6,
-                   help="number of optimal buckets for the bucketed order (default %(default)s)")
+    add_options(b, ["buckets"])
     b.add_argument("--boundaries", type=lambda text: parse_list(text, "--boundaries", increasing=True, minimum=0),
                    help="bucket boundaries, e.g. 770,1216,1728,2432,3296")
-    p.add_argument("--seed", type=number(int, minimum=0), default=0, help="planner seed (default %(default)s)")
     p.add_argument("--epoch", type=number(int, minimum=0), default=0, help="epoch to plan (default %(default)s)")
-    p.add_argument("--window", type=number(int, minimum=1), default=DEFAULT_WINDOW,
-                   help="open bins of the packer (default %(default)s)")
     p.add_argument("--supervised", help=".npy file of supervised token counts that go with --lengths")
-    p.add_argument("--model", default="qwen3-8b",
-                   help=f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json (or its "
-                   "folder) of a dense, MoE, hybrid Gated DeltaNet, sliding-window or MLA target (default %(default)s)")
     p.add_argument("--target-layers", type=number(int, minimum=1),
                    help="target layers run for the features (default: last default tap + 1, e.g. 34 for Qwen3-8B)")
-    p.add_argument("--draft-layers", type=number(int, minimum=1), default=5,
-                   help="drafter layers (default %(default)s)")
-    p.add_argument("--drafter-kind", choices=("dflash", "dflash2"), default="dflash",
-                   help="dflash2: price the released DFlash2 drafter's convolutions and selector too, as "
-                   "train.py --drafter-kind dflash2 builds it (default %(default)s)")
-    p.add_argument("--selector-stop-grad", action="store_true",
-                   help="dflash2: the selector's gradient stops at its input, as train.py --selector-stop-grad")
-    p.add_argument("--block-size", type=number(int, minimum=2), default=16,
-                   help="drafter block size (default %(default)s)")
-    p.add_argument("--anchors", type=number(int, minimum=1), default=512,
-                   help="anchors per sample at most (default %(default)s)")
-    p.add_argument("--row-budget", type=number(int, minimum=0), default=DEFAULT_ROW_BUDGET,
-                   help="drafter rows per micro-batch at most, in the balanced plans (default %(default)s)")
     p.add_argument("--micro-batches-per-step", type=number(int, minimum=1), default=DEFAULT_MIX,
                    help="micro-batches per rank in a step, for the per-step numbers and the dealing "
                    "(default %(default)s)")
@@ -179,28 +167,21 @@ def save_plans(path: str, plans: dict) -> None:
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    for flag in ("world_size", "micro_batches_per_step", "draft_layers", "block_size", "anchors", "row_budget"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    cfg = options_of(args, (*PLANNED, "buckets"))
     lengths, supervised, candidates, source = load_data(args)
     lengths = check_lengths(lengths, args.token_budget)
-    target = load_target_config(args.model)
+    target = load_target_config(args.target)
     layers = args.target_layers or max(default_target_layer_ids(target.num_hidden_layers)) + 1
-    dflash2 = None
-    if args.drafter_kind == "dflash2":
-        from dflash.models.dflash2 import released_settings
-
-        dflash2 = released_settings()
-    elif args.selector_stop_grad:
-        raise UserError("--selector-stop-grad prices a DFlash2 drafter's selector: give --drafter-kind dflash2")
+    kind = drafter_kind(cfg.drafter.drafter_kind)
+    extra = kind.row_flops(target.hidden_size, args.draft_layers, args.block_size, kind.released_settings(), cfg.loss)
     model = flop_cost_model(target, num_target_layers=layers, draft_layers=args.draft_layers,
-                            block_size=args.block_size, dflash2=dflash2, selector_stop_grad=args.selector_stop_grad)
-    rows = drafter_rows(candidates, supervised, args.block_size, args.anchors)
-    check_rows(rows, lengths, args.row_budget)
+                            block_size=args.block_size, extra_row_flops=extra)
+    rows = drafter_rows(candidates, supervised, args.block_size, args.num_anchors)
+    check_rows(rows, lengths, args.row_budget or None)
     costs = model.sample_costs(lengths, rows)
     k = args.micro_batches_per_step
     base = PlannerConfig(args.token_budget, boundaries=args.boundaries, seed=args.seed, world_size=args.world_size,
-                         window=args.window, buckets=args.buckets)
+                         window=args.packing_window, buckets=args.buckets)
     edges = bucket_edges(lengths, base)
     base = dataclasses.replace(base, boundaries=tuple(edges.tolist()))
     results, saved = {}, {}
@@ -210,7 +191,7 @@ def main(argv=None):
             for variant, extra in (("tokens", {}), ("balanced", balanced)):
                 t0 = time.perf_counter()
                 config = dataclasses.replace(base, order=order, layout=layout, **(
-                    dict(row_budget=args.row_budget, balance=True, mix=k) if extra else {}))
+                    dict(row_budget=args.row_budget or None, balance=True, mix=k) if extra else {}))
                 plan = plan_batches(lengths, config, epoch=args.epoch, **extra)
                 seconds = time.perf_counter() - t0
                 batches = [b for rank in plan for b in rank]
@@ -232,7 +213,7 @@ def main(argv=None):
     if args.json:
         json.dump({"source": source, "samples": int(lengths.size), "tokens": int(lengths.sum()),
                    "token_budget": args.token_budget, "world_size": args.world_size, "seed": args.seed,
-                   "row_budget": args.row_budget, "micro_batches_per_step": k, "model": args.model,
+                   "row_budget": args.row_budget, "micro_batches_per_step": k, "model": args.target,
                    "drafter_kind": args.drafter_kind,
                    "cost_model": model.to_dict(), "lower_bound_batches": -(-int(lengths.sum()) // args.token_budget),
                    **results, "buckets": buckets}, sys.stdout, indent=2)
@@ -240,7 +221,7 @@ def main(argv=None):
         return
     print(f"{source}: {lengths.size:,} samples, {int(lengths.sum()):,} tokens, budget {args.token_budget:,}, "
           f"world size {args.world_size}, {k} micro-batches per step")
-    print(f"cost model ({args.model}, {layers} target layers, {args.draft_layers}-layer {args.drafter_kind} "
+    print(f"cost model ({args.target}, {layers} target layers, {args.draft_layers}-layer {args.drafter_kind} "
           "drafter): "
           f"{model.per_token / 1e9:.2f} GFLOP/token + {model.per_pair / 1e9:.2e} GFLOP x length^2 + "
           f"{model.per_row / 1e9:.2f} GFLOP/row + {model.per_row_key / 1e9:.2e} GFLOP x rows x length; "

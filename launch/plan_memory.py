@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Will a training run fit? The memory plan per rank, before anything loads.
 
-For the target of --model (a preset, a config.json or a model folder: transformers builds it on
+The options are train.py's, with its names and defaults (--model and --gpu-memory-gib, their older
+names here, still work), but the target and the memory: a Qwen3-8B on 80 GiB GPUs unless told.
+For the target of --target (a preset, a config.json or a model folder: transformers builds it on
 the meta device to count its parameters), the drafter settings, the token budget, the ZeRO stage
 of --deepspeed_config, the world size and the GPU memory, prints the peak per rank with the
 target replicated (a full copy per rank) and partitioned (--target-partition zero3, with and
@@ -12,8 +14,8 @@ length fits, 4,096 to 65,536 tokens. train.py runs the same plan at start and re
 cannot fit.
 
 Examples:
-  python launch/plan_memory.py --model qwen3-8b --world-size 8 --gpu-memory-gib 80
-  python launch/plan_memory.py --model /models/Qwen3.5-122B-A10B --world-size 8 --gpu-memory-gib 141 \\
+  python launch/plan_memory.py --target qwen3-8b --world-size 8 --memory-gib 80
+  python launch/plan_memory.py --target /models/Qwen3.5-122B-A10B --world-size 8 --memory-gib 141 \\
       --deepspeed_config ds_configs/zero3.json --token-budget 16384
 """
 import argparse
@@ -21,8 +23,8 @@ import json
 import os
 import sys
 
+from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.options import number
 from dflash.sizing.memory import (
     GIB,
@@ -33,43 +35,31 @@ from dflash.sizing.memory import (
     gib,
     plan_for,
 )
+from dflash.target.spec import PRESETS, load_target_spec
+from dflash.training.config.load import PLANNING_DEFAULTS, add_options, options_of
+from dflash.training.plan import loss_setup
 
 CEILING_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # sample lengths of the anchor ceiling
 VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_partition="zero3"),
             "zero3+offload": dict(target_partition="zero3", target_offload=True)}
 
 
-MAX_GPU_GIB = 1 << 16  # 64 TiB per device: far above any accelerator, and the plan's integers stay exact
+# train.py's options, by name: the same flags, defaults and checks
+PLANNED = ("target", "memory_gib", "token_budget", "row_budget", "deepspeed_config", "block_size", "num_anchors",
+           "draft_layers", "num_target_features", "drafter_kind", "activation_checkpointing")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-8b",
-                   help=f"target: a preset ({', '.join(PRESETS)}), a config.json, a model folder, a Hub id or a "
-                   ".gguf file "
-                   "(default %(default)s)")
+    add_options(p, PLANNED, PLANNING_DEFAULTS, aliases={"target": ["--model"], "memory_gib": ["--gpu-memory-gib"]},
+                helps={"target": f"target: a preset ({', '.join(PRESETS)}), a config.json, a model folder, a Hub "
+                                 "id or a .gguf file",
+                       "memory_gib": "memory per GPU, GiB",
+                       "row_budget": "drafter rows per micro-batch to estimate at (0: one sample's, block size x "
+                                     "anchors)"})
     p.add_argument("--world-size", type=number(int, minimum=1), default=8,
                    help="ranks (GPUs) in all (default %(default)s)")
-    p.add_argument("--gpu-memory-gib", type=number(float, above=0, maximum=MAX_GPU_GIB), default=80.0,
-                   help="memory per GPU, GiB (default %(default)s)")
-    p.add_argument("--token-budget", type=number(int, minimum=1), default=16384,
-                   help="tokens per micro-batch (default %(default)s)")
-    p.add_argument("--row-budget", type=number(int, minimum=0), default=0,
-                   help="drafter rows per micro-batch to estimate at (default: one sample's, block size x anchors)")
-    p.add_argument("--deepspeed_config", "--deepspeed-config", default="ds_configs/zero2.json",
-                   help="the drafter's DeepSpeed JSON: ZeRO stage, buckets, offloads (default %(default)s)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training dtype (default %(default)s)")
-    p.add_argument("--block-size", type=number(int, minimum=2), default=16,
-                   help="drafter block size (default %(default)s)")
-    p.add_argument("--num-anchors", type=number(int, minimum=1), default=512,
-                   help="anchors per sample at most (default %(default)s)")
-    p.add_argument("--draft-layers", type=number(int, minimum=1), default=5,
-                   help="drafter layers (default %(default)s)")
-    p.add_argument("--num-target-features", type=number(int, minimum=1), default=5,
-                   help="tapped target layers (default %(default)s)")
-    p.add_argument("--drafter-kind", choices=("dflash", "dflash2"), default="dflash",
-                   help="dflash2: the released DFlash2 drafter's convolutions and selector too (default %(default)s)")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute drafter layers in backward")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
 
@@ -104,8 +94,8 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
 def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> None:
     t = next(iter(plans.values())).target
     size = gib(t.params * (2 if args.dtype == "bf16" else 4))
-    print(f"{args.model}: {t.params / 1e9:.2f}B parameters ({size} {args.dtype}), largest layer "
-          f"{t.largest_layer / 1e6:.0f}M; {args.world_size} x {args.gpu_memory_gib:g} GiB, "
+    print(f"{args.target}: {t.params / 1e9:.2f}B parameters ({size} {args.dtype}), largest layer "
+          f"{t.largest_layer / 1e6:.0f}M; {args.world_size} x {args.memory_gib:g} GiB, "
           f"{gib(MemoryPlan.usable(memory))} usable per GPU ({RESERVE_FRACTION:.0%} and {gib(RESERVE_BYTES)} kept "
           f"free); {args.deepspeed_config}, {args.dtype}, token budget {args.token_budget:,}, {rows:,} drafter rows")
     lines = table(["target", "peak/GPU", "fits", "host/rank", "rows that fit", "tokens that fit"],
@@ -128,30 +118,26 @@ def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> Non
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    for flag in ("world_size", "token_budget", "block_size", "num_anchors", "draft_layers", "num_target_features"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if not args.gpu_memory_gib > 0:
-        raise UserError(f"--gpu-memory-gib must be positive, got {args.gpu_memory_gib}")
-    spec = load_target_spec(args.model, "--model", bare_presets=True)
+    cfg = options_of(args, PLANNED)
+    if not args.memory_gib > 0:
+        raise UserError(f"--memory-gib must be positive, got {args.memory_gib}")
+    spec = load_target_spec(args.target, "--target", bare_presets=True)
     ds_config = _ds_config(args.deepspeed_config, args.world_size)
-    memory = int(args.gpu_memory_gib * GIB)
+    memory = int(args.memory_gib * GIB)
     base = dict(world_size=args.world_size, dtype_bytes=2 if args.dtype == "bf16" else 4,
                 activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
                 num_anchors=args.num_anchors)
-    dflash2 = None
-    if args.drafter_kind == "dflash2":
-        from dflash.models.dflash2 import released_settings
-
-        dflash2 = released_settings()
-        base["vocab_buffers"] = 0  # the fused head on a GPU: the chunk's logits in bf16 alone (`loss_setup`)
+    base.update(loss_setup(cfg, "cuda"))  # the objective's share, as train.py plans it on a GPU
+    kind = drafter_kind(cfg.drafter.drafter_kind)
+    settings = kind.released_settings()
+    extra = {} if settings is None else kind.memory_sizes(settings, spec.config)
     plans = {name: plan_for(spec, MemorySetup.from_ds_config(ds_config, **base, **variant),
-                            draft_layers=args.draft_layers, features=args.num_target_features, dflash2=dflash2)
+                            draft_layers=args.draft_layers, features=args.num_target_features, extra=extra)
              for name, variant in VARIANTS.items()}
     rows = max(args.row_budget, args.block_size * args.num_anchors)
     results = {name: summarize(plan, memory, args.token_budget, rows) for name, plan in plans.items()}
     if args.json:
-        json.dump({"model": args.model, "world_size": args.world_size, "gpu_memory": memory,
+        json.dump({"model": args.target, "world_size": args.world_size, "gpu_memory": memory,
                    "token_budget": args.token_budget, "rows": rows, "plan": next(iter(plans.values())).to_dict(),
                    **results}, sys.stdout, indent=2)
         print()

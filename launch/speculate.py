@@ -34,12 +34,12 @@ import sys
 from pathlib import Path
 
 from dflash.errors import UserError, exit_on_user_error
-from dflash.models.folders import check_drafter_folder
+from dflash.folders import check_drafter_folder
 from dflash.options import number
 
 
 def parse_args(argv=None):
-    from dflash.models.sampling import DRAFTS
+    from dflash.decoding.sampling import DRAFTS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default="runs/demo/drafter",
@@ -77,7 +77,7 @@ def parse_args(argv=None):
 
 def sampling_options(args):
     """(Sampling, seed) from the flags; sampling flags without a temperature are refused."""
-    from dflash.models.sampling import Sampling
+    from dflash.decoding.sampling import Sampling
 
     if args.temperature == 0:
         given = [flag for flag, on in (("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None),
@@ -97,21 +97,21 @@ def run_heldout(drafter_dir: Path):
     """(target path, tokenized held-out samples, their turn limit, the temperature they were regenerated
     at) of the run the drafter came from: its store and split, found as the run found them."""
     from dflash.data.token_store import TokenStore
-    from dflash.demo import DATA, TARGET
+    from dflash.distributed.run_folder import RunPaths
+    from dflash.training.config import load_run
     from dflash.training.data import data_temperature, held_out_split, store_path, turn_limit
 
-    run = drafter_dir.parent
-    config_path = run / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"--drafter {drafter_dir}: no run config {config_path} to find its held-out turns; "
+    paths = RunPaths.of_drafter(drafter_dir)
+    if not paths.config.is_file():
+        raise UserError(f"--drafter {drafter_dir}: no run config {paths.config} to find its held-out turns; "
                         "give --prompts")
-    cfg = json.loads(config_path.read_text())
-    data = Path(cfg.get("data") or DATA)
-    store = TokenStore(store_path(data, run))
-    _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
+    cfg = load_run(paths.root)
+    data = Path(cfg.inputs.data)
+    store = TokenStore(store_path(data, paths.root))
+    _, eval_idx = held_out_split(len(store), cfg.inputs.eval_fraction, cfg.run.seed)
     if eval_idx.size == 0:
-        raise UserError(f"{config_path}: the run held nothing out (eval_fraction 0); give --prompts")
-    return (Path(cfg.get("target") or TARGET), [store[int(i)] for i in eval_idx], turn_limit(store, data),
+        raise UserError(f"{paths.config}: the run held nothing out (eval_fraction 0); give --prompts")
+    return (Path(cfg.inputs.target), [store[int(i)] for i in eval_idx], turn_limit(store, data),
             data_temperature(store, data))
 
 
@@ -120,20 +120,21 @@ def save_heldout(drafter_dir: Path, output: Path) -> int:
     import os
 
     from dflash.data.token_store import TokenStore
-    from dflash.demo import DATA
+    from dflash.distributed.run_folder import RunPaths
+    from dflash.training.config import load_run
     from dflash.training.data import held_out_split, source_file, store_path
 
-    config_path = drafter_dir.parent / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"--drafter {drafter_dir}: no run config {config_path} to find its held-out conversations")
-    cfg = json.loads(config_path.read_text())
-    data = Path(cfg.get("data") or DATA)
-    store = TokenStore(store_path(data, drafter_dir.parent))
+    paths = RunPaths.of_drafter(drafter_dir)
+    if not paths.config.is_file():
+        raise UserError(f"--drafter {drafter_dir}: no run config {paths.config} to find its held-out conversations")
+    cfg = load_run(paths.root)
+    data = Path(cfg.inputs.data)
+    store = TokenStore(store_path(data, paths.root))
     source = source_file(store, data)
     if not source.is_file() or store.meta.get("input_format", "jsonl") != "jsonl":
         raise UserError(f"--save-heldout: the run's data {data} came from no JSONL file that is still there "
                         "(it copies the held-out lines of one)")
-    _, eval_idx = held_out_split(len(store), cfg["eval_fraction"], cfg["seed"])
+    _, eval_idx = held_out_split(len(store), cfg.inputs.eval_fraction, cfg.run.seed)
     lines = source.read_text(encoding="utf-8").splitlines()
     numbers = store.dataset.data.table.column("source_line").to_numpy()[eval_idx]
     tmp = output.with_name(output.name + ".tmp")
@@ -173,7 +174,7 @@ def load_models(drafter_dir: Path, spec, dtype_option: str):
 
     from dflash.devices import resolve_dtype
     from dflash.models import DFlashDrafter
-    from dflash.training.models import load_target
+    from dflash.target.load import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype_option, device)
@@ -190,10 +191,10 @@ def load_models(drafter_dir: Path, spec, dtype_option: str):
 
 def eval_walk(drafter, target, samples, device, *, limit: int, stops, sampling) -> dict:
     """The eval walk on the decoded turns' data: greedy tau, anchor tau and, when sampling, tau@T."""
+    from dflash.decoding.acceptance import walk_samples
+    from dflash.decoding.walk_stats import tau_key
     from dflash.models import BlockLoss, default_gamma, slot_weights
-    from dflash.models.acceptance import walk_samples
-    from dflash.models.blocks import block_scorer
-    from dflash.models.walk_stats import tau_key
+    from dflash.objective.blocks import block_scorer
 
     temperatures = (0.0,) if sampling.greedy else (0.0, sampling.temperature)
     B = drafter.block_size
@@ -244,14 +245,14 @@ def main(argv=None):
 
     from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
     from dflash.data.tokenizing import load_tokenizer
-    from dflash.demo import TARGET
-    from dflash.models import load_target_spec
-    from dflash.models.speculate import (
+    from dflash.decoding.speculate import (
         DEFAULT_MAX_NEW_TOKENS,
         prompts_from_conversations,
         prompts_from_samples,
         speculate,
     )
+    from dflash.demo import TARGET
+    from dflash.models import load_target_spec
 
     drafter_dir = Path(args.drafter)
     if not (drafter_dir / "config.json").is_file():

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from dflash.data.collate import collate_packed
+from dflash.decoding.acceptance import every_anchor
+from dflash.decoding.speculate import greedy_decode
 from dflash.models import BlockLoss, TargetModel, default_gamma, ensure_mask_token, slot_weights
-from dflash.models.acceptance import every_anchor
-from dflash.models.blocks import block_scorer
-from dflash.models.speculate import greedy_decode
+from dflash.objective.blocks import block_scorer
 
 LIMIT = 32  # tokens per regenerated turn
 
@@ -24,7 +24,7 @@ def demo_turns() -> dict:
 
     from dflash.data.generation import stop_ids
     from dflash.demo import DATA, TARGET
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     tok = AutoTokenizer.from_pretrained(str(TARGET))
     hf = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32)

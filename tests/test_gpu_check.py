@@ -34,8 +34,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert env["interpreter"] and env["torch"] and env["triton"]
     summary = json.loads((out / "summary.json").read_text())
     assert {name: s["passed"] for name, s in summary["stages"].items()} == {
-        "correctness": True, "kernels": True, "dflash2_ops": True, "e2e": True, "memory": True, "dflash2": True}
-    ops = json.loads((out / "dflash2_ops.json").read_text())
+        "correctness": True, "kernels": True, "fused_ops": True, "e2e": True, "memory": True, "kinds": True}
+    ops = json.loads((out / "fused_ops.json").read_text())
     for op in ("block_conv", "head_topk"):
         assert [c["call"] for c in ops[op]["checks"] if c["passed"]] == ["first call", "second call"]
         assert all(v > 0 for v in ops[op]["timings"].values())  # ours and the torch path's times
@@ -137,19 +137,19 @@ def check_dflash2(dflash2, e2e, runs):
 
 def test_stages_leave_the_training_stages_after_them_their_time(tmp_path):
     gpu_check = launch_script("gpu_check")
-    stages = ["correctness", "kernels", "e2e", "memory", "dflash2"]
-    kept = {"e2e": 200.0, "memory": 40.0, "dflash2": 50.0}
+    stages = ["correctness", "kernels", "e2e", "memory", "kinds"]
+    kept = {"e2e": 200.0, "memory": 40.0, "kinds": 50.0}
     assert [gpu_check.stage_deadline(s, stages, 450.0, kept) for s in stages] == [160.0, 160.0, 360.0, 400.0, 450.0]
     assert gpu_check.stage_deadline("kernels", ["kernels"], 450.0, kept) == 450.0
     assert gpu_check.stage_deadline("kernels", ["e2e", "kernels"], 450.0, kept) == 450.0
-    assert gpu_check.stage_deadline("e2e", ["e2e", "dflash2"], 450.0, kept) == 400.0
+    assert gpu_check.stage_deadline("e2e", ["e2e", "kinds"], 450.0, kept) == 400.0
 
 
 def test_training_stages_out_of_time_record_what_they_skipped(tmp_path):
     """No time left: nothing is built (no run folder), every mode and budget is recorded as
     skipped, and the stages fail."""
     done = subprocess.run([sys.executable, "launch/gpu_check.py", str(tmp_path), "--dry-run", "--stages",
-                           "e2e,memory,dflash2", "--budget", "0", "--wheels", str(tmp_path / "none")], cwd=ROOT,
+                           "e2e,memory,kinds", "--budget", "0", "--wheels", str(tmp_path / "none")], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     skipped = {"skipped": "out of time"}

@@ -17,7 +17,7 @@ import pytest
 from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
-from dflash.models.target_spec import load_target_spec
+from dflash.target.spec import load_target_spec
 
 from . import preloaded
 from .conftest import greedy_reference, launch_script, read_jsonl
@@ -399,7 +399,7 @@ def test_a_full_disk_keeps_the_complete_lines_and_the_rerun_resumes(tmp_path, to
 def test_a_prompt_past_the_targets_positions_is_named_by_line_also_when_skipped(tmp_path, backend, tokenizer):
     """The target's positions end (2,048 for the demo target): a prompt past them was handed to the
     model. Its last prompt without responses (what it holds whatever is generated) is checked first."""
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     positions = load_target_spec(str(TARGET)).positions
     assert positions == 2048

@@ -10,7 +10,7 @@ import torch
 from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.demo.families import CONFIGS
-from dflash.models.target_spec import load_target_spec
+from dflash.target.spec import load_target_spec
 
 from .conftest import greedy_reference, read_jsonl
 

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dflash.models.target import SharedWeights, TargetModel
-from dflash.models.target_spec import TargetSpec
 from dflash.sizing.memory import gib
+from dflash.target.model import SharedWeights, TargetModel
+from dflash.target.spec import TargetSpec
 
 _MEASURED_CALLS = 3  # feature forwards whose gathered bytes are measured (the 1st records the trace, then prefetch)
 

@@ -10,15 +10,45 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.errors import UserError, os_reason
 from dflash.partial import try_lock
 
 LOCK = ".dflash.lock"
+SAMPLES = "samples.rank{}.jsonl"  # --sample-log, one per rank
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run keeps what it writes, under its folder (`--output-dir`): the one place of their names."""
+
+    root: Path
+
+    config = property(lambda self: self.root / "config.json")  # the run's options (`load_run` reads them)
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    curves = property(lambda self: self.root / "curves.png")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    tensorboard = property(lambda self: self.root / "tensorboard")
+    drafter = property(lambda self: self.root / "drafter")  # the export
+    eval_turns = property(lambda self: self.root / "eval_turns.json")  # the held-out turns sampled at each T
+    speculate = property(lambda self: self.root / "speculate.json")  # the end-of-run decoding
+    store = property(lambda self: self.root / "data")  # the token store prepared from conversations
+
+    def samples(self, rank: int) -> Path:
+        return self.root / SAMPLES.format(rank)
+
+    @classmethod
+    def of_drafter(cls, drafter_dir: Path) -> RunPaths:
+        """The run an exported drafter folder belongs to."""
+        return cls(Path(drafter_dir).parent)
+
+
 # what a run writes in its folder, and so what --overwrite may delete
-RUN_ENTRIES = ("config.json", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "drafter", "eval_turns.json")
-RUN_PATTERNS = ("samples.rank*.jsonl",)
+RUN_ENTRIES = tuple(getattr(RunPaths(Path()), name).name
+                    for name in ("config", "metrics", "curves", "checkpoints", "tensorboard", "drafter", "eval_turns"))
+RUN_PATTERNS = (SAMPLES.format("*"),)
 
 
 def run_entries(output_dir: Path) -> list[Path]:
@@ -44,7 +74,7 @@ def make_run_folder(path: Path) -> None:
 def foreign_drafter(output_dir: Path) -> None:
     """Refuse a `drafter/` folder that is not a drafter export: the run exports there at the end,
     and would stop at that point rather than replace what it did not write."""
-    from dflash.models.drafter import is_drafter_folder
+    from dflash.drafter.network import is_drafter_folder
 
     drafter = output_dir / "drafter"
     if drafter.exists() and not is_drafter_folder(drafter):

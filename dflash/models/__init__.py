@@ -1,4 +1,5 @@
-"""Frozen target feature extractor and the DFlash drafter.
+"""The public names of the drafter, target and objective rooms (`dflash.drafter`, `dflash.target`,
+`dflash.objective`) in one import: the frozen target feature extractor and the DFlash drafter.
 
     target = TargetModel(hf_causal_lm)                     # frozen, eval, no grad
     config = DrafterConfig.from_target(hf_causal_lm.config, mask_token_id=mask_id)
@@ -9,12 +10,12 @@
     drafter.save_pretrained(path)                          # official DFlash checkpoint format
 """
 from dflash.data.vocab import MASK_TOKEN, ensure_mask_token
-from dflash.models.anchors import Anchors, BlockTensors, block_tensors, sample_anchors, to_packed
-from dflash.models.blocks import Blocks, draw_blocks
-from dflash.models.config import DrafterConfig
-from dflash.models.config_format import CONFIG_KEYS
-from dflash.models.drafter import DFlashDrafter, DrafterCache
-from dflash.models.loss import (
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.config_format import CONFIG_KEYS
+from dflash.drafter.network import DFlashDrafter, DrafterCache
+from dflash.objective.anchors import Anchors, BlockTensors, block_tensors, sample_anchors, to_packed
+from dflash.objective.blocks import Blocks, draw_blocks
+from dflash.objective.loss import (
     BlockLoss,
     LogitTerm,
     LossOutput,
@@ -24,9 +25,9 @@ from dflash.models.loss import (
     default_gamma,
     slot_weights,
 )
-from dflash.models.taps import check_target_layer_ids, default_target_layer_ids
-from dflash.models.target import SharedWeights, TargetModel, load_language_model
-from dflash.models.target_spec import TARGET_FAMILIES, TargetSpec, load_target_spec
+from dflash.target.model import SharedWeights, TargetModel, load_language_model
+from dflash.target.spec import TARGET_FAMILIES, TargetSpec, load_target_spec
+from dflash.target.taps import check_target_layer_ids, default_target_layer_ids
 
 __all__ = [
     "Anchors",

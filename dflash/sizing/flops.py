@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+from dflash.drafter.config import drafter_intermediate_size
 from dflash.errors import UserError
-from dflash.models.config import drafter_intermediate_size
-from dflash.models.target_spec import PRESETS, load_target_spec, missing_sizes, read_config_json
+from dflash.target.spec import PRESETS, load_target_spec, missing_sizes, read_config_json
 
 
 def load_target_config(model: str):
-    """The sizes the cost model prices: a preset of `dflash.models.target_spec.PRESETS` (e.g.
+    """The sizes the cost model prices: a preset of `dflash.target.spec.PRESETS` (e.g.
     "qwen3-8b") or the path of a target's config.json (or its folder); only the sizes are read,
     so a config of any model_type will do."""
     if model in PRESETS:
@@ -202,28 +202,8 @@ def measure_flops(fn, *args, **kwargs) -> tuple[int, object]:
     return counter.get_total_flops(), result
 
 
-def dflash2_row_flops(hidden: int, layers: int, block_size: int, dflash2, selector_stop_grad: bool = False) -> float:
-    """What a DFlash2 drafter (`dflash.models.dflash2`, its `DFlash2Settings`) adds per block row in
-    training, forward and backward.
-
-    Convolutions: each layer's two `kernel_projection`s (one before the attention, one before the
-    MLP; H -> 2 K H/G, both convolutions' dynamic weights at once), trained and on the gradient's
-    path (3x). Their taps are element-wise ((base + delta) x shifted input, summed: about 6 K H per
-    pair and row forward, 1.5 G/H of the projection's, 0.6% at H 4096 and G 16) and not counted, as
-    norms are not.
-    Selector (`SelectorTerm`, on the B - 1 scored rows of a block): the hidden projection H -> R,
-    its weight's gradient, and its input's unless `selector_stop_grad`; the transition scores over
-    the K candidates (2 R K) and the gradients of both operands (the successor rows trained).
-    The codebooks are looked up, not multiplied; the unary logits are the lm_head already priced."""
-    H, K, G = hidden, dflash2.conv_kernel_size, dflash2.conv_group_size
-    R, top_k = dflash2.selector_rank, dflash2.selector_top_k
-    conv = layers * 2 * 3 * 2 * H * 2 * K * (H // G)
-    selector = (2 if selector_stop_grad else 3) * 2 * H * R + 3 * 2 * R * top_k
-    return conv + (block_size - 1) / block_size * selector
-
-
 def flop_cost_model(target, *, num_target_layers: int, draft_layers: int = 5, num_features: int = 5,
-                    block_size: int = 16, dflash2=None, selector_stop_grad: bool = False):
+                    block_size: int = 16, extra_row_flops: float = 0.0):
     """FLOP cost model of one training sample (`dflash.data.cost.CostModel`, unit FLOP).
 
     Target, frozen, forward only through `num_target_layers` layers (`layer_costs`): per token
@@ -234,9 +214,7 @@ def flop_cost_model(target, *, num_target_layers: int, draft_layers: int = 5, nu
     gradient of its input (2x); per context token: the feature projection (num_features x hidden
     -> hidden) and every layer's K/V projections, trained (3x); per row x context token: block
     attention to the context, about n/2 keys per row when anchors are spread over the sample (3x).
-    A DFlash2 drafter (`dflash2`: its `DFlash2Settings`; None: DFlash) adds per block row its
-    convolutions' dynamic-weight projections and its selector (`dflash2_row_flops`, where
-    `selector_stop_grad` keeps the selector's gradient from the backbone).
+    A drafter kind's own parts add `extra_row_flops` per block row (`DrafterKind.row_flops`).
     """
     from dflash.data.cost import CostModel
 
@@ -246,8 +224,7 @@ def flop_cost_model(target, *, num_target_layers: int, draft_layers: int = 5, nu
     Hkv = getattr(target, "num_key_value_heads", None) or Hq
     D = getattr(target, "head_dim", None) or H // Hq
     per_row = 3 * draft_layers * linear + 2 * 2 * H * target.vocab_size
-    if dflash2 is not None:
-        per_row += dflash2_row_flops(H, draft_layers, block_size, dflash2, selector_stop_grad)
+    per_row += extra_row_flops
     context = 3 * (2 * num_features * H * H + draft_layers * 2 * H * 2 * Hkv * D)
     layers = layer_costs(target)[:num_target_layers]
     windows = {w for _, _, w in layers if w}

@@ -11,7 +11,7 @@ forward and backward: per token the features, the fused context and every layer'
 and values; per block row (block size x anchors of every sample) every layer's saved
 activations, and the larger of the loss's lm_head chunk and one layer's backward buffers.
 
-The coefficients count what each op saves for backward in this code (`dflash.models.drafter`,
+The coefficients count what each op saves for backward in this code (`dflash.drafter.network`,
 RMSNorm in fp32, the block attention's Triton kernels) at the training dtype; the estimate is
 checked against measured peaks of CPU runs (`launch/plan_memory.py --measure`, docs/BENCHMARKS.md).
 On top of the peak, a GPU loses memory the tensors never see (CUDA context, NCCL buffers,
@@ -24,9 +24,10 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from dflash.errors import UserError
-from dflash.models.loss import DEFAULT_CHUNK_ROWS
-from dflash.models.target_spec import TargetSpec
+from dflash.objective.anchors import DEFAULT_NUM_ANCHORS
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS
 from dflash.sizing import reference_attention
+from dflash.target.spec import TargetSpec
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL and DeepSpeed communication buffers
@@ -98,8 +99,8 @@ class DrafterSizes:
     head_dim: int
     layers: int
     features: int  # tapped target layers
-    # a DFlash2 drafter (`DFlash2Settings`; 0: DFlash): its convolutions' taps and channels per
-    # dynamic weight, its selector's rank and candidates, and the vocabulary its codebooks cover
+    # a drafter kind's own parts (`DrafterKind.memory_sizes`; 0: none): block convolutions' taps and
+    # channels per dynamic weight, a candidate selector's rank and candidates, the vocabulary its codebooks cover
     conv_kernel: int = 0
     conv_group: int = 1
     selector_rank: int = 0
@@ -107,25 +108,21 @@ class DrafterSizes:
     vocab: int = 0
 
     @classmethod
-    def from_target(cls, config, *, layers: int, features: int, dflash2=None) -> DrafterSizes:
+    def from_target(cls, config, *, layers: int, features: int, extra: dict | None = None) -> DrafterSizes:
         """The drafter DFlash builds for `config` (its hidden size, heads and MLP width; an MoE
-        target without a dense width: its routed experts' width per token); with `dflash2` (its
-        `DFlash2Settings`) the DFlash2 drafter's convolutions and selector too."""
+        target without a dense width: its routed experts' width per token); `extra`: the sizes of a
+        drafter kind's own parts (`DrafterKind.memory_sizes`)."""
         heads = int(config.num_attention_heads)
         width = getattr(config, "intermediate_size", None) or \
             int(config.num_experts_per_tok) * int(config.moe_intermediate_size)
-        extra = {} if dflash2 is None else dict(
-            conv_kernel=dflash2.conv_kernel_size, conv_group=dflash2.conv_group_size,
-            selector_rank=dflash2.selector_rank, selector_top_k=dflash2.selector_top_k,
-            vocab=int(config.vocab_size))
         return cls(hidden=int(config.hidden_size), intermediate=int(width), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-                   layers=layers, features=features, **extra)
+                   layers=layers, features=features, **(extra or {}))
 
     @property
     def conv_params(self) -> int:
-        """One DFlash2 convolution pair (before and after a sublayer): base kernels and the projection."""
+        """One block-convolution pair (before and after a sublayer): base kernels and the projection."""
         H, K = self.hidden, self.conv_kernel
         return 2 * K * H + H * 2 * K * (H // self.conv_group) if K else 0
 
@@ -155,7 +152,7 @@ class MemorySetup:
     target_offload: bool = False
     activation_checkpointing: bool = False
     block_size: int = 16
-    num_anchors: int = 512
+    num_anchors: int = DEFAULT_NUM_ANCHORS
     # the drafter's block attention: "kernel" (Triton or FlexAttention: output and log-sum-exp saved) or
     # "reference" (dflash.ops' per-sample torch reference, the CPU's: its scores saved, per row and key)
     attention: str = "kernel"
@@ -276,7 +273,7 @@ class MemoryPlan:
         return norms + attention + 4 * b * d.intermediate + self.conv_per_row()
 
     def conv_per_row(self) -> int:
-        """A DFlash2 layer's four convolutions, per block row (`dflash.ops.block_conv` keeps only its
+        """A convolution layer's four block convolutions, per block row (`dflash.ops.block_conv` keeps only its
         inputs): the two after a sublayer keep its output (no other op saves it); the two before keep the
         normed input the kernel projection keeps too, their outputs remade in backward
         (`RecomputedConvOutputs`: the projections keep no copy); and the two kernel projections' outputs
@@ -286,7 +283,7 @@ class MemoryPlan:
         return b * (2 * d.hidden + 2 * 2 * K * (d.hidden // d.conv_group)) if K else 0
 
     def conv_backward_per_row(self) -> int:
-        """A DFlash2 convolution's backward, per row, one at a time: the Triton kernels' remade output and
+        """A block convolution's backward, per row, one at a time: the Triton kernels' remade output and
         input gradient; the CPU's recomputing reference (CPU runs use the reference attention too) holds
         its whole graph a while, a factor and a shifted input per tap, and the output and gradients."""
         d, s = self.drafter, self.setup
@@ -296,7 +293,7 @@ class MemoryPlan:
         return tensors * d.hidden * s.dtype_bytes
 
     def selector_per_row(self) -> int:
-        """DFlash2's selector loss per block row (its B - 1 scored rows): the successor codebook's rows of
+        """A candidate selector's loss per block row (its B - 1 scored rows): the successor codebook's rows of
         the K candidates (saved, and their gradient in the backward, with every layer's activations
         still held), the predecessor's row, the hidden projection and their product, the top-K's
         values, ids and scores."""
@@ -320,7 +317,7 @@ class MemoryPlan:
 
     def transient(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, one
-        lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a DFlash2 selector's
+        lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a candidate selector's
         loss and its backward; the backward frees saved activations as fast as it makes gradients, but
         the reference attention's backward (`reference_attention.backward_per_layer`) needs more than the
         layer freed before it (its MLP and second norm). With activation checkpointing, the backward's
@@ -329,7 +326,7 @@ class MemoryPlan:
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
-        # the selector's loss (DFlash2) is freed before the backward reaches the layers; its backward runs
+        # the selector's loss is freed before the backward reaches the layers; its backward runs
         # first, before any layer's gradient exists (ZeRO 0-2: in the place of the full gradients and
         # buckets that the layers' backward then fills, `drafter_items`), so only its excess over them counts
         selector = max(0, rows * self.selector_per_row() - self.backward_gradients())
@@ -434,10 +431,10 @@ class MemoryPlan:
 
 
 def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, features: int,
-             dflash2=None) -> MemoryPlan:
-    """`dflash2`: a DFlash2 drafter's `DFlash2Settings` (None: DFlash)."""
+             extra: dict | None = None) -> MemoryPlan:
+    """`extra`: the sizes of a drafter kind's own parts (`DrafterKind.memory_sizes`)."""
     config = spec.config
-    drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, dflash2=dflash2)
+    drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, extra=extra)
     return MemoryPlan(target_sizes(config), drafter, setup)
 
 

@@ -2,7 +2,7 @@
 random Qwen3-8B-shaped target (the demo target's tiny shape for the dry run), loaded once for all.
   e2e      three batching modes on the same samples: tokens/s, phase shares, peak memory
   memory   the memory plan's peak against the measured one at two row budgets
-  dflash2  DFlash2 drafter steps on e2e's samples, beside DFlash's tokens/s
+  kinds    every other drafter kind's steps on e2e's samples, beside DFlash's tokens/s
 Each takes (OUT, the check's shapes, its deadline) and writes OUT/<stage>.json through `Report`,
 the JSON writer of the check's other stages too."""
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Report:
 
 
 E2E_MODES = ("sorted-padded", "shuffle-packed", "bucketed-packed")
-DEFAULT_MODE = "shuffle-packed"  # the trainer's default order and layout: the memory and DFlash2 stages train it
+DEFAULT_MODE = "shuffle-packed"  # the trainer's default order and layout: the memory and kinds stages train it
 MEMORY_STEPS = 2  # the first allocates the optimizer's state and ZeRO's buckets; the second runs with them
 
 
@@ -73,7 +73,8 @@ def shared_target(train_cfg):
 
     from dflash.devices import resolve_dtype
     from dflash.distributed.process_group import init_distributed
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
+    from dflash.training.data import chat_data
     from dflash.training.models import load_train_target
 
     d, dev = train_cfg.drafter, train_cfg.device
@@ -82,8 +83,8 @@ def shared_target(train_cfg):
     if key not in _TARGETS:
         init_distributed()
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        _TARGETS[key] = load_train_target(train_cfg, load_target_spec(train_cfg.inputs.target), device,
-                                          resolve_dtype(dev.dtype, device))
+        _TARGETS[key] = load_train_target(load_target_spec(train_cfg.inputs.target), device,
+                                          resolve_dtype(dev.dtype, device), d, dev, chat_data(train_cfg.inputs))
     return _TARGETS[key]
 
 
@@ -166,7 +167,7 @@ def measure_memory_at(train_cfg, target, runs: Path, deadline: float) -> dict:
     import torch
 
     from dflash.distributed.partition import target_bytes
-    from dflash.models.tensor_bytes import TensorBytes
+    from dflash.sizing.tensor_bytes import TensorBytes
     from dflash.tools import compare
 
     cuda = torch.cuda.is_available()
@@ -256,19 +257,27 @@ def stage_memory(out: Path, cfg: dict, deadline: float) -> bool:
     return ok
 
 
-def stage_dflash2(out: Path, cfg: dict, deadline: float) -> bool:
-    """DFlash2 drafter training steps (`--drafter-kind dflash2`, sized as released) of the default
+def stage_kinds(out: Path, cfg: dict, deadline: float) -> bool:
+    """Every drafter kind but DFlash (`dflash.drafter.kinds`), one after the other: `kind_steps`. Passes
+    when every kind's did."""
+    from dflash.drafter.kinds import DEFAULT, all_kinds
+
+    return all([kind_steps(kind.name, out, cfg, deadline) for kind in all_kinds() if kind.name != DEFAULT])
+
+
+def kind_steps(kind: str, out: Path, cfg: dict, deadline: float) -> bool:
+    """Training steps of a drafter of `kind` (`--drafter-kind`, sized as released) in the default
     recipe and mode on the e2e stage's target and samples (the same subset: its DFlash shuffle-packed
     pass is the one to compare with, `ratio_to_dflash`), a warm-up step then the pass, cut at the
-    deadline; tokens/s, step time and peak memory in OUT/dflash2.json. Passes when a step was measured."""
+    deadline; tokens/s, step time and peak memory in OUT/<kind>.json. Passes when a step was measured."""
     from dflash.tools import compare
 
     options, steps = e2e_options(cfg["dry_run"])
-    runs = out / "dflash2_runs"
-    train_cfg = training_config(cfg["dry_run"], runs, "--drafter-kind", "dflash2")
+    runs = out / f"{kind}_runs"
+    train_cfg = training_config(cfg["dry_run"], runs, "--drafter-kind", kind)
     values, default = recipe(train_cfg)
     d = train_cfg.drafter
-    report = Report(out / "dflash2.json", options=[*options, "--drafter-kind", "dflash2"],
+    report = Report(out / f"{kind}.json", options=[*options, "--drafter-kind", kind],
                     drafter_kind=d.drafter_kind, drafter_layer_types=d.drafter_layer_types,
                     sliding_window=d.sliding_window, recipe=values, recipe_is_default=default, mode=DEFAULT_MODE,
                     measured_steps=steps, warmup_steps=1, kernel_configs="pinned (DFLASH_PIN_CONFIGS=1)", results={})
@@ -287,6 +296,6 @@ def stage_dflash2(out: Path, cfg: dict, deadline: float) -> bool:
     if ok:
         peak = f", peak {mine['peak_memory_mib']:,.0f} MiB" if "peak_memory_mib" in mine else ""
         ratio = f", {mine['ratio_to_dflash']:.2f}x DFlash's tokens/s" if "ratio_to_dflash" in mine else ""
-        print(f"dflash2 {DEFAULT_MODE}: {mine['tokens_per_s']:,.0f} tokens/s, median step "
+        print(f"{kind} {DEFAULT_MODE}: {mine['tokens_per_s']:,.0f} tokens/s, median step "
               f"{mine['step_seconds_median']:.2f} s{peak}{ratio}", flush=True)
     return ok

@@ -6,9 +6,9 @@ the expected acceptance of speculative sampling at T) against steps and training
 One process loads the target once; for each seed every recipe gets a `Trainer` whose drafter starts
 from that seed, and the recipes take their steps round-robin (step i of every recipe, then i + 1),
 so drift of the machine hits them alike. Only recipe options (`RECIPE_FIELDS`) and the drafter's
-kind (`DRAFTER_FIELDS`: DFlash or DFlash2, whose new parts start as identities, so both start from
-the seed's DFlash drafter) may differ between recipes: the data, the batching, the schedule length
-and the drafter's sizes are the same.
+kind (`DRAFTER_FIELDS`: the kind, its own options and its layers; a kind whose new parts start as
+identities starts from the seed's DFlash drafter) may differ between recipes: the data, the batching,
+the schedule length and the drafter's sizes are the same.
 """
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ import numpy as np
 
 from dflash.errors import UserError
 from dflash.training.config import OPTIONS, TrainConfig, load_config
+from dflash.training.config.sections import KIND_OPTIONS, TERM_OPTIONS
 from dflash.training.trainer import Trainer
 
 # what a recipe may set: the objective, the optimizer's settings and its schedule's shape, the noise
-RECIPE_FIELDS = ("loss", "dpace_alpha", "distill_temperature", "optimizer", "lr", "muon_lr", "muon_momentum",
+RECIPE_FIELDS = ("loss", *TERM_OPTIONS, "optimizer", "lr", "muon_lr", "muon_momentum",
                  "weight_decay", "warmup_ratio", "schedule", "grad_clip", "gamma", "feature_noise")
-# DFlash against DFlash2, whose kind brings its released layers (all sliding, window 2,048)
-DRAFTER_FIELDS = ("drafter_kind", "selector_weight", "selector_stop_grad", "drafter_layer_types", "sliding_window")
+# drafter kinds against each other: the kind, its own options, and the layers a kind may bring as released
+DRAFTER_FIELDS = ("drafter_kind", *KIND_OPTIONS, "drafter_layer_types", "sliding_window")
 COMPARED = RECIPE_FIELDS + DRAFTER_FIELDS
 # each recipe whole, as the demo's own default is speculators' recipe at a constant rate: the
 # cross-entropy with AdamW, one change at a time, speculators' recipe, and it at a constant rate

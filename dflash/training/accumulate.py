@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.data.cost import FEATURES
+from dflash.training.step_metrics import Accumulated
 
 ROW_KEYS = FEATURES.index("row_keys")
 
@@ -36,17 +37,17 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
 
     Each micro-batch's loss sum is divided by the loss weight of the WHOLE step (all its
     micro-batches on all ranks), so the accumulated gradient is that of one big batch.
-    Returns device tensors (loss, weight, tau, blocks) and (slot correct, slot count), the number of
-    skipped samples, and the sums of the loss's named metrics (`LossOutput.metrics`, e.g. a DFlash2
-    drafter's selector counts; the same names on every rank); nothing here waits for the device,
+    Returns this rank's sums (`Accumulated`: device tensors of loss, weight, tau, blocks and the slots'
+    counts, the skipped samples, the loss's named metrics, `LossOutput.metrics`, e.g. a candidate
+    selector's counts, the same names on every rank); nothing here waits for the device,
     unless `timings` is a list: then each micro-batch's seconds (forward and backward, the device
     synchronised) are appended.
     `phases` (a PhaseTimer, started) is marked after each phase. `noise`: a `FeatureNoise` for the
     tapped features of `epoch`. A loss whose terms read the target's distribution (KL, LK) gets the
     target's final states, from the same target forward.
     """
-    from dflash.models.anchors import to_packed
-    from dflash.models.terms import needs_target_states, target_context
+    from dflash.objective.anchors import to_packed
+    from dflash.objective.terms import needs_target_states, target_context
 
     if timings is not None:
         from deepspeed.accelerator import get_accelerator
@@ -89,4 +90,4 @@ def accumulate_gradients(engine, target, loss, micro: list, device, block_size: 
         skipped += out.num_skipped
         for k, v in out.metrics.items():
             named[k] = named.get(k, 0.0) + v.double()
-    return sums, slot, skipped, named
+    return Accumulated(sums, slot, skipped, named)

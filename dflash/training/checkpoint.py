@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash.distributed.run_folder import RunPaths
 from dflash.errors import UserError, disk_full, free_space
 
 COMPLETE = "COMPLETE"
@@ -86,7 +87,7 @@ class Checkpointer:
     continue with other settings."""
 
     def __init__(self, output_dir: str | Path, keep: int):
-        self.root = Path(output_dir) / "checkpoints"
+        self.root = RunPaths(Path(output_dir)).checkpoints
         self.keep = keep
         self.recorded = None  # (checkpoint, its drafter settings) of the resume, on rank 0 (`claim`)
         self.recorded_options: dict = {}  # the options the checkpoint recorded (its config), on rank 0

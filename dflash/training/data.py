@@ -1,5 +1,6 @@
 """The training-data part: token store -> checks -> held-out split -> cost per sample -> planner
--> optimizer steps -> micro-batch maker, built once from a `TrainConfig`.
+-> optimizer steps -> micro-batch maker, built once from its sections (`inputs`, `batches`) and the run plan's
+`DataSettings`.
 
 Everything here is a pure function of the data and the options (no model weights), so every rank
 builds the same part without talking, and `launch/speculate.py` finds a run's held-out turns with
@@ -21,8 +22,9 @@ from dflash.data.supervision import min_supervised, trainable
 from dflash.data.synthetic import SyntheticStore, is_synthetic, open_store, synthetic_store
 from dflash.data.token_store import TokenStore
 from dflash.distributed.ranks import on_rank0
+from dflash.distributed.run_folder import RunPaths
 from dflash.errors import UserError
-from dflash.training.config import TrainConfig
+from dflash.training.config.sections import Batches, Inputs, Run
 from dflash.training.steps import MicroBatchMaker, step_ranges
 
 
@@ -45,7 +47,7 @@ def token_subset(indices: np.ndarray, lengths: np.ndarray, tokens: int, seed: in
 def store_path(data: Path, output_dir: Path) -> Path:
     """Where a run's token store is: `--data` itself when it is a store folder (its dflash_store.json),
     else the store the run prepared from the conversations (any format), `<output_dir>/data`."""
-    return data if is_token_store(data) else output_dir / "data"
+    return data if is_token_store(data) else RunPaths(output_dir).store
 
 
 def source_file(store: TokenStore, data: Path) -> Path:
@@ -73,23 +75,23 @@ def data_temperature(store: TokenStore, data: Path) -> float | None:
     return regeneration_temperature(source) if source else None
 
 
-def check_data(cfg: TrainConfig) -> None:
+def check_data(inputs: Inputs, run: Run) -> None:
     """--data before anything loads: synthetic, a token store, or conversations whose format and
-    conversation column are read now (one line naming the file, the formats or the columns found)."""
-    if is_synthetic(cfg.inputs.data):
+    conversation column are read now (one line naming the file, the formats or the columns found); on
+    --resume, conversations changed since the run's store was prepared from them are refused."""
+    if is_synthetic(inputs.data):
         return
-    data = Path(cfg.inputs.data)
+    data = Path(inputs.data)
     if not data.exists():
-        raise UserError(f"--data {cfg.inputs.data}: no such file or folder")
+        raise UserError(f"--data {inputs.data}: no such file or folder")
     if is_token_store(data):
-        if cfg.inputs.messages_field:
-            raise UserError(f"--messages-field {cfg.inputs.messages_field}: --data {cfg.inputs.data} is a token "
-                            "store, prepared "
-                            "already; the column applies to conversations")
+        if inputs.messages_field:
+            raise UserError(f"--messages-field {inputs.messages_field}: --data {inputs.data} is a token store, "
+                            "prepared already; the column applies to conversations")
         return
-    source = open_source(data, messages_field=cfg.inputs.messages_field or None, flag="--data")
-    store = store_path(data, Path(cfg.run.output_dir))
-    if cfg.run.resume and not cfg.run.force_resume and store.exists():
+    source = open_source(data, messages_field=inputs.messages_field or None, flag="--data")
+    store = store_path(data, Path(run.output_dir))
+    if run.resume and not run.force_resume and store.exists():
         from dflash.data.prepare import input_differences, refuse_changed_store
 
         # the input's content is known without the target's tokenizer: a changed shard is refused now
@@ -109,28 +111,28 @@ def positions_warning(lengths: np.ndarray, positions: int | None, name) -> str |
             "(when --data is a store: prepare it again with prepare_data.py --max-length)")
 
 
-def chat_data(cfg: TrainConfig) -> str | None:
+def chat_data(inputs: Inputs) -> str | None:
     """The conversations the target's chat template will render (None: a store or synthetic data)."""
-    return None if is_synthetic(cfg.inputs.data) or is_token_store(Path(cfg.inputs.data)) else cfg.inputs.data
+    return None if is_synthetic(inputs.data) or is_token_store(Path(inputs.data)) else inputs.data
 
 
-def prepare_token_store(cfg: TrainConfig, tokenizer, say) -> Path | SyntheticStore:
+def prepare_token_store(inputs: Inputs, run: Run, tokenizer, say) -> Path | SyntheticStore:
     """A token store folder as is, or conversations (JSONL, JSON, parquet, Arrow, a folder of parquet
     shards or a save_to_disk folder) prepared (by rank 0) into the run folder, reused
     while its fingerprints match (a resume refuses one of other data); `random[:SAMPLES]`: synthetic
     samples in memory (`dflash.data.synthetic`), the same on every rank."""
-    if is_synthetic(cfg.inputs.data):
-        return synthetic_store(cfg.inputs.data, tokenizer, seed=cfg.run.seed, max_length=cfg.inputs.max_length)
-    data = Path(cfg.inputs.data)
-    path = store_path(data, Path(cfg.run.output_dir))
+    if is_synthetic(inputs.data):
+        return synthetic_store(inputs.data, tokenizer, seed=run.seed, max_length=inputs.max_length)
+    data = Path(inputs.data)
+    path = store_path(data, Path(run.output_dir))
     if is_token_store(data):
         return path
     from dflash.data.prepare import ensure_store
 
-    on_rank0(lambda: ensure_store(data, tokenizer, path, max_length=cfg.inputs.max_length,
-                                  refuse_changes=cfg.run.resume and not cfg.run.force_resume,
-                                  progress=cfg.run.progress, say=say,
-                                  messages_field=cfg.inputs.messages_field or None),
+    on_rank0(lambda: ensure_store(data, tokenizer, path, max_length=inputs.max_length,
+                                  refuse_changes=run.resume and not run.force_resume,
+                                  progress=run.progress, say=say,
+                                  messages_field=inputs.messages_field or None),
              "preparing the data")
     return path
 
@@ -149,69 +151,70 @@ class TrainingData:
 
     Attributes: `store` (the token store at `store_path`), `train_idx` / `eval_idx` (store
     indices), `lengths` (of the training samples), `flop_model` (the FLOP cost of a sample;
-    `dflash2`: the drafter's DFlash2 settings, `RunPlan.dflash2`),
+    with what the drafter kind adds per row),
     `planner` (epoch plans and the run's position), `balance` (dealt by cost: --balance on
     several ranks), `steps[epoch]` (micro-step ranges of each
     optimizer step), `total_steps`, `maker` (collates a micro-batch and draws its anchors),
     `turn_limit` and `stop_ids` (where held-out turns end, as decoding ends them), `data_temperature`
     (what the data were regenerated at, when their `meta` says).
+
+    Built from the `inputs` and `batches` sections and the run plan's `DataSettings` (`settings`).
     """
 
-    def __init__(self, cfg: TrainConfig, path: Path | SyntheticStore, *, tokenizer, target_spec, target_layer_ids,
-                 vocab_rows: int, mask_token_id: int, gamma: float, world_size: int, dflash2=None):
+    def __init__(self, inputs: Inputs, batches: Batches, settings, path: Path | SyntheticStore, *, tokenizer,
+                 target_spec, target_layer_ids, vocab_rows: int, mask_token_id: int, world_size: int):
+        s, b = settings, batches
         self.store_path = path
         self.store = store = open_store(path)
-        store.check_tokenizer(tokenizer, f"--target {cfg.inputs.target}")
+        store.check_tokenizer(tokenizer, f"--target {inputs.target}")
         if store.vocab_size is not None and store.vocab_size > vocab_rows:
             raise UserError(f"--data {path}: tokenized with a vocabulary of {store.vocab_size} tokens, but the "
                             f"target's embedding has {vocab_rows} rows; prepare the data with the target's tokenizer")
-        check_lengths(store.lengths, cfg.batches.token_budget, name=_sample_name(store, path))
+        check_lengths(store.lengths, b.token_budget, name=_sample_name(store, path))
         beyond = positions_warning(store.lengths, target_spec.positions, _sample_name(store, path))
         if beyond and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(beyond, stacklevel=2)
-        self.usable = int(trainable(store.supervised, cfg.drafter.block_size).sum())
+        self.usable = int(trainable(store.supervised, s.block_size).sum())
         if self.usable == 0:
-            raise UserError(f"--block-size {cfg.drafter.block_size}: a sample needs at least "
-                            f"{min_supervised(cfg.drafter.block_size)} "
+            raise UserError(f"--block-size {s.block_size}: a sample needs at least "
+                            f"{min_supervised(s.block_size)} "
                             f"supervised tokens to be trained on, and none of the {len(store):,} samples of {path} has "
                             f"(most: {int(store.supervised.max())}); use a smaller block size")
-        self.train_idx, self.eval_idx = held_out_split(len(store), cfg.inputs.eval_fraction, cfg.run.seed)
-        if cfg.inputs.subset_tokens:
-            self.train_idx = token_subset(self.train_idx, store.lengths, cfg.inputs.subset_tokens, cfg.run.seed)
-        self.turn_limit = turn_limit(store, Path(cfg.inputs.data))
-        self.data_temperature = data_temperature(store, Path(cfg.inputs.data))
+        self.train_idx, self.eval_idx = held_out_split(len(store), inputs.eval_fraction, s.seed)
+        if inputs.subset_tokens:
+            self.train_idx = token_subset(self.train_idx, store.lengths, inputs.subset_tokens, s.seed)
+        self.turn_limit = turn_limit(store, Path(inputs.data))
+        self.data_temperature = data_temperature(store, Path(inputs.data))
         self.stop_ids = stop_ids(tokenizer, target_spec.generation_eos())
         self.lengths = store.lengths[self.train_idx]
         # what each sample costs: drafter rows from its anchor candidates, FLOPs from the sizes
         from dflash.sizing.flops import flop_cost_model
 
         self.flop_model = flop_cost_model(target_spec.config, num_target_layers=max(target_layer_ids) + 1,
-                                          draft_layers=cfg.drafter.draft_layers, num_features=len(target_layer_ids),
-                                          block_size=cfg.drafter.block_size, dflash2=dflash2,
-                                          selector_stop_grad=cfg.loss.selector_stop_grad)
+                                          draft_layers=s.draft_layers, num_features=len(target_layer_ids),
+                                          block_size=s.block_size, extra_row_flops=s.extra_row_flops)
         rows = costs = None
         # dealing by cost is between ranks: one rank plans as without it (the same plan, the same checkpoints)
-        self.balance = balance = cfg.batches.balance and world_size > 1
-        if balance or cfg.batches.row_budget:
+        self.balance = balance = b.balance and world_size > 1
+        if balance or b.row_budget:
             candidates = store.candidates()
-            rows = drafter_rows(candidates[self.train_idx], store.supervised[self.train_idx],
-                                cfg.drafter.block_size, cfg.drafter.num_anchors)
+            rows = drafter_rows(candidates[self.train_idx], store.supervised[self.train_idx], s.block_size,
+                                s.num_anchors)
         if balance:
-            model = CostModel.load(cfg.batches.cost_model) if cfg.batches.cost_model else self.flop_model
+            model = CostModel.load(b.cost_model) if b.cost_model else self.flop_model
             costs = model.sample_costs(self.lengths, rows)
-        b = cfg.batches
         mix = max(1, round(b.step_tokens / b.token_budget)) if balance else DEFAULT_MIX
         self.planner = BatchPlanner(self.lengths, PlannerConfig(
             token_budget=b.token_budget, order=b.order, layout=b.layout, boundaries=b.boundaries,
-            seed=cfg.run.seed, world_size=world_size, window=b.packing_window, row_budget=b.row_budget or None,
+            seed=s.seed, world_size=world_size, window=b.packing_window, row_budget=b.row_budget or None,
             balance=balance, mix=mix, buckets=b.buckets), rows=rows, costs=costs)
-        self.steps = [step_ranges(self.planner.plan(e), self.lengths, b.step_tokens) for e in range(cfg.optim.epochs)]
-        self.total_steps = sum(len(s) for s in self.steps)
-        if cfg.optim.max_steps:
-            self.total_steps = min(self.total_steps, cfg.optim.max_steps)
-        self.maker = MicroBatchMaker(path, cfg.batches.layout, pad_id=tokenizer.pad_token_id or 0,
-                                     mask_token_id=mask_token_id, block_size=cfg.drafter.block_size,
-                                     num_anchors=cfg.drafter.num_anchors, gamma=gamma, seed=cfg.run.seed,
+        self.steps = [step_ranges(self.planner.plan(e), self.lengths, b.step_tokens) for e in range(s.epochs)]
+        self.total_steps = sum(len(r) for r in self.steps)
+        if s.max_steps:
+            self.total_steps = min(self.total_steps, s.max_steps)
+        self.maker = MicroBatchMaker(path, b.layout, pad_id=tokenizer.pad_token_id or 0,
+                                     mask_token_id=mask_token_id, block_size=s.block_size,
+                                     num_anchors=s.num_anchors, gamma=s.gamma, seed=s.seed,
                                      window=self.flop_model.window)
 
     def batches(self, epoch: int, rank: int) -> list[np.ndarray]:

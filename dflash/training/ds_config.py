@@ -211,7 +211,7 @@ def muon_split(module):
     `initialize`, by shape and name, overwriting any tag set before: every parameter of two or more
     dimensions whose name holds neither 'embed' nor 'lm_head' goes to Muon), the parameters whose names
     match one of `module.adamw_parameters` (fnmatch patterns the drafter class declares: lookup tables and
-    kernels that are no matrices, as a DFlash2 drafter's codebooks and base kernels) go to AdamW, by the
+    kernels that are no matrices, as a convolution drafter's codebooks and base kernels) go to AdamW, by the
     rule DeepSpeed applies to embeddings. Without patterns, or without Muon, nothing changes."""
     import deepspeed
 

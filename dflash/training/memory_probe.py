@@ -1,6 +1,6 @@
 """Tensor bytes of a training step by phase: what `launch/measure_memory.py` sets against the plan.
 
-The CPU has no allocator statistics, so `TensorBytes` (`dflash.models.tensor_bytes`) counts every
+The CPU has no allocator statistics, so `TensorBytes` (`dflash.sizing.tensor_bytes`) counts every
 tensor storage an op creates until it dies, and `PhaseMemory` books the
 peak of each span between the trainer's phase marks (`dflash.training.phases`) to that phase:
 the target's features, the drafter's forward, the loss, the backward, the optimizer step, and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from dflash.models.tensor_bytes import TensorBytes
+from dflash.sizing.tensor_bytes import TensorBytes
 from dflash.training.phases import PhaseTimer
 
 

@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+from dflash.distributed.run_folder import RunPaths
 from dflash.errors import UserError, os_reason
 from dflash.partial import replace_file
 
@@ -51,7 +52,7 @@ class MetricsWriter:
         """`resume_step`: the run continues after this step; later records (of a crashed
         attempt) are removed from the JSONL and from TensorBoard."""
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = RunPaths(Path(output_dir)).metrics
         self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,7 +64,7 @@ class MetricsWriter:
                 SummaryWriter = None
             if SummaryWriter is not None:
                 purge = None if resume_step is None else resume_step + 1
-                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=purge)
+                self._tb = SummaryWriter(str(RunPaths(Path(output_dir)).tensorboard), purge_step=purge)
 
     def write(self, kind: str, step: int, values: dict) -> None:
         if not self.enabled:
@@ -84,7 +85,7 @@ class MetricsWriter:
 
 def read_records(run: Path) -> list[dict]:
     """The records of a run folder's metrics.jsonl."""
-    path = run / "metrics.jsonl"
+    path = RunPaths(Path(run)).metrics
     if not path.is_file():
         raise UserError(f"{run}: no metrics.jsonl (is it a launch/train.py output dir?)")
     records = []

@@ -1,21 +1,67 @@
 """What a run decides before anything loads, from its options and its target's config alone:
 `plan_run` -> `RunPlan` (the DeepSpeed config, the precision, the memory plan and the row budget
-that fits, a DFlash2 drafter's sizes, the drafter settings a resume must match). Pure: it reads
+that fits, the drafter kind's settings and what they add per row, the drafter settings a resume must
+match). Pure: it reads
 the DeepSpeed JSON and an --init-drafter's config, loads no weights, talks to no rank; a run that
 cannot fit is refused here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from dflash.drafter.kinds import DEFAULT, drafter_kind
 from dflash.errors import UserError
-from dflash.models.config import DFlash2Settings
-from dflash.models.target_spec import TargetSpec
 from dflash.sizing.fit import accelerator_memory, size_run
 from dflash.sizing.memory import MemoryPlan, MemorySetup, plan_for
+from dflash.target.spec import TargetSpec
 from dflash.training.config import TrainConfig, init_drafter_config
 from dflash.training.ds_config import training_ds_config, with_optimizer
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What the training-data part reads beyond its sections (`inputs`, `batches`), resolved."""
+
+    block_size: int
+    num_anchors: int
+    draft_layers: int
+    gamma: float
+    seed: int
+    epochs: int
+    max_steps: int
+    extra_row_flops: float  # what the drafter kind adds per block row (`DrafterKind.row_flops`)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What the models part reads beyond its sections (`loss`, `optim`): the drafter it builds."""
+
+    seed: int
+    block_size: int
+    draft_layers: int
+    drafter_layer_types: tuple[str, ...] | None
+    sliding_window: int
+    drafter_kind: str
+    kind_settings: Any  # the kind's own settings (an --init-drafter's, else as released; None: none)
+    init_drafter: str
+    attention_backend: str
+    activation_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What the evaluator reads beyond its section (`eval`)."""
+
+    block_size: int
+    token_budget: int
+    seed: int
+    target: str  # --target as given: sampled turns' fingerprint
+    partitioned: bool  # the target is partitioned across the ranks (no rank decodes alone)
+    output_dir: Path
+    progress: bool
 
 
 @dataclass(frozen=True)
@@ -25,8 +71,28 @@ class RunPlan:
     dtype: torch.dtype
     memory: MemoryPlan
     memory_line: str  # what the plan says of the run, for the log
-    dflash2: DFlash2Settings | None  # a DFlash2 drafter's sizes (`drafter_dflash2`), None for DFlash
+    kind_settings: Any  # the drafter kind's own settings (`kind_settings`; None: none)
+    extra_row_flops: float  # FLOPs per block row the kind adds in training (`DrafterKind.row_flops`)
     drafter_settings: dict  # what shapes the drafter's weights, the target's fingerprint among them
+
+    @property
+    def data(self) -> DataSettings:
+        c = self.cfg
+        return DataSettings(c.drafter.block_size, c.drafter.num_anchors, c.drafter.draft_layers, c.loss.gamma,
+                            c.run.seed, c.optim.epochs, c.optim.max_steps, self.extra_row_flops)
+
+    @property
+    def models(self) -> ModelSettings:
+        d, dev = self.cfg.drafter, self.cfg.device
+        return ModelSettings(self.cfg.run.seed, d.block_size, d.draft_layers, d.drafter_layer_types, d.sliding_window,
+                             d.drafter_kind, self.kind_settings, d.init_drafter, dev.attention_backend,
+                             dev.activation_checkpointing)
+
+    @property
+    def evaluation(self) -> EvalSettings:
+        c = self.cfg
+        return EvalSettings(c.drafter.block_size, c.batches.token_budget, c.run.seed, c.inputs.target,
+                            c.device.target_partition != "none", Path(c.run.output_dir), c.run.progress)
 
 
 def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_size: int) -> RunPlan:
@@ -37,15 +103,17 @@ def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_
     o = cfg.optim
     ds_config = with_optimizer(ds_config, o.optimizer, lr=o.lr, muon_lr=o.muon_lr, momentum=o.muon_momentum,
                                weight_decay=o.weight_decay, named=f"--deepspeed_config {cfg.device.deepspeed_config}")
-    dflash2 = drafter_dflash2(cfg, spec)
+    settings = kind_settings(cfg, spec)
     memory = memory_plan(cfg, spec, ds_config, dtype_bytes=dtype.itemsize, world_size=world_size, device=device,
-                         dflash2=dflash2)
+                         kind_settings=settings)
     row_budget, memory_line = size_run(memory, accelerator_memory(device, cfg.device.memory_gib),
                                        token_budget=cfg.batches.token_budget, row_budget=cfg.batches.row_budget,
                                        longest=longest_sample(cfg))
     cfg = cfg.replace(row_budget=row_budget)
-    settings = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
-    return RunPlan(cfg, ds_config, dtype, memory, memory_line, dflash2, settings)
+    extra_flops = drafter_kind(cfg.drafter.drafter_kind).row_flops(
+        spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size, settings, cfg.loss)
+    resumed = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
+    return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings, extra_flops, resumed)
 
 
 def longest_sample(cfg: TrainConfig) -> int | None:
@@ -63,29 +131,26 @@ def longest_sample(cfg: TrainConfig) -> int | None:
     return stats.get("max")
 
 
-def drafter_dflash2(cfg: TrainConfig, spec: TargetSpec) -> DFlash2Settings | None:
-    """The DFlash2 settings of the drafter the run trains (None: a DFlash drafter): an --init-drafter's
-    own (its selector and convolutions sized as it was), else the released sizes for --drafter-kind dflash2."""
+def kind_settings(cfg: TrainConfig, spec: TargetSpec) -> Any:
+    """The drafter kind's settings of the drafter the run trains: an --init-drafter's own (sized as it
+    was), else the kind's released ones."""
     if cfg.drafter.init_drafter:
-        return init_drafter_config(cfg.drafter.init_drafter, spec).dflash2
-    if cfg.drafter.drafter_kind == "dflash2":
-        from dflash.models.dflash2 import released_settings
-
-        settings = released_settings()
-        try:  # the released sizes against this target, before it loads (no flag sets them: the kind does)
-            settings.check(spec.hidden_size, spec.embedding_rows)
-        except ValueError as e:
-            raise UserError(f"--drafter-kind dflash2: its released sizes do not fit --target {spec.name}: "
-                            f"{str(e).replace('dflash_config.', '')}; train --drafter-kind dflash on this target, "
-                            "or start from a DFlash2 drafter sized for it (--init-drafter)") from None
-        return settings
-    return None
+        return init_drafter_config(cfg.drafter.init_drafter, spec).kind_settings
+    kind = drafter_kind(cfg.drafter.drafter_kind)
+    settings = kind.released_settings()
+    try:  # the released sizes against this target, before it loads (no flag sets them: the kind does)
+        kind.check_sizes(settings, spec.hidden_size, spec.embedding_rows)
+    except ValueError as e:
+        raise UserError(f"--drafter-kind {kind.name}: its released sizes do not fit --target {spec.name}: "
+                        f"{str(e).replace('dflash_config.', '')}; train --drafter-kind {DEFAULT} on this target, "
+                        f"or start from a {kind.title} drafter sized for it (--init-drafter)") from None
+    return settings
 
 
 def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int,
-                device, dflash2: DFlash2Settings | None) -> MemoryPlan:
+                device, kind_settings: Any = None) -> MemoryPlan:
     """The memory plan of the run `cfg` on the target `spec` and `device`, from its config alone
-    (`dflash2`: `drafter_dflash2`)."""
+    (`kind_settings`: `kind_settings`)."""
     from dflash.ops.common.backend import resolve_backend
 
     d, dev = cfg.drafter, cfg.device
@@ -96,24 +161,26 @@ def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_by
         target_offload=dev.target_offload, activation_checkpointing=dev.activation_checkpointing,
         block_size=d.block_size, num_anchors=d.num_anchors, attention="reference" if reference else "kernel",
         **loss_setup(cfg, device))
-    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, dflash2=dflash2)
+    extra = {} if kind_settings is None else drafter_kind(d.drafter_kind).memory_sizes(kind_settings, spec.config)
+    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, extra=extra)
 
 
 def loss_setup(cfg: TrainConfig, device=None) -> dict:
     """The objective's share of the plan from the options alone (the run's `BlockLoss` is built later,
     with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and
-    whether a term reads the target's final states. A DFlash2 drafter is counted with a softcap (a
-    released one may have it: the plan must not be low); on `device` CUDA with no term besides its
-    selector, it runs the fused head (`loss.fused_head`): the chunk's logits in the compute dtype alone."""
-    from dflash.models.loss import chunk_vocab_buffers
-    from dflash.models.terms import TERMS, chunk_rows_for, parse_recipe
+    whether a term reads the target's final states. A kind whose logits may pass a softcap is counted
+    with one (`DrafterKind.may_softcap`: the plan must not be low); on `device` CUDA, a kind whose own
+    terms run the fused head (`DrafterKind.fused_head`) with no other term keeps the chunk's logits in
+    the compute dtype alone (`loss.fused_head`)."""
+    from dflash.objective.loss import chunk_vocab_buffers
+    from dflash.objective.terms import TERMS, chunk_rows_for, parse_recipe
     from dflash.ops.common.backend import HAS_TRITON
 
     weights = parse_recipe(cfg.loss.loss)
     terms = [TERMS[name] for name, weight in weights.items() if name != "ce" and weight]
-    dflash2 = cfg.drafter.drafter_kind == "dflash2"
-    fused = dflash2 and not terms and device is not None and torch.device(device).type == "cuda" and HAS_TRITON
-    return {"vocab_buffers": 0 if fused else chunk_vocab_buffers([t.vocab_buffers for t in terms], dflash2),
+    kind = drafter_kind(cfg.drafter.drafter_kind)
+    fused = kind.fused_head and not terms and device is not None and torch.device(device).type == "cuda" and HAS_TRITON
+    return {"vocab_buffers": 0 if fused else chunk_vocab_buffers([t.vocab_buffers for t in terms], kind.may_softcap),
             "chunk_rows": chunk_rows_for(weights, cfg.drafter.block_size),
             "target_states": any(getattr(t, "needs_target_states", False) for t in terms)}
 
@@ -124,8 +191,8 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     official rule for a target of `num_target_layers` when not given), the drafter's size, block,
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN
-    from dflash.models.taps import default_target_layer_ids
-    from dflash.models.terms import parse_recipe
+    from dflash.objective.terms import TERMS, parse_recipe
+    from dflash.target.taps import default_target_layer_ids
 
     types = list(cfg.drafter.drafter_layer_types or [])
     recipe = {name: weight for name, weight in sorted(parse_recipe(cfg.loss.loss).items()) if weight}
@@ -138,13 +205,11 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
                 # the mask each layer trains with (the weights have the same shapes whatever it is)
                 "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
                 "--sliding-window": cfg.drafter.sliding_window, "--feature-noise": cfg.loss.feature_noise}
-    if "dpace" in recipe:  # the settings of the parts the objective has
-        settings["--dpace-alpha"] = cfg.loss.dpace_alpha
-    if {"kl", "lk"} & set(recipe):
-        settings["--distill-temperature"] = cfg.loss.distill_temperature
-    if cfg.drafter.drafter_kind == "dflash2":
-        settings.update({"--selector-weight": cfg.loss.selector_weight,
-                         "--selector-stop-grad": cfg.loss.selector_stop_grad})
+    kind = drafter_kind(cfg.drafter.drafter_kind)
+    # the options of the parts the objective has: its terms' and the kind's
+    parts = [option for name in recipe for option in getattr(TERMS.get(name), "options", {}).items()]
+    for name, option in [*parts, *kind.options.items()]:
+        settings[f"--{name.replace('_', '-')}"] = getattr(getattr(cfg, option.section), name, option.default)
     if not cfg.drafter.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
         settings["--mask-token"] = cfg.drafter.mask_token or MASK_TOKEN
     taps = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids else None

@@ -17,9 +17,9 @@ import torch
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.data.collate import collate
 from dflash.data.cost import batch_features
-from dflash.models.anchors import to_packed
-from dflash.models.blocks import Blocks, draw_blocks
-from dflash.models.loss import slot_weights
+from dflash.objective.anchors import to_packed
+from dflash.objective.blocks import Blocks, draw_blocks
+from dflash.objective.loss import slot_weights
 
 
 def step_ranges(plan: list, lengths: np.ndarray, step_tokens: int) -> list[tuple[int, int]]:

@@ -21,23 +21,25 @@ from dflash.data.synthetic import is_synthetic
 from dflash.distributed.partition import target_bytes, target_summary
 from dflash.distributed.process_group import init_distributed
 from dflash.distributed.ranks import on_rank0
-from dflash.distributed.run_folder import RunFolder
+from dflash.distributed.run_folder import RunFolder, RunPaths
 from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError, allocation_failed
-from dflash.models.target_spec import load_target_spec, target_folder
 from dflash.partial import write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
+from dflash.target.load import LoadedTarget
+from dflash.target.spec import load_target_spec, target_folder
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import OPTIONS, TrainConfig, speculate_turns
-from dflash.training.data import TrainingData, check_data, prepare_token_store
+from dflash.training.data import TrainingData, chat_data, check_data, prepare_token_store
 from dflash.training.ds_config import resolve_ds_config
 from dflash.training.evaluator import Evaluator
-from dflash.training.metrics import MetricsWriter, plot_curves, read_records, step_metrics, tau_at_words, trim_jsonl
-from dflash.training.models import LoadedTarget, Models, load_train_target
+from dflash.training.metrics import MetricsWriter, plot_curves, read_records, tau_at_words, trim_jsonl
+from dflash.training.models import Models, load_train_target
 from dflash.training.noise import FeatureNoise
 from dflash.training.phases import PhaseTimer
 from dflash.training.plan import drafter_settings, plan_run, schedule_differences
+from dflash.training.step_metrics import StepMetrics, StepResult
 from dflash.training.steps import micro_batches
 
 
@@ -67,6 +69,7 @@ class Trainer:
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.output_dir = Path(cfg.run.output_dir)
+        self.paths = RunPaths(self.output_dir)
         check_shared_paths(self.output_dir, input_paths(cfg))
         self.accelerator = get_accelerator()
         self.device = torch.device(self.accelerator.current_device_name())
@@ -75,7 +78,7 @@ class Trainer:
         # everything that can be refused is refused before the target loads: the data's format, the
         # target's config (a family dflash lacks, a config without sizes), the DeepSpeed config, the
         # memory plan (a run that cannot fit; the row budget that fits)
-        check_data(cfg)
+        check_data(cfg.inputs, cfg.run)
         self.target_spec = spec = load_target_spec(cfg.inputs.target)
         plan = plan_run(cfg, spec, device=self.device, world_size=self.world_size)
         self.cfg = cfg = plan.cfg
@@ -85,7 +88,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.output_dir, cfg.run.keep_checkpoints)
         on_rank0(self._claim, "claiming the run folder")
 
-        target = target or load_train_target(cfg, spec, self.device, self.dtype)
+        features = (cfg.inputs.features, cfg.inputs.data) if cfg.inputs.features else None
+        target = target or load_train_target(spec, self.device, self.dtype, cfg.drafter, cfg.device,
+                                             chat_data(cfg.inputs), features)
         # what the drafter was trained with, as values: the mask token's id (the drafter's with
         # --init-drafter, else the one the tokenizer gives --mask-token) and the embedding's rows
         self.drafter_settings.update({"mask token id": target.mask_id,
@@ -93,15 +98,19 @@ class Trainer:
         if cfg.run.resume:  # every rank: the checkpoint's record is read on rank 0
             on_rank0(lambda: self.checkpointer.refuse_another_drafter(self.drafter_settings, self.run_folder),
                      "comparing the checkpoint's drafter with this run's")
-        self.data = TrainingData(cfg, prepare_token_store(cfg, target.tokenizer, self._say),
+        self.data = TrainingData(cfg.inputs, cfg.batches, plan.data,
+                                 prepare_token_store(cfg.inputs, cfg.run, target.tokenizer, self._say),
                                  tokenizer=target.tokenizer, target_spec=spec,
                                  target_layer_ids=target.model.target_layer_ids,
                                  vocab_rows=target.model.num_embedding_rows, mask_token_id=target.mask_id,
-                                 gamma=cfg.loss.gamma, world_size=self.world_size, dflash2=plan.dflash2)
-        self.models = Models(cfg, target, ds_config, total_steps=self.data.total_steps, device=self.device)
-        self.evaluator = Evaluator(cfg, self.data, self.models, self.device, self.dtype, say=self._say)
+                                 world_size=self.world_size)
+        self.models = Models(plan.models, cfg.loss, cfg.optim, target, ds_config, total_steps=self.data.total_steps,
+                             device=self.device)
+        self.evaluator = Evaluator(cfg.eval, plan.evaluation, self.data, self.models, self.device, self.dtype,
+                                   say=self._say)
         self.phases = PhaseTimer(self.device, self.models.drafter) if cfg.run.time_phases else None
         self.noise = FeatureNoise(cfg.loss.feature_noise, cfg.run.seed) if cfg.loss.feature_noise else None
+        self.step_metrics = StepMetrics(self.device, self.world_size, self.rank, self.models.loss.figures, self.phases)
 
         self.step = 0
         self.micro_batch_shapes: list[tuple[int, int, int]] = []  # of the last step, this rank's
@@ -123,7 +132,7 @@ class Trainer:
         if cfg.run.resume:
             self._resume()
         if self.rank == 0:  # only now: a refused resume leaves the run's config as it was
-            write_json(self.output_dir / "config.json", cfg.options())
+            write_json(self.paths.config, cfg.options())
         # A resumed run's logs end at its checkpoint (step 0 without one): what the stopped attempt
         # wrote after it is redone, so no record is there twice.
         self.metrics = MetricsWriter(self.output_dir, enabled=self.rank == 0,
@@ -280,7 +289,7 @@ class Trainer:
             self._stream.close()
             self.metrics.close()
         result = {"step": self.step, "eval": last_eval}
-        drafter_dir = self.output_dir / "drafter"
+        drafter_dir = self.paths.drafter
         if cfg.run.export:
             try:
                 self.models.export(drafter_dir)
@@ -289,14 +298,14 @@ class Trainer:
                                 "command with --resume to export them") from None
             self._say(f"exported the drafter to {drafter_dir}")
         if self.rank == 0 and self.metrics.path.is_file():
-            plot_curves(read_records(self.output_dir), self.output_dir / "curves.png", str(self.output_dir))
-            self._say(f"loss and tau curves: {self.output_dir / 'curves.png'}")
+            plot_curves(read_records(self.output_dir), self.paths.curves, str(self.output_dir))
+            self._say(f"loss and tau curves: {self.paths.curves}")
         turns = speculate_turns(cfg, self.data.total_steps)
         # a partitioned target cannot decode on one rank alone (its layers are gathered collectively)
         whole = cfg.device.target_partition == "none"
         if cfg.run.export and turns and self.data.eval_idx.size and self.rank == 0 and whole:
             result["speculate"] = self.evaluator.speculate_heldout(drafter_dir, self.step,
-                                                                   self.output_dir / "speculate.json", turns)
+                                                                   self.paths.speculate, turns)
         self.run_folder.release()
         return result
 
@@ -313,10 +322,9 @@ class Trainer:
         timings = [] if cfg.run.time_micro_batches else None
         walked = Walked(micro)
         try:
-            sums, slot, skipped, named = accumulate_gradients(
-                engine, self.models.target.model, self.models.loss, walked, self.device, cfg.drafter.block_size,
-                timings,
-                self.phases, noise=self.noise, epoch=epoch)
+            accumulated = accumulate_gradients(engine, self.models.target.model, self.models.loss, walked, self.device,
+                                               cfg.drafter.block_size, timings, self.phases, noise=self.noise,
+                                               epoch=epoch)
         except RuntimeError as err:  # torch.OutOfMemoryError is one
             if not allocation_failed(err):
                 raise
@@ -354,59 +362,11 @@ class Trainer:
         self.step += 1
         if applied and (self.step - 1) % cfg.run.log_every and self.step < self.data.total_steps:
             return None
-        return self._step_record(t0, epoch, micro, sums, slot, skipped, busy, waited, applied, timings, named)
-
-    def _step_record(self, t0, epoch, micro, sums, slot, skipped, busy, waited, applied, timings, named) -> dict:
-        """The metrics of a logged step, summed over ranks (a sync point): each rank's own time (its
-        queued device work included) and work in its slot, so one all_reduce gathers them all."""
-        self.accelerator.synchronize()
-        own = time.perf_counter() - t0
-        per_rank = torch.zeros(7, self.world_size, dtype=torch.float64, device=self.device)
-        memory = target_bytes(self.models.target.model)
-        per_rank[:, self.rank] = torch.tensor([own, sum(m.real_tokens for m in micro),
-                                               sum(m.computed_tokens for m in micro), busy, waited,
-                                               memory["resident"], memory["gathered"]], dtype=torch.float64)
-        names = sorted(named)  # the loss's metric sums ride with the counts (the same names on every rank)
-        counts = torch.cat([torch.tensor([skipped, len(micro)], dtype=torch.float64, device=self.device),
-                            *([torch.stack([named[k] for k in names])] if names else [])])
-        for t in (sums, slot, per_rank, counts):
-            dist.all_reduce(t)
-        seconds = time.perf_counter() - t0
-        rank_seconds, rank_real, rank_computed, rank_busy, rank_waited, resident, gathered = per_rank.tolist()
-        real, computed = sum(rank_real), sum(rank_computed)
         grad_norm = self.models.engine.get_global_grad_norm()
-        metrics = step_metrics(sums.tolist(), slot)
-        measured = not bool(per_rank[3:5].isnan().any())  # only on the steps planned for a log
-        record = {
-            "epoch": epoch, "loss": metrics["loss"], "anchor_tau": metrics["anchor_tau"],
-            "lr": self.models.scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "step_seconds": seconds, "real_tokens": int(real), "computed_tokens": int(computed),
-            "tokens_per_s": real / seconds, "computed_tokens_per_s": computed / seconds,
-            "efficiency": real / computed, "micro_batches": int(counts[1]) // self.world_size,
-            "skipped_samples": int(counts[0]), "step_applied": applied, "nonfinite_steps": self.nonfinite_total,
-            "slot_accuracy": metrics["slot_accuracy"],
-            "rank_seconds": rank_seconds, "rank_computed_tokens": [int(c) for c in rank_computed],
-            # per rank: seconds of work before the step's collectives, and seconds waited there for the slowest
-            "rank_busy_seconds": rank_busy if measured else None,
-            "rank_wait_seconds": rank_waited if measured else None,
-            "wait_fraction": sum(rank_waited) / (self.world_size * seconds) if measured else None,
-            # per rank: target parameters held between forwards, and the most gathered at once (partitioned)
-            "target_resident_bytes": [int(b) for b in resident], "target_gathered_bytes": [int(b) for b in gathered],
-        }
-        if "selector_rows" in named:  # a DFlash2 drafter: its selector's figures, summed as one big batch
-            from dflash.models.dflash2 import selector_figures
-
-            record.update(selector_figures(dict(zip(names, counts[2:].tolist(), strict=True)), metrics["blocks"]))
-        if timings is not None:  # every rank's micro-batches: cost features and measured seconds
-            mine = [[*m.cost_features.tolist(), t] for m, t in zip(micro, timings, strict=True)]
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, mine)
-            record["micro_batch_costs"] = [row for rank_rows in gathered for row in rank_rows]
-        if self.phases:  # this rank's device seconds per phase (the device has finished: synchronised above)
-            record["phase_seconds"] = self.phases.seconds()
-        if self.device.type == "cuda":  # for the config tuner: what this rank's step needed at most
-            record["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        record = self.step_metrics.record(StepResult(accumulated, epoch, micro, t0, busy, waited, applied, timings),
+                                          target_memory=target_bytes(self.models.target.model),
+                                          lr=self.models.scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                                          nonfinite_steps=self.nonfinite_total)
         self.metrics.write("train", self.step, record)
         return record
 
@@ -431,7 +391,7 @@ class Trainer:
             "--resume continues after these steps.")
 
     def _sample_log_path(self) -> Path:
-        return self.output_dir / f"samples.rank{self.rank}.jsonl"
+        return self.paths.samples(self.rank)
 
     def _log_samples(self, micro, epoch: int, first: int) -> None:
         with open(self._sample_log_path(), "a") as f:
@@ -448,9 +408,7 @@ class Trainer:
         if note:
             self._say(note)
         sampled = "".join(f", {part}" for part in tau_at_words(record))
-        if "argmax_tau" in record:  # a DFlash2 drafter: what its selector adds
-            sampled += (f", the backbone's argmax alone tau {record['argmax_tau']:.3f}, selector recall "
-                        f"{record['selector_recall']:.3f}, accuracy {record['selector_accuracy']:.3f}")
+        sampled += self.models.eval_loss.words(record)  # what the loss terms add (a kind's own figures)
         self._say(f"eval @ step {self.step}: loss {record['loss']:.4f}, tau {record['tau']:.3f} (decoding walk: "
                   f"{record['tokens']:,} tokens in {record['blocks']:,} blocks, {record['turns']} turns){sampled}, "
                   f"anchor_tau {record['anchor_tau']:.3f}")

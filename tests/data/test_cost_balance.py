@@ -44,7 +44,7 @@ def test_flop_coefficients_of_qwen3_8b_by_hand():
 
 
 def test_plan_batches_prices_the_released_dflash2_drafter(tmp_path, capsys):
-    from dflash.models.dflash2 import released_settings
+    from dflash.drafter.kinds.dflash2 import released_settings, row_flops
 
     np.save(tmp_path / "l.npy", np.full(64, 600, dtype=np.int64))
     args = ["--lengths", str(tmp_path / "l.npy"), "--token-budget", "4096", "--json"]
@@ -54,11 +54,11 @@ def test_plan_batches_prices_the_released_dflash2_drafter(tmp_path, capsys):
         report = json.loads(capsys.readouterr().out)
         assert report["drafter_kind"] == "dflash2"
         assert CostModel(**report["cost_model"]) == flop_cost_model(
-            load_target_config("qwen3-8b"), num_target_layers=34, draft_layers=5, dflash2=released_settings(),
-            selector_stop_grad=stop_grad)
+            load_target_config("qwen3-8b"), num_target_layers=34, draft_layers=5,
+            extra_row_flops=row_flops(4096, 5, 16, released_settings(), stop_grad))
     with pytest.raises(SystemExit):
         cli.main([*args, "--selector-stop-grad"])
-    assert "--selector-stop-grad prices a DFlash2 drafter's selector" in capsys.readouterr().err
+    assert "--selector-stop-grad: applies to a DFlash2 drafter: give --drafter-kind dflash2" in capsys.readouterr().err
 
 
 def test_model_config_is_read_from_a_file_and_bad_names_are_refused(tmp_path):

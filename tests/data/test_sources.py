@@ -189,7 +189,7 @@ def test_regenerate_reads_a_parquet_input_as_its_jsonl_and_resumes_it(tmp_path):
 
     from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate
     from dflash.demo import PROMPTS, TARGET
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     torch.set_num_threads(1)
     tok = load_tokenizer(str(TARGET))
@@ -214,19 +214,19 @@ def test_train_py_checks_the_data_and_its_column_before_anything_loads(tmp_path,
 
     src = write_format("parquet", [{"dialog": r["messages"], "id": r["id"]} for r in MESSAGES], tmp_path)
     with pytest.raises(UserError, match=r"parquet: no 'messages' or 'conversations' column \(columns: dialog, id\)"):
-        check_data(load_config(["--data", str(src)]))
+        check_data(*_sections(load_config(["--data", str(src)])))
     with pytest.raises(UserError, match=r"parquet: no column 'turns' \(--messages-field\); columns: dialog, id"):
-        check_data(load_config(["--data", str(src), "--messages-field", "turns"]))
-    check_data(load_config(["--data", str(src), "--messages-field", "dialog"]))
+        check_data(*_sections(load_config(["--data", str(src), "--messages-field", "turns"])))
+    check_data(*_sections(load_config(["--data", str(src), "--messages-field", "dialog"])))
     store = prepare_jsonl(write_format("jsonl", MESSAGES, tmp_path), tokenizer, tmp_path / "store",
                           progress=False).output
     with pytest.raises(UserError, match="--messages-field dialog: --data .* is a token store"):
-        check_data(load_config(["--data", store, "--messages-field", "dialog"]))
+        check_data(*_sections(load_config(["--data", store, "--messages-field", "dialog"])))
     with pytest.raises(UserError, match="--messages-field: names a column of conversations; --data random"):
         load_config(["--target", "random:qwen3-0.6b", "--data", "random", "--messages-field", "dialog"])
     # the target's chat template renders conversations of every format, and nothing else
-    assert chat_data(load_config(["--data", str(src)])) == str(src)
-    assert chat_data(load_config(["--data", store])) is None
+    assert chat_data(load_config(["--data", str(src)]).inputs) == str(src)
+    assert chat_data(load_config(["--data", store]).inputs) is None
 
 
 def test_train_py_trains_on_a_parquet_file_with_its_messages_field(tmp_path):
@@ -326,7 +326,7 @@ def test_a_hub_folder_of_several_splits_needs_split_and_a_datasetdict_takes_it(t
 
     with pytest.raises(UserError, match=r"prepare one split into a token store \(prepare_data.py --input .*hub "
                                         r"--split train\) and pass the store as --data"):
-        check_data(load_config(["--data", str(hub)]))
+        check_data(*_sections(load_config(["--data", str(hub)])))
     from dflash.data.regenerate import RegenerateConfig
     from dflash.demo import TARGET
 
@@ -389,15 +389,15 @@ def test_a_changed_shard_is_refused_on_resume_before_the_target_loads(tmp_path, 
     run = tmp_path / "run"
     ensure_store(shards, tokenizer, run / "data", max_length=64, progress=False, say=lambda *_: None)
     resume = ["--data", str(shards), "--output-dir", str(run), "--resume"]
-    check_data(load_config(resume))  # unchanged: accepted
+    check_data(*_sections(load_config(resume)))  # unchanged: accepted
     dataset(MESSAGES[1:4]).to_parquet(shards / "data" / "train-00000-of-00003.parquet")
     with pytest.raises(UserError) as err:
-        check_data(load_config(resume))
+        check_data(*_sections(load_config(resume)))
     assert str(err.value).splitlines()[:2] == [f"--resume: the run's token store {run / 'data'} was made of other "
                                                "data or settings:", f"  input: {shards} changed since the store was "
                                                "made"]
-    check_data(load_config([*resume, "--force-resume"]))  # forced: rebuilt later, as before
-    check_data(load_config(resume[:-1] + ["--overwrite"]))  # a new run: rebuilt
+    check_data(*_sections(load_config([*resume, "--force-resume"])))  # forced: rebuilt later, as before
+    check_data(*_sections(load_config(resume[:-1] + ["--overwrite"])))  # a new run: rebuilt
 
 
 def test_samples_past_the_targets_positions_are_named_in_a_warning():
@@ -411,3 +411,8 @@ def test_samples_past_the_targets_positions_are_named_in_a_warning():
     text = positions_warning(np.array([10, 3000, 2049, 5]), 2048, name)
     assert text.startswith("2 of 4 samples are longer than the target's 2,048 positions (max_position_embeddings), "
                            "the longest sample 1 with 3,000 tokens") and "--max-length 2048" in text
+
+
+def _sections(cfg):
+    """What `check_data` reads of a config: its inputs and run sections."""
+    return cfg.inputs, cfg.run

@@ -1,10 +1,11 @@
 """The tiny Qwen3 target, packed batches and block runs of the drafter tests (test_drafter, test_dflash2)."""
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from dflash.data.batch import PackedBatch
 from dflash.models import TargetModel, block_tensors
+from dflash.testing import tiny_qwen3_config
 
 VOCAB, MASK_ID, B = 300, 299, 4
 TAPS = [1, 3]
@@ -12,9 +13,9 @@ TAPS = [1, 3]
 
 def tiny_target(seed=0):
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = tiny_qwen3_config(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     return TargetModel(AutoModelForCausalLM.from_config(config).float(), TAPS)
 
 

@@ -11,9 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig, Qwen3Config
 
+from dflash.drafter.config_format import OPTIONAL_CONFIG_KEYS
 from dflash.models import CONFIG_KEYS, Anchors, DFlashDrafter, DrafterConfig
-from dflash.models.config_format import OPTIONAL_CONFIG_KEYS
-from dflash.models.target import SharedWeights
+from dflash.target.model import SharedWeights
 
 from .checkpoint_helpers import HEAD_DIM, HEADS, INTER, KV, MASK_ID, VOCAB, H, expected_names, make_drafter
 from .official import official_dflash

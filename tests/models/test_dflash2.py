@@ -7,13 +7,20 @@ import json
 import pytest
 import torch
 
+from dflash.decoding.acceptance import walk_tau
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds.dflash2 import (
+    DFlash2Drafter,
+    DFlash2Settings,
+    SelectorTerm,
+    block_conv,
+    row_flops,
+    selector_figures,
+    unary_logits,
+)
 from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, DrafterConfig, draw_blocks, slot_weights
-from dflash.models.acceptance import walk_tau
-from dflash.models.anchors import to_packed
-from dflash.models.blocks import Blocks, block_scorer
-from dflash.models.config import DFlash2Settings
-from dflash.models.config_format import SLIDING
-from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm, block_conv, selector_figures, unary_logits
+from dflash.objective.anchors import to_packed
+from dflash.objective.blocks import Blocks, block_scorer
 
 from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
 
@@ -24,7 +31,7 @@ SETTINGS = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank
 def tiny_config(target, settings=SETTINGS, window=6):
     return DrafterConfig.from_target(target.config, mask_token_id=MASK_ID, block_size=B, draft_layers=2,
                                      target_layer_ids=TAPS, layer_types=[SLIDING] * 2, sliding_window=window,
-                                     is_causal=False, dflash2=settings)
+                                     is_causal=False, kind="dflash2", kind_settings=settings)
 
 
 def tiny_dflash2(target, seed=0, settings=SETTINGS):
@@ -70,7 +77,7 @@ def test_the_block_conv_op_leaves_the_drafters_outputs_and_gradients_as_the_refe
                                                                                                  backend):
     """The drafter's convolutions through `dflash.ops.block_conv` (CPU: the recomputing path; Triton in the
     interpreter) against the same drafter with the plain reference (today's math, its whole graph kept)."""
-    import dflash.models.dflash2 as module
+    import dflash.drafter.kinds.dflash2 as module
     from dflash.ops.block_conv import block_conv as op
     from dflash.ops.block_conv.naive import block_conv_naive
 
@@ -107,8 +114,8 @@ def test_the_outputs_of_the_convolutions_before_the_sublayers_are_remade_not_kep
     """`RecomputedConvOutputs`: the sublayers' projections keep no copy of their input (the convolution's
     output) while the forward's states wait for the backward: at least one hidden-size vector per row
     and layer less than with the outputs kept, the same gradients."""
-    from dflash.models.drafter import DFlashDrafter as Plain
-    from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+    from dflash.drafter.network import DFlashDrafter as Plain
+    from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 
     target = tiny_target(6)
     batch = make_batch([30, 41], seed=6)
@@ -166,7 +173,7 @@ def test_a_new_dflash2_drafter_computes_what_the_dflash_drafter_of_its_seed_does
     torch.manual_seed(7)
     import dataclasses
 
-    dflash = DFlashDrafter(dataclasses.replace(config, dflash2=None), target.shared_weights())
+    dflash = DFlashDrafter(dataclasses.replace(config, kind="dflash", kind_settings=None), target.shared_weights())
     batch = make_batch([12, 20], seed=4)
     feats = target.features(batch)
     blocks = draw_blocks(batch, block_size=B, num_anchors=6, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
@@ -207,7 +214,7 @@ def dense_selector_loss(drafter, hidden, blocks, stop_grad=False):
 def test_selector_term_is_the_dense_objective_with_its_gradients(monkeypatch, stop_grad, head):
     """Through the loss room's own pass and through the fused head (`dflash.ops.head_topk`: its torch
     reference and its Triton kernels in the interpreter), which only the rows of positive weight reach."""
-    import dflash.models.loss as loss_module
+    import dflash.objective.loss as loss_module
     import dflash.ops.head_topk as head_ops
 
     monkeypatch.setattr(loss_module, "HEAD_BACKEND", head)
@@ -223,7 +230,7 @@ def test_selector_term_is_the_dense_objective_with_its_gradients(monkeypatch, st
     feats = target.features(batch)
     blocks = draw_blocks(batch, block_size=B, num_anchors=5, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
                          seed=0, epoch=0)
-    s = drafter.config.dflash2
+    s = drafter.config.kind_settings
     params = dict(drafter.named_parameters())
 
     def grads(loss_fn):
@@ -276,7 +283,7 @@ def test_the_flop_model_prices_the_convolutions_and_the_selector_as_a_flop_count
     blocks = draw_blocks(batch, block_size=B, num_anchors=4, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
                          seed=0, epoch=0)
     dflash2 = DFlash2Drafter(config, target.shared_weights())
-    dflash = DFlashDrafter(dataclasses.replace(config, dflash2=None), target.shared_weights())
+    dflash = DFlashDrafter(dataclasses.replace(config, kind="dflash", kind_settings=None), target.shared_weights())
 
     def step(drafter, terms):
         BlockLoss(chunk_rows=5, terms=terms)(drafter(batch, feats, blocks), blocks, drafter.lm_head).loss_sum.backward()
@@ -284,7 +291,8 @@ def test_the_flop_model_prices_the_convolutions_and_the_selector_as_a_flop_count
     measured = measure_flops(step, dflash2, [SelectorTerm(dflash2.candidate_selector, 0.3, stop_grad)])[0] \
         - measure_flops(step, dflash, [])[0]
     sizes = dict(num_target_layers=max(TAPS) + 1, draft_layers=2, num_features=len(TAPS), block_size=B)
-    priced = flop_cost_model(target.config, **sizes, dflash2=settings, selector_stop_grad=stop_grad)
+    priced = flop_cost_model(target.config, **sizes, extra_row_flops=row_flops(
+        target.config.hidden_size, 2, B, settings, stop_grad))
     plain = flop_cost_model(target.config, **sizes)
     rows = blocks.input_ids.numel()
     assert rows == blocks.num_blocks * B > 0
@@ -330,7 +338,7 @@ def test_export_writes_the_released_names_and_keys_and_loads_back(tmp_path):
                                             "final_logit_softcapping", "mask_token_id", "output_multiplier",
                                             "selector_rank", "selector_top_k", "target_layer_ids",
                                             "input_embedding_scale",
-                                            # stated for the engines (dflash.models.serving)
+                                            # stated for the engines (dflash.drafter.serving)
                                             "causal", "use_swa", "swa_window_size", "attention_sink_bias"}
     from safetensors import safe_open
 
@@ -436,7 +444,7 @@ def test_the_official_dflash2_class_loads_the_export_strictly_with_the_same_outp
     ids[:, 0] = tokens[anchors]
     pos = torch.tensor(anchors)[:, None] + torch.arange(B)
     cu = torch.tensor([0, T], dtype=torch.int32)
-    scale = drafter.config.dflash2.input_embedding_scale
+    scale = drafter.config.kind_settings.input_embedding_scale
     with torch.no_grad():
         ours = drafter.block_hidden(feats, ids.reshape(-1), pos.reshape(-1), torch.arange(T), (cu, cu), blocks)
         ours = ours.view(-1, B, ours.shape[-1])
@@ -463,7 +471,7 @@ def strong_selector(seed, top_k=4):
 
 
 def selector_loss(drafter):
-    s = drafter.config.dflash2
+    s = drafter.config.kind_settings
     return BlockLoss(chunk_rows=7, terms=[SelectorTerm(drafter.candidate_selector)], logit_scale=s.output_multiplier,
                      softcap=s.final_logit_softcapping)
 
@@ -523,7 +531,7 @@ def test_the_walk_reports_the_selector_beside_the_backbones_argmax():
     same backbone drafting its argmax (= the walk scored without the selector), and the selector's recall
     and accuracy over every anchor's block; a DFlash drafter's walk has none of them."""
     target, drafter = strong_selector(12, top_k=6)
-    s = drafter.config.dflash2
+    s = drafter.config.kind_settings
     batch = make_batch([26], seed=3)
     with torch.no_grad():  # the turn the backbone's argmax drafts at slot 1: every block accepts a token or more
         for t in range(6, 26):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.models import acceptance_stats, chunked_weighted_ce
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 
 
 def inputs(n, vocab, hidden, seed=0, dtype=torch.float32):

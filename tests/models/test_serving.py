@@ -10,9 +10,9 @@ import json
 
 import pytest
 
+from dflash.drafter.config_format import FULL, SLIDING
+from dflash.drafter.kinds.dflash2 import DFlash2Settings
 from dflash.models import DrafterConfig
-from dflash.models.config import DFlash2Settings
-from dflash.models.config_format import FULL, SLIDING
 
 from .checkpoint_helpers import MASK_ID, make_drafter, target_config
 
@@ -78,7 +78,9 @@ def config_of(layer_types, window, is_causal, dflash2) -> DrafterConfig:
                                        target_layer_ids=[1, 3, 6], layer_types=layer_types, sliding_window=window)
     settings = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4) \
         if dflash2 else None
-    return dataclasses.replace(config, is_causal=is_causal, dflash2=settings)
+    if dflash2:
+        config = dataclasses.replace(config, kind="dflash2", kind_settings=settings)
+    return dataclasses.replace(config, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("defaults", [DEFAULTS, HOSTILE], ids=["engine defaults", "every default against us"])
@@ -91,7 +93,7 @@ def test_the_export_states_every_field_the_engines_read(layer_types, window, is_
         assert vllm_layer(exported, i, defaults) == (computed_window, computed_causal, True, False), f"layer {i}"
         assert sglang_layer(exported, i, defaults) == (computed_window, computed_causal, True), f"layer {i}"
     if dflash2:
-        s = config.dflash2
+        s = config.kind_settings
         assert dflash2_settings(exported, defaults) == (s.final_logit_softcapping, s.input_embedding_scale,
                                                         s.output_multiplier)
     assert DrafterConfig.from_json_dict(exported) == config, "the export reads back as it was"

@@ -15,24 +15,23 @@ import pytest
 import torch
 
 from dflash.data.collate import collate_packed
-from dflash.models import (
-    BlockLoss,
-    DFlashDrafter,
-    DrafterConfig,
-)
-from dflash.models import sampling as sampling_module
-from dflash.models.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
-from dflash.models.config import DFlash2Settings
-from dflash.models.config_format import SLIDING
-from dflash.models.dflash2 import DFlash2Drafter, SelectorTerm
-from dflash.models.expected_walk import expected_blocks, slot_ratios, target_inputs
-from dflash.models.sampling import Sampler, Sampling, verify_block
-from dflash.models.speculate import (
+from dflash.decoding import sampling as sampling_module
+from dflash.decoding.acceptance import every_anchor, limited, turn_spans, walk, walk_tau
+from dflash.decoding.expected_walk import expected_blocks, slot_ratios, target_inputs
+from dflash.decoding.sampling import Sampler, Sampling, verify_block
+from dflash.decoding.speculate import (
     greedy_decode,
     prompts_from_conversations,
     prompts_from_samples,
     speculate,
     speculative_decode,
+)
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds.dflash2 import DFlash2Drafter, DFlash2Settings, SelectorTerm
+from dflash.models import (
+    BlockLoss,
+    DFlashDrafter,
+    DrafterConfig,
 )
 
 from ..demo_turns import LIMIT, fit, score
@@ -108,7 +107,7 @@ def test_speculate_report(demo, trained, monkeypatch):
     the target alone decodes otherwise is named; without the reference run its figures are None."""
     from types import SimpleNamespace
 
-    import dflash.models.speculate as speculate_module
+    import dflash.decoding.speculate as speculate_module
 
     hf, stops, prompts = demo["hf"], demo["stops"], demo["prompts"][:3]
     alone = [speculative_decode(hf, trained, p, max_new_tokens=LIMIT, stop_ids=stops) for p in prompts]
@@ -344,7 +343,7 @@ def test_speculate_cli_reports_json_and_names_bad_input(demo, tmp_path, capsys):
 
 
 def test_heldout_batches_pack_in_order_and_a_longer_sample_alone():
-    from dflash.models.acceptance import heldout_batches
+    from dflash.decoding.acceptance import heldout_batches
 
     def greedy(lengths, budget):  # the rule written out: close the batch when the next sample does not fit
         groups, group, size = [], [], 0
@@ -369,7 +368,8 @@ def trained2(demo):
     config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"], block_size=16,
                                        draft_layers=1, target_layer_ids=demo["target"].target_layer_ids,
                                        vocab_size=demo["target"].num_embedding_rows, layer_types=[SLIDING],
-                                       sliding_window=2048, is_causal=False, dflash2=DFlash2Settings(
+                                       sliding_window=2048, is_causal=False, kind="dflash2",
+                                       kind_settings=DFlash2Settings(
                                            conv_kernel_size=2, conv_group_size=16, selector_rank=32,
                                            selector_top_k=16))
     drafter = DFlash2Drafter(config, demo["target"].shared_weights(), attention_backend="torch")

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
+from dflash.decoding.speculate import greedy_decode, speculative_decode
 from dflash.demo.families import CONFIGS, VOCAB, WINDOW, tiny_target
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel
-from dflash.models.speculate import greedy_decode, speculative_decode
 
 B = 8
 

@@ -23,15 +23,15 @@ import itertools
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from dflash.decoding import sampling as sampling_module
+from dflash.decoding import speculate as speculate_module
+from dflash.decoding.sampling import Sampler, Sampling, target_probs, top_p_filter, verify_block
+from dflash.decoding.speculate import greedy_decode, speculative_decode
+from dflash.drafter.kinds.dflash2 import DFlash2Drafter, DFlash2Settings
 from dflash.models import DFlashDrafter, DrafterConfig, SharedWeights
-from dflash.models import sampling as sampling_module
-from dflash.models import speculate as speculate_module
-from dflash.models.config import DFlash2Settings
-from dflash.models.dflash2 import DFlash2Drafter
-from dflash.models.sampling import Sampler, Sampling, target_probs, top_p_filter, verify_block
-from dflash.models.speculate import greedy_decode, speculative_decode
+from dflash.testing import tiny_qwen3_config
 
 VOCAB, PROMPT, LENGTH, RUNS, ALPHA = 4, [1, 2, 0], 4, 600, 1e-3
 
@@ -39,9 +39,8 @@ VOCAB, PROMPT, LENGTH, RUNS, ALPHA = 4, [1, 2, 0], 4, 600, 1e-3
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = tiny_qwen3_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
     hf = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         hf.lm_head.weight.mul_(16.0)  # logits of order 1: spread distributions, about 17 likely outcomes
@@ -58,7 +57,7 @@ def tiny2(tiny):
     its identity start (its transitions matter)."""
     hf, _ = tiny
     config = DrafterConfig.from_target(hf.config, mask_token_id=VOCAB - 1, block_size=3, draft_layers=1,
-                                       target_layer_ids=[0], dflash2=DFlash2Settings(
+                                       target_layer_ids=[0], kind="dflash2", kind_settings=DFlash2Settings(
                                            conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=2))
     drafter2 = DFlash2Drafter(config, SharedWeights(hf.get_input_embeddings().weight, hf.lm_head.weight),
                               attention_backend="torch").eval()

@@ -3,8 +3,8 @@ of the kept tokens, for every family (hybrid targets' recurrent states cannot be
 import pytest
 import torch
 
+from dflash.decoding.target_cache import TargetCache
 from dflash.demo.families import CONFIGS, tiny_target
-from dflash.models.target_cache import TargetCache
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

@@ -125,7 +125,7 @@ def test_window_pairs_count_the_sliding_mask():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cost_model_of_a_config_file_prices_the_family(family, tmp_path):
-    """plan_batches.py --model config.json and the trainer (a live config) get the same FLOP model,
+    """plan_batches.py --target config.json and the trainer (a live config) get the same FLOP model,
     and its target terms are those of target_forward_flops (causal: half the dense pairs)."""
     from dflash.data.cost import window_pairs
     from dflash.sizing.flops import flop_cost_model, load_target_config, target_forward_flops

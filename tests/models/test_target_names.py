@@ -7,7 +7,7 @@ import pytest
 from dflash.data.regenerate import RegenerateConfig, regenerate
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
-from dflash.models.target_spec import TargetSpec, load_target_spec
+from dflash.target.spec import TargetSpec, load_target_spec
 
 from ..conftest import read_jsonl
 

@@ -4,9 +4,9 @@ import json
 import pytest
 
 from dflash.errors import UserError
-from dflash.models.taps import default_target_layer_ids
-from dflash.models.target_spec import PRESETS, load_target_spec
 from dflash.sizing.flops import load_target_config
+from dflash.target.spec import PRESETS, load_target_spec
+from dflash.target.taps import default_target_layer_ids
 
 
 def test_a_random_preset_is_the_sizing_tools_preset():

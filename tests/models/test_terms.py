@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash.models import BlockLoss, chunked_loss
-from dflash.models.anchors import Anchors
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
-from dflash.models.terms import (
+from dflash.objective.anchors import Anchors
+from dflash.objective.terms import (
     CU_SEQLENS,
     TARGET_STATES,
     DPaceTerm,
@@ -21,6 +20,7 @@ from dflash.models.terms import (
     build_terms,
     parse_recipe,
 )
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 
 B = 5  # block size: 4 scored slots per block
 
@@ -208,8 +208,8 @@ def test_recipe_parsing():
         with pytest.raises(ValueError, match=why):
             parse_recipe(bad)
     lm_head = torch.zeros(3, 2)
-    terms = build_terms({"ce": 1.0, "dpace": 0.5, "kl": 0.0, "lk": 2.0}, lm_head=lm_head, dpace_alpha=0.3,
-                        temperature=2.0)
+    terms = build_terms({"ce": 1.0, "dpace": 0.5, "kl": 0.0, "lk": 2.0},
+                        SimpleNamespace(dpace_alpha=0.3, distill_temperature=2.0), lm_head=lm_head)
     assert [(t.name, t.weight) for t in terms] == [("dpace", 0.5), ("lk", 2.0)]
     assert terms[0].alpha == 0.3 and terms[1].temperature == 2.0 and terms[1].lm_head is lm_head
     assert BlockLoss(terms=terms).vocab_buffers == 1 + 1 + 2

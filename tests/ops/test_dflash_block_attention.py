@@ -293,8 +293,8 @@ def test_chunked_reference_matches_the_plain_one(window, causal, hq, hkv):
 def test_the_reference_runs_chunked_past_its_score_limit_in_a_chunks_memory(monkeypatch):
     """Above REFERENCE_SCORES the torch backend runs chunked: the same values and gradients, and the
     step's peak tensor bytes stay near one chunk's instead of every score kept for backward."""
-    from dflash.models.tensor_bytes import measure_peak_tensor_bytes
     from dflash.ops.dflash_block import chunked
+    from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 
     inputs, do, cu, seq, anchor = block_batch([768], 24, 16, 2, 1, 16, torch.float32)
 

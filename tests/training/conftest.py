@@ -20,14 +20,14 @@ WORDS = [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is"]
 def make_tiny_target(path, seed=0, **sizes):
     """`sizes`: Qwen3Config fields in place of the tiny ones (hidden 64, 4 layers)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
+
+    from dflash.testing import tiny_qwen3_config
 
     tok = make_chat_tokenizer(WORDS)
     rows = (len(tok) // 64 + 1) * 64  # padded table with spare rows, as Qwen3 has
-    config = Qwen3Config(**{**dict(vocab_size=rows, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                   max_position_embeddings=512), **sizes},
-                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    config = tiny_qwen3_config(**{"vocab_size": rows, **sizes}, tie_word_embeddings=False,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -83,8 +83,8 @@ def released_drafter(folder, **change):
     from safetensors.torch import save_file
 
     from dflash.demo import TARGET as DEMO_TARGET
+    from dflash.drafter.config_format import FULL, SLIDING
     from dflash.models import DFlashDrafter, DrafterConfig
-    from dflash.models.config_format import FULL, SLIDING
 
     target = json.loads((DEMO_TARGET / "config.json").read_text())
     config = DrafterConfig.from_target(type("T", (), {**target, "rope_parameters": target["rope_parameters"]}),

@@ -26,7 +26,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
     TorchCheckpointEngine,
 )
 
-from dflash.models.loss import BlockLoss
+from dflash.objective.loss import BlockLoss
 from dflash.training import checkpoint, trainer
 
 # the launcher puts --local_rank=N first; train.py takes it too

@@ -11,8 +11,8 @@ import torch  # noqa: E402
 
 from dflash.distributed.process_group import init_distributed  # noqa: E402
 from dflash.distributed.ranks import single_process_env  # noqa: E402
+from dflash.drafter.network import drafter_class  # noqa: E402
 from dflash.models import DrafterConfig  # noqa: E402
-from dflash.models.drafter import drafter_class  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
 from dflash.training.ds_config import load_ds_config, with_optimizer  # noqa: E402
 from dflash.training.models import drafter_kind_settings, engine_for  # noqa: E402

@@ -61,7 +61,7 @@ for stage in stages:
     ds_config = with_optimizer(ds_config, o.optimizer, lr=o.lr, muon_lr=o.muon_lr, momentum=o.muon_momentum,
                                weight_decay=o.weight_decay, named="test")
     got = module()
-    engine, optimizer, scheduler = engine_for(got, ds_config, cfg, TOTAL, "cpu")
+    engine, optimizer, scheduler = engine_for(got, ds_config, cfg.optim, TOTAL, "cpu")
     for _ in range(STEPS):
         engine.backward(engine(x).pow(2).sum() / 2)  # the two ranks' mean is one rank's loss
         engine.step()

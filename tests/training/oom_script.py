@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from dflash.models.drafter import DFlashDrafter  # noqa: E402
+from dflash.drafter.network import DFlashDrafter  # noqa: E402
 from dflash.training import trainer  # noqa: E402
 
 at, argv = int(sys.argv[1]), sys.argv[2:]

@@ -13,10 +13,10 @@ out, data = Path(args[0]), args[1]
 
 from dflash.bench_real import target_gguf  # noqa: E402
 from dflash.data.tokenizing import tokenize_conversation  # noqa: E402
+from dflash.decoding.speculate import speculate  # noqa: E402
 from dflash.distributed.process_group import init_distributed  # noqa: E402
 from dflash.models import DFlashDrafter  # noqa: E402
-from dflash.models.speculate import speculate  # noqa: E402
-from dflash.models.target_spec import load_target_spec  # noqa: E402
+from dflash.target.spec import load_target_spec  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
 from dflash.training.models import load_train_target  # noqa: E402
 from dflash.training.trainer import Trainer  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 from dflash.data.planner import PlannerConfig, plan_batches
 from dflash.data.seed_lengths import seed_like_lengths
 from dflash.errors import UserError
-from dflash.models.target_spec import PRESETS, load_target_spec
+from dflash.target.spec import PRESETS, load_target_spec
 from dflash.training.config import load_config
 from dflash.training.data import token_subset
 from dflash.training.phases import PHASES, PhaseTimer
@@ -49,7 +49,7 @@ def test_a_random_target_defaults_to_synthetic_data_and_refuses_text():
 def test_a_random_target_runs_features_on_synthetic_data():
     from dflash.data.collate import collate_packed
     from dflash.data.synthetic import synthetic_store
-    from dflash.training.models import load_target
+    from dflash.target.load import load_target
 
     target = load_target(load_target_spec(f"random:{DEMO_TARGET}"), "cpu", torch.float32, num_features=2)
     assert target.mask_id == len(target.tokenizer) - 1 < target.model.num_embedding_rows

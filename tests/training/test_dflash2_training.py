@@ -8,12 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds.dflash2 import DFlash2Drafter
 from dflash.models import DFlashDrafter, DrafterConfig
-from dflash.models.config_format import SLIDING
-from dflash.models.dflash2 import DFlash2Drafter
+from dflash.testing import train_in_process
 from dflash.training.config import load_config
 
-from .conftest import read_metrics, run_deepspeed, tiny_train_args
+from .conftest import read_metrics, tiny_train_args
 
 
 def released_dflash2(folder, hf: dict, **dflash_config):
@@ -50,9 +51,8 @@ def released_dflash2(folder, hf: dict, **dflash_config):
 def test_a_dflash2_run_from_scratch_trains_and_exports_the_released_format(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     out = tmp_path / "run"
-    proc = run_deepspeed(tiny_train_args(target, data, out, "--drafter-kind", "dflash2", "--max-steps", 3,
-                                         "--block-size", 4, "--gamma", 2, "--selector-weight", 0.5), num_ranks=1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train_in_process(tiny_train_args(target, data, out, "--drafter-kind", "dflash2", "--max-steps", 3,
+                                     "--block-size", 4, "--gamma", 2, "--selector-weight", 0.5))
     train = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] for r in train)
@@ -86,11 +86,10 @@ def test_a_released_dflash2_drafter_continues_training(tiny_run_inputs, tmp_path
     for flag in ("--draft-layers", "--num-target-features"):  # taken from the drafter
         i = args.index(flag)
         del args[i:i + 2]
-    proc = run_deepspeed(args, num_ranks=1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train_in_process(args)
     exported = json.loads((out / "drafter" / "config.json").read_text())
     released = json.loads((folder / "config.json").read_text())
-    # the release's settings, and what the export states for the engines besides (dflash.models.serving)
+    # the release's settings, and what the export states for the engines besides (dflash.drafter.serving)
     assert released["dflash_config"].items() <= exported["dflash_config"].items()
     assert exported["is_causal"] is False and exported["architectures"] == ["DFlash2DraftModel"]
     trained = load_file(out / "drafter" / "model.safetensors")

@@ -16,15 +16,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
-from dflash.distributed.ranks import free_port
+from dflash import testing
+from dflash.decoding import speculate as speculate_module
+from dflash.decoding.sampling import Sampling
+from dflash.decoding.speculate import speculate
+from dflash.distributed.run_folder import RunPaths
 from dflash.models import BlockLoss, DFlashDrafter, DrafterConfig, slot_weights
-from dflash.models import speculate as speculate_module
-from dflash.models.sampling import Sampling
-from dflash.models.speculate import speculate
 from dflash.training.config import TrainConfig
-from dflash.training.evaluator import TURNS_FILE, Evaluator, turn_seed
+from dflash.training.evaluator import Evaluator, turn_seed
+from dflash.training.plan import EvalSettings
 
 from ..demo_turns import LIMIT, fit
 
@@ -35,13 +36,8 @@ REPEATS = 4  # each of the demo's 8 held-out turns 4 times: 32 turns, each sampl
 
 @pytest.fixture(scope="module")
 def one_rank():
-    if dist.is_initialized():
+    with testing.one_rank():
         yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +65,13 @@ def evaluator(demo, drafter, out, *, sample_turns, seed=0):
     store, B = Store(demo["samples"] * REPEATS), drafter.block_size
     cfg = TrainConfig.of(target="demo", output_dir=str(out), block_size=drafter.block_size, token_budget=4096,
                          seed=seed, eval_temperatures=(0.0, 1.0), eval_sample_turns=sample_turns, progress=False)
+    settings = EvalSettings(B, 4096, seed, "demo", partitioned=False, output_dir=out, progress=False)
     maker = SimpleNamespace(store=store, mask_token_id=drafter.config.mask_token_id, weights=slot_weights(B, 4.0))
     data = SimpleNamespace(maker=maker, eval_idx=np.arange(len(store)), turn_limit=LIMIT,
                            stop_ids=demo["stops"], data_temperature=0.0)
     models = SimpleNamespace(target=SimpleNamespace(model=demo["target"], hf=demo["hf"]), engine=drafter,
                              drafter=drafter, loss=BlockLoss(), eval_loss=BlockLoss())
-    return Evaluator(cfg, data, models, torch.device("cpu"), torch.float32)
+    return Evaluator(cfg.eval, settings, data, models, torch.device("cpu"), torch.float32)
 
 
 def test_tau_at_1_predicts_decoding_at_1_on_greedy_data(one_rank, demo, fitted, tmp_path):
@@ -117,7 +114,7 @@ def test_sampled_turns_are_the_targets_samples_kept_for_the_run(one_rank, demo, 
 
     monkeypatch.setattr(speculate_module, "sample_turns", no_sampling)
     assert ev.walk() == first  # the same turns at every evaluation
-    saved = json.loads((tmp_path / TURNS_FILE).read_text())
+    saved = json.loads(RunPaths(tmp_path).eval_turns.read_text())
     assert saved["fingerprint"]["turns"] == 5 and len(saved["turns"]["1"]) == 5
     assert evaluator(demo, fitted, tmp_path, sample_turns=5).walk() == first  # a resumed run reads them back
     monkeypatch.undo()

@@ -63,7 +63,7 @@ def test_a_store_of_another_target_data_or_taps_is_refused(captured, tmp_path):
     from dflash.data.prepare import prepare_jsonl
     from dflash.data.token_store import TokenStore
     from dflash.features import check_matches, read_meta
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     meta, store = read_meta(captured), TokenStore(captured / "tokens")
     spec = load_target_spec(TARGET)

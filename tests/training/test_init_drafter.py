@@ -108,7 +108,7 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
     assert exported["layer_types"] == [S, F] and exported["sliding_window"] == 5
     assert exported["use_sliding_window"] is True and exported["block_size"] == 8
     assert exported["dflash_config"] == {"mask_token_id": hf["vocab_size"] - 1, "target_layer_ids": [0, 1],
-                                         # stated for the engines (dflash.models.serving)
+                                         # stated for the engines (dflash.drafter.serving)
                                          "use_swa": False, "swa_window_size": 5, "attention_sink_bias": False}
     assert exported["num_target_layers"] == hf["num_hidden_layers"]
     trained = load_file(out / "drafter" / "model.safetensors")

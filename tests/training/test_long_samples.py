@@ -7,18 +7,19 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from dflash.data.batch import PackedBatch
+from dflash.decoding.acceptance import every_anchor, score_and_walk
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.network import DrafterCache
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
-from dflash.models.acceptance import every_anchor, score_and_walk
-from dflash.models.blocks import Blocks, block_scorer
-from dflash.models.config_format import SLIDING
-from dflash.models.drafter import DrafterCache
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
+from dflash.objective.blocks import Blocks, block_scorer
 from dflash.ops.dflash_block import chunked
 from dflash.sizing import reference_attention
 from dflash.sizing.memory import DrafterSizes, MemoryPlan, MemorySetup, target_sizes
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
+from dflash.testing import tiny_qwen3_config
 from dflash.training.config import load_config
 from dflash.training.models import training_loss
 from dflash.training.plan import loss_setup
@@ -31,15 +32,15 @@ def build_models():
     """(target config, target, drafter, run config, loss): a tiny sliding-window Qwen3 target (hidden 32,
     2 layers, window 256), a 2-layer sliding drafter (window 64, block 16), fp32."""
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=65600,
-                         layer_types=[SLIDING] * 2, sliding_window=256, use_sliding_window=True)
+    config = tiny_qwen3_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               head_dim=16, max_position_embeddings=65600, layer_types=[SLIDING] * 2,
+                               sliding_window=256, use_sliding_window=True)
     target = TargetModel(AutoModelForCausalLM.from_config(config), [0], attention_backend="torch")
     dcfg = DrafterConfig.from_target(config, mask_token_id=MASK, block_size=B, draft_layers=2, target_layer_ids=[0],
                                      layer_types=[SLIDING] * 2, sliding_window=64)
     drafter = DFlashDrafter(dcfg, target.shared_weights(), attention_backend="auto")
     cfg = load_config(["--data", "d.jsonl", "--block-size", str(B)])
-    return config, target, drafter, cfg, training_loss(cfg, drafter)
+    return config, target, drafter, cfg, training_loss(cfg.loss, cfg.drafter.block_size, drafter)
 
 
 @pytest.fixture(scope="module")

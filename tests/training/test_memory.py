@@ -6,15 +6,14 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from dflash.data.batch import PackedBatch
+from dflash.drafter.kinds import drafter_kind
+from dflash.drafter.network import drafter_class
 from dflash.errors import UserError
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
-from dflash.models.drafter import drafter_class
-from dflash.models.target_spec import load_target_spec
-from dflash.models.tensor_bytes import measure_peak_tensor_bytes
-from dflash.models.terms import needs_target_states, target_context
+from dflash.objective.terms import needs_target_states, target_context
 from dflash.sizing.fit import size_run
 from dflash.sizing.memory import (
     GIB,
@@ -24,6 +23,9 @@ from dflash.sizing.memory import (
     plan_for,
     target_sizes,
 )
+from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
+from dflash.target.spec import load_target_spec
+from dflash.testing import tiny_qwen3_config
 from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
 from dflash.training.plan import loss_setup
@@ -55,7 +57,8 @@ def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
     dcfg = DrafterConfig.from_target(config, mask_token_id=0, draft_layers=3, target_layer_ids=[0, 1, 2],
                                      **settings)
     drafter2 = drafter_class(dcfg)(dcfg)
-    sizes2 = DrafterSizes.from_target(config, layers=3, features=3, dflash2=settings["dflash2"])
+    sizes2 = DrafterSizes.from_target(config, layers=3, features=3, extra=drafter_kind("dflash2").memory_sizes(
+        settings["kind_settings"], config))
     assert sizes2.params == sum(p.numel() for p in drafter2.parameters())  # convolutions and selector
     assert sizes2.layer_params == sum(p.numel() for p in drafter2.layers[0].parameters()) > sizes.layer_params
 
@@ -82,8 +85,7 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
     final states for KL and LK) and a DFlash or DFlash2 drafter (its convolutions and selector): the
     plan's bytes against every tensor storage alive after each op."""
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024)
+    config = tiny_qwen3_config(vocab_size=512, intermediate_size=192, num_hidden_layers=3, max_position_embeddings=1024)
     target = TargetModel(AutoModelForCausalLM.from_config(config).to(dtype), [0, 1], attention_backend="triton")
     dcfg = DrafterConfig.from_target(config, mask_token_id=511, draft_layers=2, target_layer_ids=[0, 1],
                                      **drafter_kind_settings(kind))
@@ -98,7 +100,7 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
                          seed=0, epoch=0)
 
     cfg = load_config(["--data", "d.jsonl", "--loss", recipe, "--block-size", "16", "--drafter-kind", kind])
-    loss = training_loss(cfg, drafter)
+    loss = training_loss(cfg.loss, cfg.drafter.block_size, drafter)
 
     def step():
         context = None
@@ -110,8 +112,8 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
         loss(drafter(batch, features, blocks), blocks, drafter.lm_head, context=context).loss_sum.backward()
 
     measured, _ = measure_peak_tensor_bytes(step)
-    plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=2, features=2,
-                                                                     dflash2=dcfg.dflash2),
+    plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(
+        config, layers=2, features=2, extra=drafter_kind(dcfg.kind).memory_sizes(dcfg.kind_settings, config)),
                       MemorySetup(dtype_bytes=dtype.itemsize, num_anchors=8, activation_checkpointing=checkpointing,
                                   **loss_setup(cfg)))
     assert plan.setup.vocab_buffers >= loss.vocab_buffers  # a DFlash2 drafter: a softcap counted, whether set or not
@@ -194,7 +196,7 @@ def test_a_dflash2_drafter_fits_within_ten_percent_of_dflash_s_anchors_on_qwen3_
     anchors against 2,895 / 6,356 (1,736 / 3,866 before the convolution op, the remade outputs and the fused
     head); on CUDA the fused head holds a chunk's bf16 logits alone."""
     from dflash.training.ds_config import load_ds_config
-    from dflash.training.plan import drafter_dflash2, loss_setup, memory_plan
+    from dflash.training.plan import kind_settings, loss_setup, memory_plan
 
     spec = load_target_spec("qwen3-8b", bare_presets=True)
     ds = load_ds_config("ds_configs/zero2.json", world_size=8, grad_clip=1.0, bf16=True)
@@ -202,7 +204,7 @@ def test_a_dflash2_drafter_fits_within_ten_percent_of_dflash_s_anchors_on_qwen3_
     for kind in ("dflash", "dflash2"):
         cfg = load_config(["--data", "d.jsonl", "--drafter-kind", kind])
         plan = memory_plan(cfg, spec, ds, dtype_bytes=2, world_size=8, device="cuda",
-                           dflash2=drafter_dflash2(cfg, spec))
+                           kind_settings=kind_settings(cfg, spec))
         ceilings[kind] = plan.anchor_ceiling(int(gib * GIB), 32768)
     assert loss_setup(load_config(["--data", "d.jsonl", "--drafter-kind", "dflash2"]), "cuda")["vocab_buffers"] == 0
     assert 0.9 * ceilings["dflash"] <= ceilings["dflash2"] < ceilings["dflash"], ceilings
@@ -301,7 +303,7 @@ def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_p
                "qwen3_moe, qwen3_5_text, qwen3_5_moe_text, gpt_oss, deepseek_v3)")
     proc = _plan_memory("--model", tmp_path / "gpt2")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: --model {tmp_path / 'gpt2'}: {refusal}"], proc.stderr[-2000:]
+        f"error: --target {tmp_path / 'gpt2'}: {refusal}"], proc.stderr[-2000:]
     out = tmp_path / "run"
     proc = train_one_rank(*tiny_train_args(tmp_path / "gpt2", tiny_run_inputs[1], out), timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

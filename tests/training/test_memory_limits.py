@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from dflash.demo import TARGET
 from dflash.errors import UserError
-from dflash.models.target_spec import load_target_spec
 from dflash.sizing.memory import MemorySetup, plan_for
+from dflash.target.spec import load_target_spec
 from dflash.training.config import load_config
 from dflash.training.plan import plan_run
 
@@ -90,7 +90,7 @@ def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
     with pytest.raises(SystemExit) as e:
         plan_memory.main(["--gpu-memory-gib", "1e300"])
     assert e.value.code == 2
-    assert "argument --gpu-memory-gib: must be <= 65536, got 1e300" in capsys.readouterr().err
+    assert "--memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got 1e+300" in capsys.readouterr().err
     plan_memory.main(["--gpu-memory-gib", "65536", "--token-budget", "1"])
     lines = capsys.readouterr().out.splitlines()
     for head in ("target  ", "target  "):

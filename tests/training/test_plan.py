@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from dflash.errors import UserError
-from dflash.models.target_spec import load_target_spec
 from dflash.sizing.memory import GIB
+from dflash.target.spec import load_target_spec
 from dflash.training.config import load_config
 from dflash.training.plan import plan_run
 
@@ -29,14 +29,15 @@ def test_plan_run_sizes_the_row_budget_from_the_memory_plan_alone():
 
 
 def test_plan_run_takes_the_released_dflash2_sizes_for_the_memory_and_the_cost_model():
-    from dflash.models.dflash2 import released_settings
+    from dflash.drafter.kinds.dflash2 import released_settings
 
     args = ["--target", "random:qwen3-8b", "--memory-gib", "80", "--token-budget", "4096", "--num-anchors", "64"]
     spec = load_target_spec("random:qwen3-8b")
     plain = plan_run(load_config(args), spec, device=torch.device("cpu"), world_size=8)
     plan = plan_run(load_config([*args, "--drafter-kind", "dflash2"]), spec, device=torch.device("cpu"), world_size=8)
-    assert plain.dflash2 is None and plan.dflash2 == released_settings()
-    assert plan.memory.drafter.conv_kernel == plan.dflash2.conv_kernel_size and plain.memory.drafter.conv_kernel == 0
+    assert plain.kind_settings is None and plan.kind_settings == released_settings()
+    assert plan.memory.drafter.conv_kernel == plan.kind_settings.conv_kernel_size
+    assert plain.memory.drafter.conv_kernel == 0
 
 
 def test_plan_run_refuses_a_run_that_cannot_fit_naming_the_memory():

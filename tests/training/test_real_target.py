@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dflash.models.taps import default_target_layer_ids
+from dflash.target.taps import default_target_layer_ids
 
 from .conftest import run_deepspeed
 

@@ -66,16 +66,17 @@ def test_the_recipe_builds_the_objective():
 
     from dflash.training.models import training_loss
 
-    drafter = SimpleNamespace(lm_head=torch.zeros(10, 4), config=SimpleNamespace(dflash2=None))
+    drafter = SimpleNamespace(lm_head=torch.zeros(10, 4), config=SimpleNamespace(kind="dflash", kind_settings=None))
     cfg = load_config(["--data", "d.jsonl", "--loss", "ce=0.5,dpace=1,kl=0.2", "--dpace-alpha", "0.3",
                        "--distill-temperature", "2"])
-    loss = training_loss(cfg, drafter)
+    loss = training_loss(cfg.loss, cfg.drafter.block_size, drafter)
     assert loss.ce_weight == 0.5 and [(t.name, t.weight) for t in loss.terms] == [("dpace", 1.0), ("kl", 0.2)]
     assert loss.terms[0].alpha == 0.3 and loss.terms[1].temperature == 2.0
     assert loss.chunk_rows % 15 == 0  # D-PACE weighs whole blocks of 15 scored slots
-    plain = training_loss(load_config(["--data", "d.jsonl"]), drafter)
+    plain = training_loss(load_config(["--data", "d.jsonl"]).loss, 16, drafter)
     assert plain.ce_weight == 1.0 and plain.terms == () and plain.chunk_rows == 1024
-    held_out = training_loss(cfg, drafter, recipe=False)  # what every recipe is compared by
+    # what every recipe is compared by
+    held_out = training_loss(cfg.loss, cfg.drafter.block_size, drafter, recipe=False)
     assert held_out.ce_weight == 1.0 and held_out.terms == ()
 
 

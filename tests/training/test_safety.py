@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dflash.distributed.ranks import free_port
 from dflash.errors import UserError
-from dflash.models.target_spec import load_target_spec
+from dflash.target.spec import load_target_spec
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
 
@@ -136,7 +136,7 @@ def test_export_is_all_or_nothing_and_replaces_only_a_drafter(tmp_path, monkeypa
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
-    with pytest.raises(UserError, match="is not a DFlash or DFlash2 drafter folder; not replaced"):
+    with pytest.raises(UserError, match="is not a drafter folder .*; not replaced"):
         second.save_pretrained(mine)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
@@ -349,6 +349,7 @@ def test_a_target_that_cannot_serve_the_run_is_refused_before_its_weights_load(t
     import transformers
 
     from dflash.training.config import load_config
+    from dflash.training.data import chat_data
     from dflash.training.models import load_train_target
 
     target, data = tiny_run_inputs
@@ -372,7 +373,8 @@ def test_a_target_that_cannot_serve_the_run_is_refused_before_its_weights_load(t
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
     cfg = load_config(["--target", str(bad), "--data", str(data)])
     with pytest.raises(UserError) as err:
-        load_train_target(cfg, load_target_spec(cfg.inputs.target), torch.device("cpu"), torch.float32)
+        load_train_target(load_target_spec(cfg.inputs.target), torch.device("cpu"), torch.float32, cfg.drafter,
+                          cfg.device, chat_data(cfg.inputs))
     assert str(err.value).startswith(message)
 
 

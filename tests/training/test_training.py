@@ -194,7 +194,7 @@ BAD_OPTIONS = [
     (["--drafter-layer-types", "sliding,full"], "--sliding-window: sliding drafter layers need a window >= 1 "
                                                 "(positions seen, the query's own included)"),
     (["--sliding-window", "8"], "--sliding-window: no drafter layer is sliding (--drafter-layer-types)"),
-    (["--selector-stop-grad"], "--selector-stop-grad: applies to a DFlash2 drafter's selector: give --drafter-kind "
+    (["--selector-stop-grad"], "--selector-stop-grad: applies to a DFlash2 drafter: give --drafter-kind "
                                "dflash2 (or --init-drafter a DFlash2 drafter)"),
     (["--init-drafter", "nope"], "--init-drafter nope: no config.json (a drafter folder in the official format "
                                  "holds config.json and model.safetensors)"),

@@ -35,9 +35,9 @@ class RegenerateConfig:
 
     @property
     def target_spec(self):
-        """The resolved target (`dflash.models.target_spec`), read once."""
+        """The resolved target (`dflash.target.spec`), read once."""
         if self._spec is None:
-            from dflash.models.target_spec import load_target_spec
+            from dflash.target.spec import load_target_spec
 
             self._spec = load_target_spec(self.target)
         return self._spec

@@ -35,7 +35,7 @@ class HFBackend:
         import torch
         from transformers import GenerationConfig
 
-        from dflash.models.target import load_language_model
+        from dflash.target.model import load_language_model
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,7 +167,7 @@ def load_tokenizer(target: str, spec=None):
     resolved already), which must have a chat template."""
     from transformers import AutoTokenizer
 
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     spec = spec or load_target_spec(target)
     tokenizer = AutoTokenizer.from_pretrained(str(spec.folder), **spec.load_kwargs)

@@ -6,6 +6,7 @@ from dflash.training.config.load import (
     build_parser,
     init_drafter_config,
     load_config,
+    load_run,
     resolve,
 )
 from dflash.training.config.sections import (
@@ -21,5 +22,5 @@ from dflash.training.config.sections import (
 from dflash.training.config.validate import MUON_NO_CLIP, validate
 
 __all__ = ["DEMO_PRESET", "MUON_NO_CLIP", "OPTIONS", "RANDOM_TARGET_PRESET", "SECTIONS", "SECTION_OF", "TrainConfig",
-           "build_parser", "default", "flag", "init_drafter_config", "layer_type", "load_config", "resolve",
+           "build_parser", "default", "flag", "init_drafter_config", "layer_type", "load_config", "load_run", "resolve",
            "speculate_turns", "validate"]

@@ -13,9 +13,9 @@ import dataclasses
 from pathlib import Path
 
 from dflash import demo
+from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError
-from dflash.models.config_format import DFLASH2_SLIDING_WINDOW, SLIDING
-from dflash.models.loss import GAMMA_BY_BLOCK_SIZE
+from dflash.objective.loss import GAMMA_BY_BLOCK_SIZE
 from dflash.options import number, parse_list
 from dflash.training.config.sections import OPTIONS, SECTION_OF, SECTIONS, TrainConfig, flag, layer_type
 from dflash.training.config.validate import validate
@@ -71,22 +71,56 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section, cls.__doc__)
         for f in dataclasses.fields(cls):
-            kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {f.default!r})"}
-            kind = _kind(f)
-            if kind == "bool":
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif kind == "list":
-                kwargs["type"] = _list_parser(f, flag(f.name))
-            else:
-                kwargs["type"] = {"int": int, "float": float, "str": str}[kind]
-            names = [flag(f.name)] + (["--deepspeed_config"] if f.name == "deepspeed_config" else [])
-            group.add_argument(*names, **kwargs)
+            _add_option(group, f.name, None)
     return p
+
+
+def _add_option(parser, name: str, default, aliases=(), help_default=None, help_text=None) -> None:
+    f = OPTIONS[name]
+    shown = f.default if help_default is None else help_default
+    kwargs = {"dest": f.name, "default": default, "help": f"{help_text or f.metadata['help']} (default: {shown!r})"}
+    kind = _kind(f)
+    if kind == "bool":
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif kind == "list":
+        kwargs["type"] = _list_parser(f, flag(f.name))
+    else:
+        kwargs["type"] = {"int": int, "float": float, "str": str}[kind]
+    names = [flag(f.name)] + (["--deepspeed_config"] if f.name == "deepspeed_config" else []) + list(aliases)
+    parser.add_argument(*names, **kwargs)
+
+
+# What the planning scripts (launch/plan_memory.py, plan_batches.py) plan for when not told: a Qwen3-8B
+# target on 80 GiB GPUs, not the demo's (their `add_options` defaults)
+PLANNING_DEFAULTS = {"target": "qwen3-8b", "memory_gib": 80.0}
+
+
+def add_options(parser, names, defaults: dict | None = None, aliases: dict | None = None,
+                helps: dict | None = None) -> None:
+    """train.py's options `names` on another script's parser (a planning script's): the same flags, types,
+    help and defaults, or the script's own `defaults` (`PLANNING_DEFAULTS`) and `helps` (what the option
+    means there), and older flag names as deprecated `aliases`. `options_of(args, names)` reads them back
+    into a `TrainConfig`, checked as train.py checks them."""
+    defaults, aliases, helps = defaults or {}, aliases or {}, helps or {}
+    for name in names:
+        value = defaults.get(name, OPTIONS[name].default)
+        _add_option(parser, name, value, aliases.get(name, ()), value, helps.get(name))
+
+
+def options_of(args, names) -> TrainConfig:
+    """The options `names` of parsed `args` (`add_options`) as a `TrainConfig`, each checked on its own
+    and a drafter kind's options against the kind, as train.py checks them (UserError naming the flag)."""
+    from dflash.training.config.validate import check_each, check_kind_options
+
+    c = TrainConfig.of(**{name: getattr(args, name) for name in names})
+    check_each(c, names)
+    check_kind_options(c)
+    return c
 
 
 def load_config(argv=None, description: str = "") -> TrainConfig:
     """Parse flags (and --config YAML) into a resolved, validated TrainConfig."""
-    from dflash.models.target_spec import target_folder
+    from dflash.target.spec import target_folder
 
     args = build_parser(description).parse_args(argv)
     values = {}
@@ -108,11 +142,30 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
     return resolve(TrainConfig.of(**values))
 
 
+def load_run(run_dir) -> TrainConfig:
+    """The options a run trained with, from its folder's config.json (`RunPaths.config`), as a
+    `TrainConfig`; options of an older dflash it lacks take their defaults, and names this one does
+    not know (a drafter kind's not registered here) are left out. Raises UserError naming the file."""
+    import json
+
+    from dflash.distributed.run_folder import RunPaths
+
+    path = RunPaths(Path(run_dir)).config
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read the run's options ({e})") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{path}: expected a mapping of option: value")
+    return TrainConfig.of(**{name: tuple(v) if isinstance(v, list) else v for name, v in saved.items()
+                             if name in OPTIONS})
+
+
 def init_drafter_config(folder: str, spec):
     """The DrafterConfig of --init-drafter `folder`, checked against the target (its `TargetSpec`;
     raises UserError naming the field that disagrees). Reads config files and the weights' header only."""
-    from dflash.models.config import DrafterConfig, check_fits_target
-    from dflash.models.folders import check_drafter_folder
+    from dflash.drafter.config import DrafterConfig, check_fits_target
+    from dflash.folders import check_drafter_folder
 
     path = Path(folder)
 
@@ -132,14 +185,14 @@ def _from_init_drafter(values: dict, explicit: set) -> dict:
     if values.get("mask_token"):
         raise UserError(f"--mask-token {values['mask_token']!r} contradicts --init-drafter {values['init_drafter']}: "
                         "the drafter's dflash_config.mask_token_id is its mask token (leave --mask-token out)")
-    from dflash.models.target_spec import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     c = init_drafter_config(values["init_drafter"], load_target_spec(values.get("target", OPTIONS["target"].default)))
     taken = {
         "block_size": c.block_size, "draft_layers": c.num_hidden_layers,
         "target_layer_ids": tuple(c.target_layer_ids), "num_target_features": c.num_target_features,
         "drafter_layer_types": tuple(c.layer_types), "sliding_window": c.sliding_window or 0,
-        "drafter_kind": "dflash" if c.dflash2 is None else "dflash2",
+        "drafter_kind": c.kind,
     }
     for name, value in taken.items():
         given = values.get(name)
@@ -154,9 +207,10 @@ def resolve(c: TrainConfig) -> TrainConfig:
     """Check every option and fill in the defaults that depend on others (0 = derived)."""
     validate(c)
     d, b = c.drafter, c.batches
-    if d.drafter_kind == "dflash2" and d.drafter_layer_types is None:  # the released layers
-        c = c.replace(drafter_layer_types=(SLIDING,) * d.draft_layers,
-                      sliding_window=d.sliding_window or DFLASH2_SLIDING_WINDOW)
+    kind = drafter_kind(d.drafter_kind)
+    if kind.released_layer_type is not None and d.drafter_layer_types is None:  # the kind's released layers
+        c = c.replace(drafter_layer_types=(kind.released_layer_type,) * d.draft_layers,
+                      sliding_window=d.sliding_window or kind.released_window or 0)
     return c.replace(
         step_tokens=b.step_tokens or 4 * b.token_budget,
         max_length=c.inputs.max_length or b.token_budget,

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
-from dflash.models.config_format import DFLASH2_SLIDING_WINDOW, FULL, LAYER_TYPES, SLIDING
+from dflash.drafter.config_format import FULL, LAYER_TYPES, SLIDING
+from dflash.drafter.kinds import DEFAULT, all_kinds, kind_options
+from dflash.objective.anchors import DEFAULT_NUM_ANCHORS
+from dflash.objective.terms import term_options
 from dflash.ops import ATTENTION_BACKENDS
 
 TARGET_PARTITIONS = ("none", "zero3")
-DRAFTER_KINDS = ("dflash", "dflash2")
 OPTIMIZERS = ("adamw", "muon")
 SPECULATE_TURNS_MAX = 100  # held-out turns decoded at the end of a run of at least as many steps
 
@@ -36,6 +38,33 @@ layer_type.expected = "sliding or full"
 def _opt(default, help: str, list_options: dict | None = None):
     """An option: its default, its `--help` text and, for a comma-separated list, how to check it."""
     return field(default=default, metadata={"help": help, **({"list": list_options} if list_options else {})})
+
+
+# the loss terms' options (`LogitTerm.options`) and the drafter kinds' own (`DrafterKind.options`) by name:
+# (term or kind, option). A kind registered after this module is imported has none among the training
+# options: its module is imported first (its script's)
+TERM_OPTIONS = term_options()
+KIND_OPTIONS = kind_options()
+
+
+def _with_kind_options(section: str):
+    """The section's dataclass with the options the loss terms and the drafter kinds add to it
+    (`TERM_OPTIONS`, `KIND_OPTIONS`), after its own."""
+    def build(cls):
+        cls = dataclass(frozen=True)(cls)
+        extra = [(name, type(o.default), _opt(o.default, o.help))
+                 for name, (_, o) in {**TERM_OPTIONS, **KIND_OPTIONS}.items() if o.section == section]
+        if not extra:
+            return cls
+        built = dataclasses.make_dataclass(cls.__name__, extra, bases=(cls,), frozen=True)
+        built.__doc__, built.__module__ = cls.__doc__, cls.__module__
+        return built
+
+    return build
+
+
+def _kinds_help() -> str:
+    return "; ".join(f"{k.name}: {k.summary}" for k in all_kinds() if k.name != DEFAULT) or "the DFlash drafter"
 
 
 @dataclass(frozen=True)
@@ -115,16 +144,10 @@ class Batches:
 class Drafter:
     """The drafter's shape and its blocks: kind, layers, block size, anchors, taps, mask token."""
 
-    drafter_kind: str = _opt(
-        "dflash",
-        f"{', '.join(DRAFTER_KINDS)}: dflash2 adds grouped dynamic causal convolutions around every sublayer and a "
-        "candidate selector (z-lab's DFlash2DraftModel, sized as released: kernel 2, groups of 16 channels, top-16 "
-        "candidates, rank 256); its layers default to the release's, all sliding over --sliding-window (default "
-        f"{DFLASH2_SLIDING_WINDOW}) and not causal (is_causal false)",
-    )
+    drafter_kind: str = _opt(DEFAULT, f"{', '.join(k.name for k in all_kinds())}: {_kinds_help()}")
     draft_layers: int = _opt(5, "drafter decoder layers")
     block_size: int = _opt(16, "drafted tokens per block, anchor slot included")
-    num_anchors: int = _opt(512, "anchors drawn per sample (fewer if it has fewer candidates)")
+    num_anchors: int = _opt(DEFAULT_NUM_ANCHORS, "anchors drawn per sample (fewer if it has fewer candidates)")
     target_layer_ids: tuple[int, ...] | None = _opt(
         None,
         "tapped target layers, e.g. 1,9,17,25,33 (default: the official rule)",
@@ -152,7 +175,7 @@ class Drafter:
     )
 
 
-@dataclass(frozen=True)
+@_with_kind_options("loss")
 class Loss:
     """The objective: its terms and weights, their settings, the noise on the features."""
 
@@ -164,17 +187,11 @@ class Loss:
         "--distill-temperature); e.g. ce=1,dpace=0.5 or ce=0.5,kl=1. kl and lk run the target to its last layer",
     )
     gamma: float = _opt(0.0, "loss decay exp(-(k-1)/gamma) (0: 7/5/4 for block 16/10/8)")
-    dpace_alpha: float = _opt(0.5, "D-PACE confidence smoothing: a slot's confidence counts as (1 - a) q + a")
-    distill_temperature: float = _opt(1.0, "temperature of the target's and the drafter's softmax in kl and lk")
     feature_noise: float = _opt(
         0.0,
         "std of Gaussian noise added to the tapped target features in training (not evaluation), the same for a "
         "sample in an epoch whatever its micro-batch (seeded by --seed, epoch, sample); 0: none",
     )
-    selector_weight: float = _opt(1.0, "dflash2: weight of the selector's loss (K-way cross-entropy over the top-K "
-                                  "candidates) against the DFlash cross-entropy")
-    selector_stop_grad: bool = _opt(False, "dflash2: the selector's loss trains the selector only (its gradient does "
-                                    "not reach the drafter's layers)")
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,16 @@ import math
 from pathlib import Path
 
 from dflash.data.planner import LAYOUTS, ORDERS
+from dflash.drafter.config_format import SLIDING
+from dflash.drafter.kinds import drafter_kind, kind_names
 from dflash.errors import UserError
-from dflash.models.config_format import SLIDING
-from dflash.models.loss import GAMMA_BY_BLOCK_SIZE
+from dflash.objective.loss import GAMMA_BY_BLOCK_SIZE
 from dflash.ops import ATTENTION_BACKENDS
 from dflash.training.config.sections import (
-    DRAFTER_KINDS,
+    KIND_OPTIONS,
     OPTIMIZERS,
     TARGET_PARTITIONS,
+    TERM_OPTIONS,
     TrainConfig,
     default,
     flag,
@@ -26,13 +28,13 @@ MUON_NO_CLIP = "DeepSpeed clips Muon's orthogonalised update by the raw gradient
 
 _CHOICES = {"order": ORDERS, "layout": LAYOUTS, "schedule": ("cosine", "linear", "constant"),
             "dtype": ("auto", "bf16", "fp32"), "attention_backend": ATTENTION_BACKENDS,
-            "target_partition": TARGET_PARTITIONS, "drafter_kind": DRAFTER_KINDS, "optimizer": OPTIMIZERS}
+            "target_partition": TARGET_PARTITIONS, "optimizer": OPTIMIZERS}
 _AT_LEAST_ONE = ("token_budget", "epochs", "num_anchors", "block_size", "draft_layers", "buckets", "packing_window",
                  "keep_checkpoints", "log_every", "num_target_features", "max_nonfinite_steps")
 _NON_NEGATIVE = ("step_tokens", "max_steps", "stop_at_step", "max_length", "num_workers", "eval_every",
                  "checkpoint_every", "seed", "row_budget", "subset_tokens", "eval_sample_turns")
 _FINITE = ("lr", "muon_lr", "muon_momentum", "weight_decay", "grad_clip", "gamma", "warmup_ratio", "eval_fraction",
-           "memory_gib", "selector_weight", "dpace_alpha", "distill_temperature", "feature_noise")
+           "memory_gib", "feature_noise")
 # option: (holds, what it must be), checked once the value is a finite number
 _RANGES = {
     "block_size": (lambda v: v >= 2, "must be >= 2 (slot 0 holds the anchor)"),
@@ -44,11 +46,9 @@ _RANGES = {
     "muon_momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "grad_clip": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
-    "dpace_alpha": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "distill_temperature": (lambda v: v > 0, "must be > 0"),
     "feature_noise": (lambda v: v >= 0, "must be >= 0 (0: none)"),
-    "memory_gib": (lambda v: v >= 0, "must be >= 0 (0: the GPU's own)"),
-    "selector_weight": (lambda v: v >= 0, "must be >= 0"),
+    # 64 TiB per device: far above any accelerator, and the plan's integers stay exact
+    "memory_gib": (lambda v: 0 <= v <= 1 << 16, "must be in [0, 65536] GiB (0: the GPU's own)"),
     "speculate_turns": (lambda v: v >= -1, "must be >= 0, or -1 (one per optimizer step)"),
     "eval_temperatures": (lambda v: all(math.isfinite(t) for t in v), "must be finite numbers >= 0"),
 }
@@ -60,23 +60,49 @@ def _bad(name: str, why: str):
 
 def validate(c: TrainConfig) -> None:
     """Every option on its own (choices, ranges), then the options that depend on each other."""
-    for name, choices in _CHOICES.items():
-        if c.value(name) not in choices:
-            _bad(name, f"must be one of {', '.join(choices)}, got {c.value(name)!r}")
-    for names, holds, why in ((_AT_LEAST_ONE, lambda v: v >= 1, "must be >= 1"),
-                              (_NON_NEGATIVE, lambda v: v >= 0, "must be >= 0"),
-                              (_FINITE, math.isfinite, "must be a finite number")):
-        for name in names:
-            if not holds(c.value(name)):
-                _bad(name, f"{why}, got {c.value(name)}")
-    for name, (holds, why) in _RANGES.items():
-        if not holds(c.value(name)):
-            _bad(name, f"{why}, got {c.value(name)}")
+    check_each(c)
     _validate_relations(c)
 
 
+def check_each(c: TrainConfig, names=None) -> None:
+    """Each option of `names` (None: all) on its own: its choices, its range."""
+    def named(options):
+        return [n for n in options if names is None or n in names]
+
+    choices = {**_CHOICES, "drafter_kind": kind_names()}
+    for name in named(choices):
+        if c.value(name) not in choices[name]:
+            _bad(name, f"must be one of {', '.join(choices[name])}, got {c.value(name)!r}")
+    for options, holds, why in ((_AT_LEAST_ONE, lambda v: v >= 1, "must be >= 1"),
+                                (_NON_NEGATIVE, lambda v: v >= 0, "must be >= 0"),
+                                (_FINITE, math.isfinite, "must be a finite number")):
+        for name in named(options):
+            if not holds(c.value(name)):
+                _bad(name, f"{why}, got {c.value(name)}")
+    for name in named(_RANGES):
+        holds, why = _RANGES[name]
+        if not holds(c.value(name)):
+            _bad(name, f"{why}, got {c.value(name)}")
+    added = {**TERM_OPTIONS, **KIND_OPTIONS}
+    for name in named(added):  # a loss term's options, a drafter kind's own
+        value, check = c.value(name), added[name][1].check
+        if isinstance(value, float) and not math.isfinite(value):
+            _bad(name, f"must be a finite number, got {value}")
+        if check is not None and not check[0](value):
+            _bad(name, f"{check[1]}, got {value}")
+
+
+def check_kind_options(c: TrainConfig) -> None:
+    """A drafter kind's own options are left at their defaults unless the run trains that kind."""
+    kind = drafter_kind(c.drafter.drafter_kind)
+    for name, (owner, _) in KIND_OPTIONS.items():
+        if owner is not kind and c.value(name) != default(name):
+            _bad(name, f"applies to a {owner.title} drafter: give --drafter-kind {owner.name} (or --init-drafter "
+                       f"a {owner.title} drafter)")
+
+
 def _validate_relations(c: TrainConfig) -> None:
-    from dflash.models.terms import parse_recipe
+    from dflash.objective.terms import parse_recipe
 
     try:
         parse_recipe(c.loss.loss)
@@ -112,29 +138,25 @@ def _validate_relations(c: TrainConfig) -> None:
 
 
 def _validate_drafter(c: TrainConfig) -> None:
-    """The drafter's layer types and window, and the options only a DFlash2 drafter has."""
+    """The drafter's layer types and window, and the options only another drafter kind has."""
     if c.drafter.drafter_layer_types is not None and len(c.drafter.drafter_layer_types) != c.drafter.draft_layers:
         _bad("drafter_layer_types", f"gives {len(c.drafter.drafter_layer_types)} types for "
                                     f"{c.drafter.draft_layers} drafter layers "
                                     "(--draft-layers): one per layer")
-    types = c.drafter.drafter_layer_types
+    types, kind = c.drafter.drafter_layer_types, drafter_kind(c.drafter.drafter_kind)
     sliding = (types is not None and SLIDING in map(layer_type, types)) or (
-        c.drafter.drafter_kind == "dflash2" and types is None)  # the released layers (`resolve`)
+        kind.released_layer_type == SLIDING and types is None)  # the kind's released layers (`resolve`)
     if sliding and c.drafter.sliding_window < 1 and c.drafter.drafter_layer_types is not None:
         _bad("sliding_window", "sliding drafter layers need a window >= 1 (positions seen, the query's own included)")
     if not sliding and c.drafter.sliding_window:
         _bad("sliding_window", "no drafter layer is sliding (--drafter-layer-types)")
-    if c.drafter.drafter_kind != "dflash2":
-        for name in ("selector_weight", "selector_stop_grad"):
-            if c.value(name) != default(name):
-                _bad(name, "applies to a DFlash2 drafter's selector: give --drafter-kind dflash2 (or --init-drafter "
-                           "a DFlash2 drafter)")
+    check_kind_options(c)
 
 
 def _validate_features(c: TrainConfig) -> None:
     """Captured features stand in for the target's forward, not for its decoding."""
     from dflash.data.sources import is_token_store
-    from dflash.models.target_spec import is_random_target
+    from dflash.target.spec import is_random_target
 
     if is_random_target(c.inputs.target) or not is_token_store(Path(c.inputs.data)):
         _bad("features", f"reads features captured of a model's token store: give --data the token store it was "
@@ -150,7 +172,7 @@ def _validate_features(c: TrainConfig) -> None:
 def _validate_synthetic(c: TrainConfig) -> None:
     """A random target's shape is known before anything loads, and it has no text to tokenize data with."""
     from dflash.data.synthetic import is_synthetic, parse_samples
-    from dflash.models.target_spec import load_target_spec, target_folder
+    from dflash.target.spec import load_target_spec, target_folder
 
     if is_synthetic(c.inputs.data):
         parse_samples(c.inputs.data)

@@ -15,7 +15,7 @@ of accepted + 1, which weights easy and hard positions alike and so overstates d
 per-slot accuracy.
 
 At a temperature T > 0 the same scores give `tau@T`, the expected acceptance length of speculative
-sampling (`dflash.models.expected_walk`); the sums and figures: `dflash.models.walk_stats`.
+sampling (`dflash.decoding.expected_walk`); the sums and figures: `dflash.decoding.walk_stats`.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import torch
 
 from dflash.data.batch import PackedBatch
 from dflash.data.supervision import candidate_positions
-from dflash.models.anchors import Anchors
-from dflash.models.expected_walk import expected_turn_blocks, slot_ratios, target_inputs
-from dflash.models.walk_stats import WalkStats
+from dflash.decoding.expected_walk import expected_turn_blocks, slot_ratios, target_inputs
+from dflash.decoding.walk_stats import WalkStats
+from dflash.objective.anchors import Anchors
 
 DEFAULT_MAX_BLOCKS = 2048  # blocks per drafter forward: block_size x this many query rows
 
@@ -127,7 +127,7 @@ def score_and_walk(
     """Score the blocks of `chunks` (from `every_anchor(batch)`) and walk every turn of `batch`.
 
     forward(batch, features, anchors) -> LossOutput: the drafter and its loss on the blocks at the anchors
-    given (`dflash.models.blocks.block_scorer`), exactly those of training (inputs, positions, visibility).
+    given (`dflash.objective.blocks.block_scorer`), exactly those of training (inputs, positions, visibility).
     Cut the turns where decoding stops first (`limited`), for both the anchors and this call.
     temperatures: of the walk (`tau@T`, 0 = greedy); for those > 0, forward is called with
     `temperatures=` them (the drafter's `label_logq`) and `target_logprobs` (`token_logprobs`) must
@@ -139,7 +139,7 @@ def score_and_walk(
         raise ValueError(f"the walk at temperatures {sampled} needs the target's token log-probabilities")
     n = batch.input_ids.numel()
     accepted = np.zeros(n, dtype=np.int64)
-    argmax_accepted = None  # the backbone's own argmax, where a selector chooses the drafts
+    argmax_accepted = None  # the backbone's own argmax, where the network chooses the drafts
     ratios = np.zeros((len(sampled), n, block_size - 1))
     bounds = batch.cu_seqlens_cpu.tolist()
     for anchors in chunks:
@@ -160,8 +160,10 @@ def score_and_walk(
             acc = torch.cumprod(out.argmax_hits.cpu().long(), dim=1).sum(dim=1).numpy()
             argmax_accepted[pos] = acc
             stats.argmax_anchor_accepted += int(acc.sum()) + acc.size
-        for name in ("selector_rows", "selector_recall", "selector_correct"):
-            setattr(stats, name, getattr(stats, name) + float(out.metrics.get(name, 0.0)))
+        for name, value in out.metrics.items():
+            if name != "argmax_tau_sum":  # walked here from `argmax_hits`
+                stats.metric_sums[name] = stats.metric_sums.get(name, 0.0) + float(value)
+        stats.figures = stats.figures or out.figures
     mask = batch.loss_mask.cpu().numpy()
     spans = [(bos + s, bos + e) for bos, eos in zip(bounds[:-1], bounds[1:], strict=True)
              for s, e in turn_spans(mask[bos:eos])]

@@ -1,8 +1,8 @@
 """tau@T: the expected acceptance length of speculative sampling at a temperature, from the same
-blocks at every position as the greedy walk (`dflash.models.acceptance`).
+blocks at every position as the greedy walk (`dflash.decoding.acceptance`).
 
 At a temperature T > 0 (`tau@T`) the walk gives the expected acceptance length of speculative
-sampling with drafts drawn from the drafter's q = softmax(logits / T) (`dflash.models.sampling`).
+sampling with drafts drawn from the drafter's q = softmax(logits / T) (`dflash.decoding.sampling`).
 Take the turn as the output of decoding. At a block anchored at a, slot k emits the data token
 y = y_{a+k}: drafted and accepted with probability min(p_k(y), q_k(y)), or drawn from the residual
 with probability max(0, p_k(y) - q_k(y)), which sum to p_k(y); so GIVEN the emitted token, the slot
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dflash.data.batch import PackedBatch
-from dflash.models.loss import DEFAULT_CHUNK_ROWS
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS
 
 
 def token_logprobs(output: torch.Tensor, lm_head: torch.Tensor, batch: PackedBatch, temperatures,

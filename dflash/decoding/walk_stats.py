@@ -3,13 +3,14 @@ all-reduce vector) and the figures made of them: tau, tau@T and its standard err
 per-slot accuracy, the loss."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
 # The walk's settings, not sums: every other field of WalkStats adds up.
-_SETTINGS = ("block_size", "temperatures")
+_SETTINGS = ("block_size", "temperatures", "metric_names", "figures")
 
 
 def tau_key(temperature: float) -> str:
@@ -38,10 +39,14 @@ def ratio_stderr(n: int, tokens: float, blocks: float, tokens_sq: float, blocks_
 class WalkStats:
     """Sums over held-out turns; `metrics()` turns them into the figures (sums, so ranks add up).
     `temperatures`: those of the walk (`tau@T`); 0 is the greedy walk, each T > 0 has its expected
-    blocks in `expected_blocks` (in order)."""
+    blocks in `expected_blocks` (in order). `metric_sums`: the loss terms' named sums
+    (`LossOutput.metrics`), of which `metric_names` travel in `to_tensor`, and `figures` turns them
+    into figures (`BlockLoss.figures`)."""
 
     block_size: int
     temperatures: tuple[float, ...] = ()
+    metric_names: tuple[str, ...] = ()
+    figures: Callable[[dict, float], dict] | None = None
     loss_sum: float = 0.0  # slot-weighted CE over every anchor's block
     weight_sum: float = 0.0
     tokens: int = 0  # turn tokens after each turn's first
@@ -56,13 +61,11 @@ class WalkStats:
     tokens_sq: float = 0.0  # sum t_i^2
     blocks_sq: np.ndarray = field(default=None)  # (temperatures > 0,): sum e_i^2
     cross: np.ndarray = field(default=None)  # (temperatures > 0,): sum t_i e_i
-    # a drafter whose selector chooses the drafts (DFlash2; `LossOutput.argmax_hits`): the greedy walk of
-    # the backbone's own argmax beside its path, and the selector's counts over the scored rows
+    # a drafter whose network chooses the drafts (`LossOutput.argmax_hits`): the greedy walk of the
+    # backbone's own argmax beside its path
     argmax_blocks: int = 0
     argmax_anchor_accepted: int = 0
-    selector_rows: float = 0.0
-    selector_recall: float = 0.0
-    selector_correct: float = 0.0
+    metric_sums: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("slot_correct", "slot_count"):
@@ -83,22 +86,37 @@ class WalkStats:
 
     def add(self, other: WalkStats) -> None:
         for name in self._sums():
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            if name == "metric_sums":
+                for k, v in other.metric_sums.items():
+                    self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
+            else:
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def _values(self, name: str) -> list:
+        if name == "metric_sums":
+            return [float(self.metric_sums.get(k, 0.0)) for k in self.metric_names]
+        return np.ravel(getattr(self, name)).tolist()
 
     def to_tensor(self, device=None) -> torch.Tensor:
-        """All sums in one float64 vector (for one all-reduce), field after field."""
-        return torch.tensor([x for name in self._sums() for x in np.ravel(getattr(self, name)).tolist()],
-                            dtype=torch.float64, device=device)
+        """All sums in one float64 vector (for one all-reduce), field after field (of `metric_sums`,
+        those of `metric_names`)."""
+        return torch.tensor([x for name in self._sums() for x in self._values(name)], dtype=torch.float64,
+                            device=device)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor, block_size: int, temperatures=()) -> WalkStats:
+    def from_tensor(cls, t: torch.Tensor, block_size: int, temperatures=(), metric_names=(),
+                    figures=None) -> WalkStats:
         """The sums of a `to_tensor` vector of a walk of `block_size` at `temperatures`: each field takes
         as many values as its zero holds, as its zero's type."""
         v = t.cpu().tolist()
-        stats, at = cls(block_size=block_size, temperatures=tuple(temperatures)), 0
+        stats, at = cls(block_size=block_size, temperatures=tuple(temperatures),
+                        metric_names=tuple(metric_names), figures=figures), 0
         for name in stats._sums():
             zero = getattr(stats, name)
-            if isinstance(zero, np.ndarray):
+            if name == "metric_sums":
+                stats.metric_sums = dict(zip(stats.metric_names, v[at:at + len(stats.metric_names)], strict=True))
+                at += len(stats.metric_names)
+            elif isinstance(zero, np.ndarray):
                 setattr(stats, name, np.asarray(v[at:at + zero.size], dtype=zero.dtype))
                 at += zero.size
             else:
@@ -122,14 +140,11 @@ class WalkStats:
             at[tau_key(t)] = self.tokens / blocks if blocks else 1.0
             at[stderr_key(t)] = ratio_stderr(self.turns, self.tokens, blocks, self.tokens_sq, float(self.blocks_sq[i]),
                                              float(self.cross[i]))
-        selector = {}
-        if self.selector_rows:  # a DFlash2 drafter: `tau` is its selector path's, `argmax_tau` its argmax's
-            from dflash.models.dflash2 import selector_figures
-
-            selector = selector_figures({"selector_rows": self.selector_rows, "selector_recall": self.selector_recall,
-                                         "selector_correct": self.selector_correct,
-                                         "argmax_tau_sum": self.argmax_anchor_accepted}, self.anchors)
-            selector["argmax_tau"] = self.tokens / self.argmax_blocks if self.argmax_blocks else 1.0
+        extra = {}
+        if self.figures is not None and self.metric_sums:  # the terms' figures, over every anchor's block
+            extra = self.figures({**self.metric_sums, "argmax_tau_sum": self.argmax_anchor_accepted}, self.anchors)
+        if self.argmax_anchor_accepted:  # the network chose the drafts: `tau` is its path's, `argmax_tau` its argmax's
+            extra["argmax_tau"] = self.tokens / self.argmax_blocks if self.argmax_blocks else 1.0
         return {
             "loss": self.loss_sum / max(self.weight_sum, 1e-12),
             "tau": tau,
@@ -140,6 +155,6 @@ class WalkStats:
             "tokens": self.tokens,
             "turns": self.turns,
             "anchors": self.anchors,
-            **selector,
+            **extra,
         }
 

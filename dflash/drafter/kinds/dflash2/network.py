@@ -38,19 +38,13 @@ import weakref
 import torch
 from torch import nn
 
-from dflash.models.blocks import Blocks
-from dflash.models.config import DFlash2Settings, DrafterConfig
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.loss import Finished, LogitTerm
-from dflash.models.target import SharedWeights
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.network import DFlashDecoderLayer, DFlashDrafter
+from dflash.objective.blocks import Blocks
+from dflash.objective.loss import Finished, LogitTerm
+from dflash.target.model import SharedWeights
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
-
-
-def released_settings() -> DFlash2Settings:
-    """The sizes of the released DFlash2 drafters (z-lab's fixture config), with the logits a DFlash
-    drafter has (multiplier 1, no softcap: a new drafter starts as a DFlash one)."""
-    return DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
 
 
 def block_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int,
@@ -141,6 +135,26 @@ class GroupedDynamicCausalConv(nn.Module):
         return self(z, block_size, dynamic)
 
 
+class ConvDecoderLayer(nn.Module):
+    """A DFlash decoder layer's modules (taken over, as built and initialised) with a convolution pair
+    around each sublayer."""
+
+    def __init__(self, layer: DFlashDecoderLayer, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = layer.self_attn, layer.mlp
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.attention_conv = GroupedDynamicCausalConv(hidden_size, kernel_size, group_size)
+        self.mlp_conv = GroupedDynamicCausalConv(hidden_size, kernel_size, group_size)
+
+    def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, anchors, cache=None) -> torch.Tensor:
+        B = anchors.block_size
+        h, kernel = self.attention_conv(self.input_layernorm(x), B)
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_blk, rope_ctx, seqlens, anchors, cache),
+                                           kernel, B)
+        h, kernel = self.mlp_conv(self.post_attention_layernorm(x), B)
+        return x + self.mlp_conv.finish(self.mlp(h), kernel, B)
+
+
 class CandidateSelector(nn.Module):
     """Transition scores <A[prev] * P h, B[cand]> over low-rank codebooks (see the module docstring)."""
 
@@ -181,7 +195,7 @@ class CandidateSelector(nn.Module):
 
 def unary_logits(raw: torch.Tensor, config: DrafterConfig) -> torch.Tensor:
     """softcap(output_multiplier x raw): the logits a DFlash2 drafter drafts and selects from."""
-    s = config.dflash2
+    s = config.kind_settings
     logits = raw.float() * s.output_multiplier
     if s.final_logit_softcapping is not None:
         logits = torch.tanh(logits / s.final_logit_softcapping) * s.final_logit_softcapping
@@ -189,22 +203,22 @@ def unary_logits(raw: torch.Tensor, config: DrafterConfig) -> torch.Tensor:
 
 
 class DFlash2Drafter(DFlashDrafter):
-    """The DFlash2 drafter (`config.dflash2` set): the DFlash drafter's modules, built and initialised
+    """The DFlash2 drafter (a config of kind dflash2): the DFlash drafter's modules, built and initialised
     first exactly as a DFlash drafter's, then the convolutions and the selector. Same forward
     (`forward(batch, features, blocks) -> hidden states`), so training, the eval walk and decoding share it."""
 
     # Under --optimizer muon these stay on AdamW (`ds_config.muon_split`): the codebooks are lookup tables
     # (as embeddings are), the base kernels (2, K, H) no matrices.
     adamw_parameters = ("candidate_selector.*_codebook.weight", "*.base_kernel")
+    chooses_drafts = True  # the selector's path (`propose`)
 
     def __init__(self, config: DrafterConfig, shared: SharedWeights | None = None, **kwargs) -> None:
-        if config.dflash2 is None:
-            raise ValueError("a DFlash2 drafter needs DrafterConfig.dflash2 settings")
+        if config.kind_settings is None:
+            raise ValueError("a DFlash2 drafter needs its settings (DrafterConfig.kind_settings)")
         super().__init__(config, shared, **kwargs)
-        s, H = config.dflash2, config.hidden_size
-        for layer in self.layers:
-            layer.attention_conv = GroupedDynamicCausalConv(H, s.conv_kernel_size, s.conv_group_size)
-            layer.mlp_conv = GroupedDynamicCausalConv(H, s.conv_kernel_size, s.conv_group_size)
+        s, H = config.kind_settings, config.hidden_size
+        for i, layer in enumerate(self.layers):
+            self.layers[i] = ConvDecoderLayer(layer, H, s.conv_kernel_size, s.conv_group_size)
         self.candidate_selector = CandidateSelector(H, config.vocab_size, s.selector_rank, s.selector_top_k)
 
     def block_hidden(self, *args, **kwargs) -> torch.Tensor:
@@ -219,6 +233,9 @@ class DFlash2Drafter(DFlashDrafter):
                 return super().block_hidden(*args, **kwargs)
             finally:
                 _ACTIVE.pop()
+    def embed_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.config.kind_settings.input_embedding_scale
+        return x if scale == 1.0 else x * scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Unary logits (N, V) float32 of final-normed states (N, H)."""
@@ -266,6 +283,7 @@ class SelectorTerm(LogitTerm):
 
     name = "selector"
     vocab_buffers = 0
+    metric_names = ("selector_rows", "selector_recall", "selector_correct")
 
     def __init__(self, selector: CandidateSelector, weight: float = 1.0, stop_grad: bool = False):
         super().__init__(weight)
@@ -274,6 +292,14 @@ class SelectorTerm(LogitTerm):
     @property
     def head_top_k(self) -> int:
         return self.selector.top_k
+    def figures(self, sums: dict, blocks: float) -> dict:
+        return selector_figures(sums, blocks)
+
+    def words(self, record: dict) -> str:
+        if "argmax_tau" not in record:
+            return ""
+        return (f", the backbone's argmax alone tau {record['argmax_tau']:.3f}, selector recall "
+                f"{record['selector_recall']:.3f}, accuracy {record['selector_accuracy']:.3f}")
 
     def start(self, blocks: Blocks, context: dict) -> None:
         rows, K = blocks.labels.numel(), self.selector.top_k

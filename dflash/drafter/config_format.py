@@ -42,21 +42,17 @@ CONFIG_KEYS = frozenset(
         "block_size",
         "num_target_layers",
         "dflash_config",
-        "is_neox_style",  # the RoPE style, for vLLM and SGLang (`dflash.models.serving`)
+        "is_neox_style",  # the RoPE style, for vLLM and SGLang (`dflash.drafter.serving`)
         "rope_is_neox_style",
     }
 )
 
-# Written when every layer computes one causality (`dflash.models.serving`): an `is_causal` key, even
+# Written when every layer computes one causality (`dflash.drafter.serving`): an `is_causal` key, even
 # false, overrides every layer's default in the engines.
 OPTIONAL_CONFIG_KEYS = frozenset({"is_causal"})
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
-DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
-ARCHITECTURES = (DFLASH, DFLASH2)
-# The released DFlash2 drafters' attention: every layer sliding over this many positions, is_causal false.
-DFLASH2_SLIDING_WINDOW = 2048
 LAYER_TYPES = (FULL, SLIDING)
 
 # Config entries that change the drafter's computation in vLLM, SGLang or the official class and
@@ -75,9 +71,6 @@ _UNSUPPORTED = (
     ("dflash_config", "conv_kernel_size", 0),
     ("dflash_config", "selector_rank", 0),
 )
-# What a DFlash2DraftModel computes besides a DFlash drafter (`DFlash2Settings`), read from dflash_config first.
-_DFLASH2_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping", "conv_kernel_size",
-                 "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def check_layer_types(layer_types, num_layers: int, sliding_window) -> list[str]:
@@ -129,15 +122,12 @@ def check_engine_agreement(d: dict[str, Any]) -> None:
                          f"{d.get('sliding_window')}: vLLM would serve the first, SGLang the second")
 
 
-def check_supported(d: dict[str, Any]) -> None:
-    """Refuse a config.json that asks for what this drafter does not compute (naming the key)."""
-    architectures = d.get("architectures")
-    if architectures is not None and list(architectures) not in ([a] for a in ARCHITECTURES):
-        raise ValueError(f"architectures is {architectures}; this trains {' and '.join(ARCHITECTURES)} drafters only")
+def check_supported(d: dict[str, Any], computed: tuple[str, ...] = ()) -> None:
+    """Refuse a config.json that asks for what this drafter does not compute (naming the key);
+    `computed`: the keys its drafter kind computes (`DrafterKind.config_keys`)."""
     dflash = d.get("dflash_config") or {}
-    dflash2 = architectures is not None and list(architectures) == [DFLASH2]
     for where, key, off in _UNSUPPORTED:
-        if dflash2 and key in _DFLASH2_KEYS:
+        if key in computed:
             continue
         value = (dflash if where == "dflash_config" else d).get(key, off)
         if value != off and not (off is None and not value):

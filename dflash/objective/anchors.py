@@ -44,13 +44,16 @@ def anchor_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(epoch), int(sample_id)])
 
 
+DEFAULT_NUM_ANCHORS = 512  # anchors drawn per sample (the paper's), the default of --num-anchors and the plans
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor,
     sample_ids: torch.Tensor,
     *,
     block_size: int,
-    num_anchors: int = 512,
+    num_anchors: int = DEFAULT_NUM_ANCHORS,
     seed: int,
     epoch: int,
 ) -> Anchors:

@@ -38,14 +38,14 @@ def safetensors_shapes(path: Path, where: str) -> dict[str, tuple[int, ...]]:
 def check_drafter_folder(folder: str | Path, where: str, check_config=None):
     """The DrafterConfig of drafter `folder` (official format), once its files are there, whole
     and consistent: every tensor the config builds, with its shape, and no other (a uniform
-    `model.` prefix and the released DFlash2 names are accepted, as `DFlashDrafter.from_pretrained`
+    `model.` prefix and a kind's released names are accepted, as `DFlashDrafter.from_pretrained`
     does). `where` names the flag in messages, e.g. `--init-drafter`. `check_config(config, raw)`, when given, runs once
     the config is read and before the weights are (a config that does not fit the target is
     the error to name first)."""
     import torch
 
-    from dflash.models.config import DrafterConfig
-    from dflash.models.drafter import CONFIG_NAME, WEIGHTS_NAME, drafter_class
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.network import CONFIG_NAME, WEIGHTS_NAME, drafter_class
 
     folder = Path(folder)
     for name in (CONFIG_NAME, WEIGHTS_NAME):

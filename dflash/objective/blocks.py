@@ -4,7 +4,7 @@ A block anchored at position a of a sample holds [token a, mask x (B-1)] at posi
 slot k (k >= 1) is scored against the data token at a+k with the slot weight w_k where that label
 lies inside the sample and is supervised. `Blocks` carries all of it, so the drafter's forward
 only reads it (`DFlashDrafter.forward(batch, features, blocks)` -> hidden states) and every loss
-term (`dflash.models.loss`) reads the same labels, validity and weights.
+term (`dflash.objective.loss`) reads the same labels, validity and weights.
 
     blocks = draw_blocks(batch, block_size=B, num_anchors=512, mask_token_id=m, weights=w, seed=s, epoch=e)
     hidden = drafter(batch, features, blocks.to(device))
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dflash.data.batch import PackedBatch, PaddedBatch
-from dflash.models.anchors import Anchors, block_tensors, sample_anchors, to_packed
+from dflash.objective.anchors import Anchors, block_tensors, sample_anchors, to_packed
 
 
 @dataclass
@@ -94,7 +94,7 @@ def draw_blocks(batch: PackedBatch | PaddedBatch, *, block_size: int, num_anchor
 
 def block_scorer(model, loss, lm_head: torch.Tensor, *, mask_token_id: int, slot_weights: torch.Tensor):
     """`forward(batch, features, anchors, temperatures=()) -> LossOutput` of the blocks at `anchors`, as
-    the eval walk calls it (`dflash.models.acceptance.score_and_walk`): model is the drafter or its
+    the eval walk calls it (`dflash.decoding.acceptance.score_and_walk`): model is the drafter or its
     DeepSpeed engine, loss a `BlockLoss`."""
 
     def forward(batch, features, anchors: Anchors, temperatures=()):

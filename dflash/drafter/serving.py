@@ -11,13 +11,14 @@ default of its own: they read these fields as follows (read from their code, doc
 - RoPE style: vLLM `is_neox_style`, SGLang `rope_is_neox_style`, else `is_neox_style`; both default
   to the rotate-half (neox) style this drafter computes, which the export says rather than relies on.
 - vLLM's attention sink: `dflash_config.attention_sink_bias`, else `add_swa_attention_sink_bias`.
-- DFlash2 (`DFlash2Settings`): every key in `dflash_config`, a softcap of none as null.
+- A drafter kind's own settings: every key in `dflash_config` (its `write_config`), a setting of none
+  as null.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from dflash.models.config_format import SLIDING
+from dflash.drafter.config_format import SLIDING
 
 # Top-level keys written besides the official format's (`CONFIG_KEYS`); `is_causal` only when one
 # causality holds for every layer (`OPTIONAL_CONFIG_KEYS`).
@@ -41,8 +42,4 @@ def state_serving_fields(out: dict[str, Any], config) -> dict[str, Any]:
     if SLIDING in config.layer_types:
         dflash["swa_window_size"] = config.sliding_window
     dflash["attention_sink_bias"] = False
-    if config.dflash2 is not None:
-        s = config.dflash2
-        dflash.update(final_logit_softcapping=s.final_logit_softcapping,
-                      input_embedding_scale=s.input_embedding_scale)
     return out

@@ -25,12 +25,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.kinds import architectures, drafter_kind
 from dflash.errors import DiskFull, NonFiniteWeights, UserError, disk_full, free_space
-from dflash.models.anchors import Anchors, to_packed
-from dflash.models.blocks import Blocks
-from dflash.models.config import DrafterConfig
-from dflash.models.config_format import ARCHITECTURES
-from dflash.models.target import SharedWeights
+from dflash.objective.anchors import Anchors, to_packed
+from dflash.objective.blocks import Blocks
+from dflash.target.model import SharedWeights
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -156,28 +156,15 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config.to_qwen3_config())
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # A DFlash2 drafter wraps each sublayer in a convolution over the block (`dflash.models.dflash2`).
-        self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, rope_blk, rope_ctx, seqlens, anchors, cache=None) -> torch.Tensor:
         # The context enters un-normed here: it was normed once by hidden_norm, as in the official model.
-        B = anchors.block_size
-        h = self.input_layernorm(x)
-        if self.attention_conv is None:
-            x = x + self.self_attn(h, ctx, rope_blk, rope_ctx, seqlens, anchors, cache)
-        else:
-            h, kernel = self.attention_conv(h, B)
-            x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_blk, rope_ctx, seqlens, anchors, cache),
-                                               kernel, B)
-        h = self.post_attention_layernorm(x)
-        if self.mlp_conv is None:
-            return x + self.mlp(h)
-        h, kernel = self.mlp_conv(h, B)
-        return x + self.mlp_conv.finish(self.mlp(h), kernel, B)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, seqlens, anchors, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def is_drafter_folder(path: Path) -> bool:
-    """An empty folder, or one holding a DFlash or DFlash2 drafter's config (and nothing but its files)."""
+    """An empty folder, or one holding the config of a drafter of a known kind (and nothing but its files)."""
     names = {p.name for p in path.iterdir()} if path.is_dir() else {None}
     if not names:
         return True
@@ -185,16 +172,12 @@ def is_drafter_folder(path: Path) -> bool:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return names <= {CONFIG_NAME, WEIGHTS_NAME} and config.get("architectures") in ([a] for a in ARCHITECTURES)
+    return names <= {CONFIG_NAME, WEIGHTS_NAME} and config.get("architectures") in ([a] for a in architectures())
 
 
 def drafter_class(config: DrafterConfig) -> type[DFlashDrafter]:
-    """The drafter module a config builds: DFlash, or DFlash2 when it has `dflash2` settings."""
-    if config.dflash2 is None:
-        return DFlashDrafter
-    from dflash.models.dflash2 import DFlash2Drafter
-
-    return DFlash2Drafter
+    """The drafter module a config builds: its kind's network."""
+    return drafter_kind(config.kind).network
 
 
 class DFlashDrafter(nn.Module):
@@ -206,11 +189,14 @@ class DFlashDrafter(nn.Module):
             held by reference, never registered, never saved. Needed for forward only.
         attention_backend: `dflash.ops` backend ("auto": Triton on CUDA, torch elsewhere).
 
-    Training call (the blocks drawn by the loader, `dflash.models.blocks.draw_blocks`):
+    Training call (the blocks drawn by the loader, `dflash.objective.blocks.draw_blocks`):
         hidden = drafter(batch, target.features(batch), blocks)
         out = BlockLoss()(hidden, blocks, drafter.lm_head)
         engine.backward(out.loss_sum / step_weight_total)
     """
+
+    # a network whose `propose` chooses a block's drafts from its states (else each slot's own logits)
+    chooses_drafts = False
 
     def __init__(
         self,
@@ -291,9 +277,7 @@ class DFlashDrafter(nn.Module):
         shared = self._require_shared()
         dtype = self.fc.weight.dtype
         ctx = self.context(features)
-        x = F.embedding(block_input_ids, shared.embed).to(dtype)
-        if self.config.dflash2 is not None and self.config.dflash2.input_embedding_scale != 1.0:
-            x = x * self.config.dflash2.input_embedding_scale
+        x = self.embed_blocks(F.embedding(block_input_ids, shared.embed).to(dtype))
         rope_blk = self._rope(block_position_ids, dtype)
         rope_ctx = self._rope(ctx_position_ids, dtype)
         for i, layer in enumerate(self.layers):
@@ -304,6 +288,10 @@ class DFlashDrafter(nn.Module):
             else:
                 x = layer(x, ctx, rope_blk, rope_ctx, seqlens, anchors, layer_cache)
         return self.norm(x)
+
+    def embed_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The block tokens' embeddings (NB*B, H) as the layers take them (a kind may scale them)."""
+        return x
 
     @torch.no_grad()
     def draft(self, cache: DrafterCache, features: torch.Tensor, anchor_token: int) -> torch.Tensor:
@@ -333,13 +321,13 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, batch: PackedBatch | PaddedBatch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         """Training forward of one micro-batch: the final-normed states of its blocks, (NB*B, H), for a
-        loss (`dflash.models.loss.BlockLoss`).
+        loss (`dflash.objective.loss.BlockLoss`).
 
         Args:
             batch: packed or padded micro-batch (a padded one is packed here; the features
                 of `TargetModel.features` are already in packed order for both).
             features: (T, K*H) target taps of the batch's real tokens, packed order.
-            blocks: the micro-batch's blocks (`dflash.models.blocks`), on the batch's device.
+            blocks: the micro-batch's blocks (`dflash.objective.blocks`), on the batch's device.
         """
         packed = to_packed(batch)
         if features.shape[0] != packed.input_ids.shape[0]:
@@ -367,8 +355,8 @@ class DFlashDrafter(nn.Module):
             raise NonFiniteWeights(f"{directory}: not exported: {len(bad)} of {len(tensors)} weight tensors hold NaN "
                                    f"or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         if directory.exists() and not is_drafter_folder(directory):
-            raise UserError(f"{directory}: exists and is not a DFlash or DFlash2 drafter folder; not replaced "
-                            "(move it away)")
+            raise UserError(f"{directory}: exists and is not a drafter folder ({', '.join(architectures())}); "
+                            "not replaced (move it away)")
         config = self.config.to_json_dict()
         config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -408,8 +396,8 @@ class DFlashDrafter(nn.Module):
     def from_pretrained(
         cls, directory: str | os.PathLike, shared: SharedWeights | None = None, **kwargs
     ) -> DFlashDrafter:
-        """Load a checkpoint in the official format (ours or written by others); a DFlash2 folder loads
-        as the DFlash2 drafter.
+        """Load a checkpoint in the official format (ours or written by others), as the network of the
+        drafter kind its architecture names.
 
         Weights keep the stored dtype. A uniform `model.` prefix on the tensor names is
         accepted; any missing or unknown tensor is an error (serving engines would silently

@@ -1,9 +1,9 @@
-"""The one-shot GPU check's stage for DFlash2's two fused ops (launch/gpu_check.py, stage `dflash2_ops`):
+"""The one-shot GPU check's stage for the fused drafter ops (launch/gpu_check.py, stage `fused_ops`):
 the block convolution (`dflash.ops.block_conv`) and the frozen head with in-kernel top-K
 (`dflash.ops.head_topk`), each against its torch path at Qwen3-8B's sizes (bf16): correctness of the
 first call (the one that autotunes) and of a second, then forward and backward times of both.
 
-Writes OUT/dflash2_ops.json: per op, `checks` (relative RMS errors against the fp32 reference, top-K id
+Writes OUT/fused_ops.json: per op, `checks` (relative RMS errors against the fp32 reference, top-K id
 agreement) and `timings` (ms, median of the repeats: ours, the torch path's, their ratio).
 """
 from __future__ import annotations
@@ -134,9 +134,9 @@ def _head(s: dict, device: str, report: Report, deadline: float) -> bool:
     return ok
 
 
-def stage_dflash2_ops(out: Path, cfg: dict, deadline: float) -> bool:
-    """Both ops' checks and timings (OUT/dflash2_ops.json); passes when every check does."""
+def stage_fused_ops(out: Path, cfg: dict, deadline: float) -> bool:
+    """Both ops' checks and timings (OUT/fused_ops.json); passes when every check does."""
     s = sizes(cfg["dry_run"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    report = Report(out / "dflash2_ops.json", dtype=str(s["dtype"]), device=device)
+    report = Report(out / "fused_ops.json", dtype=str(s["dtype"]), device=device)
     return _conv(s, device, report, deadline) & _head(s, device, report, deadline)

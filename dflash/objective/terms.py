@@ -1,4 +1,4 @@
-"""The objective's terms besides the cross-entropy (`LogitTerm`s of `dflash.models.loss`), and the
+"""The objective's terms besides the cross-entropy (`LogitTerm`s of `dflash.objective.loss`), and the
 `--loss` recipe that mixes them.
 
 - `DPaceTerm` (D-PACE): the cross-entropy of every slot weighted by how much its confidence moves
@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from dflash.models.loss import DEFAULT_CHUNK_ROWS, LogitTerm
+from dflash.drafter.kinds import Option
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS, LogitTerm
 
 TARGET_STATES = "target_states"  # context key: (tokens, H) final-normed target hidden states, packed order
 CU_SEQLENS = "cu_seqlens"  # context key: (S+1,) sample boundaries of the packed layout
@@ -54,6 +55,13 @@ class DPaceTerm(LogitTerm):
 
     name = "dpace"
     vocab_buffers = 1  # the softmax that becomes the gradient
+    options = {"dpace_alpha": Option("loss", 0.5, "D-PACE confidence smoothing: a slot's confidence counts as "
+                                     "(1 - a) q + a", (lambda v: 0 <= v <= 1, "must be in [0, 1]"))}
+    weighs_blocks = True
+
+    @classmethod
+    def build(cls, weight, options, lm_head):
+        return cls(weight, alpha=options.dpace_alpha)
 
     def __init__(self, weight: float = 1.0, alpha: float = 0.5):
         super().__init__(weight)
@@ -92,6 +100,12 @@ class _TargetDistributionTerm(LogitTerm):
     softmax(lm_head(target_states[P - 1]) / t)."""
 
     needs_target_states = True  # the trainer runs the target to its final norm and passes its states
+    options = {"distill_temperature": Option("loss", 1.0, "temperature of the target's and the drafter's softmax in "
+                                             "kl and lk", (lambda v: v > 0, "must be > 0"))}
+
+    @classmethod
+    def build(cls, weight, options, lm_head):
+        return cls(weight, options.distill_temperature, lm_head=lm_head)
 
     def __init__(self, weight: float = 1.0, temperature: float = 1.0, *, lm_head: torch.Tensor | None = None):
         super().__init__(weight)
@@ -111,6 +125,7 @@ class _TargetDistributionTerm(LogitTerm):
         k = torch.arange(B - 1, device=start.device)  # slot k + 1 is predicted from position anchor + k
         self.positions = (start[:, None] + k[None, :]).reshape(-1).clamp(0, states.shape[0] - 1)
         self.states = states
+        self.row_weights = blocks.weights.reshape(-1)
 
     def target_probs(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's probabilities (U, V) float32 of the U distinct positions of rows lo..hi, each
@@ -129,10 +144,6 @@ class KLTerm(_TargetDistributionTerm):
 
     name = "kl"
     vocab_buffers = 2  # the target's probabilities of the rows and the drafter's softmax (the gradient)
-
-    def start(self, blocks, context: dict) -> None:
-        super().start(blocks, context)
-        self.row_weights = blocks.weights.reshape(-1)
 
     def chunk(self, logits, lo, hi, need_grad):
         t, w = self.temperature, self.row_weights[lo:hi].float()
@@ -160,10 +171,6 @@ class LKTerm(_TargetDistributionTerm):
     def __init__(self, weight: float = 1.0, temperature: float = 1.0, *, lm_head=None, eps: float = 1e-5):
         super().__init__(weight, temperature, lm_head=lm_head)
         self.eps = float(eps)
-
-    def start(self, blocks, context: dict) -> None:
-        super().start(blocks, context)
-        self.row_weights = blocks.weights.reshape(-1)
 
     def chunk(self, logits, lo, hi, need_grad):
         t, w = self.temperature, self.row_weights[lo:hi].float()
@@ -217,17 +224,26 @@ def block_chunk_rows(chunk_rows: int, block_size: int) -> int:
     return max(per_block, chunk_rows // per_block * per_block)
 
 
+def term_options() -> dict:
+    """Every term's training options by name: (its term, the `Option`)."""
+    return {name: (term, option) for term in TERMS.values() for name, option in term.options.items()}
+
+
 def chunk_rows_for(weights: dict[str, float], block_size: int) -> int:
-    """The rows of a loss chunk for a parsed recipe: whole blocks when a term weighs blocks (D-PACE)."""
-    return block_chunk_rows(DEFAULT_CHUNK_ROWS, block_size) if weights.get("dpace") else DEFAULT_CHUNK_ROWS
+    """The rows of a loss chunk for a parsed recipe: whole blocks when a term weighs blocks (`weighs_blocks`)."""
+    blocks = any(TERMS[name].weighs_blocks for name, weight in weights.items() if name != "ce" and weight)
+    return block_chunk_rows(DEFAULT_CHUNK_ROWS, block_size) if blocks else DEFAULT_CHUNK_ROWS
 
 
-def build_terms(weights: dict[str, float], *, lm_head: torch.Tensor, dpace_alpha: float = 0.5,
-                temperature: float = 1.0) -> list[LogitTerm]:
-    """The terms of a parsed recipe (weight 0: left out), with their options."""
-    options = {"dpace": dict(alpha=dpace_alpha), "kl": dict(temperature=temperature, lm_head=lm_head),
-               "lk": dict(temperature=temperature, lm_head=lm_head)}
-    return [TERMS[name](weight, **options[name]) for name, weight in weights.items() if name != "ce" and weight]
+def build_terms(weights: dict[str, float], options=None, *, lm_head: torch.Tensor) -> list[LogitTerm]:
+    """The terms of a parsed recipe (weight 0: left out), each with its options read from `options` (the
+    loss section; None: every option's default)."""
+    if options is None:
+        from types import SimpleNamespace
+
+        options = SimpleNamespace(**{name: o.default for name, (_, o) in term_options().items()})
+    return [TERMS[name].build(weight, options, lm_head) for name, weight in weights.items()
+            if name != "ce" and weight]
 
 
 def needs_target_states(loss) -> bool:

@@ -1,5 +1,5 @@
 """Decoding with the target alone, and lossless DFlash speculative decoding (target + drafter),
-greedy or sampled at a temperature (`dflash.models.sampling`: the engines' ratio test).
+greedy or sampled at a temperature (`dflash.decoding.sampling`: the engines' ratio test).
 
 Speculative decoding of one turn (the DFlash paper's loop, as in the official `dflash_generate`):
 the target's prefill gives the first token and the tapped features of the prompt. Each step the
@@ -10,12 +10,12 @@ accepted length: `TargetCache` crops attention layers and restores recurrent one
 the leading drafts equal to the target's argmax are accepted, and the target's next token is added.
 The verified tokens' features become the drafter's new context. Output is the target's greedy output.
 The drafter runs its one forward (`DFlashDrafter.draft`, the training forward with a `DrafterCache`);
-a DFlash2 drafter's drafts follow its selector's path (`draft_block`).
+a network that chooses its drafts (`chooses_drafts`: a candidate selector) proposes them (`draft_block`).
 Sampled (temperature > 0): the drafts are drawn from the drafter's distribution and verified by the
 ratio test (`Sampler`); the output is distributed as the target's own sampling, not equal to it.
 
 Acceptance length = tokens after the first / verify forwards, summed over turns, with a turn's last
-block cut at its stop token or the token limit: exactly the walk `tau` of `dflash.models.acceptance`
+block cut at its stop token or the token limit: exactly the walk `tau` of `dflash.decoding.acceptance`
 on the target's own greedy turns (the official benchmark averages uncut blocks instead).
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.models.drafter import DFlashDrafter, DrafterCache
-from dflash.models.sampling import Sampler, Sampling
-from dflash.models.target_cache import TargetCache
+from dflash.decoding.sampling import Sampler, Sampling
+from dflash.decoding.target_cache import TargetCache
+from dflash.drafter.network import DFlashDrafter, DrafterCache
 
 DEFAULT_MAX_NEW_TOKENS = 2048  # per turn, when the data do not say what they were regenerated with
 
@@ -76,9 +76,9 @@ def greedy_decode(hf, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: S
 def draft_block(drafter: DFlashDrafter, sampler: Sampler, cache: DrafterCache, features: torch.Tensor,
                 anchor: int) -> tuple[list[int], torch.Tensor | None]:
     """One block's drafts and their proposal q (B-1, V) (None when greedy): a DFlash drafter's slots
-    independently (`Sampler.draft`), a DFlash2 drafter's along its selector's path, each slot's q over
-    its K candidates conditioned on the drafts before it (what the ratio test needs)."""
-    if getattr(drafter, "candidate_selector", None) is None:
+    independently (`Sampler.draft`), or those its network proposes (`propose`: a candidate selector's path),
+    each slot's q over its candidates conditioned on the drafts before it (what the ratio test needs)."""
+    if not drafter.chooses_drafts:
         return sampler.draft(drafter.draft(cache, features, anchor))
     s = sampler.sampling
     sampled = not s.greedy and s.drafts == "sampled"
@@ -248,7 +248,7 @@ def sample_turns(hf, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, 
 def prompts_from_samples(samples, max_turns: int | None = None) -> list[list[int]]:
     """The prompt of every assistant turn of tokenized samples `(ids, loss_mask)`: the tokens before
     the turn's first supervised token (its history as in the data, up to the generation prompt)."""
-    from dflash.models.acceptance import turn_spans
+    from dflash.decoding.acceptance import turn_spans
 
     prompts = []
     for ids, mask in samples:

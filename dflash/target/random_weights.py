@@ -1,5 +1,5 @@
 """Randomly initialised targets, to benchmark training before downloading any weights:
-`--target random:qwen3-8b` (a named preset of `dflash.models.target_spec.PRESETS`) or
+`--target random:qwen3-8b` (a named preset of `dflash.target.spec.PRESETS`) or
 `--target random:PATH` (the shape of the model whose config.json is at PATH, e.g. a folder with
 only that file).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.models.target_spec import TargetSpec
+from dflash.target.spec import TargetSpec
 
 
 def random_target(spec: TargetSpec, device, dtype, *, seed: int = 0):

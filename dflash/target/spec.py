@@ -140,7 +140,7 @@ class TargetSpec:
 
     def default_layer_ids(self, num_features: int) -> list[int]:
         """The official tap rule for this target's depth."""
-        from dflash.models.taps import default_target_layer_ids
+        from dflash.target.taps import default_target_layer_ids
 
         return default_target_layer_ids(self.num_layers, num_features)
 

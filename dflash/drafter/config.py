@@ -5,7 +5,7 @@ The official format is a Qwen3 config (`model_type: "qwen3"`, `architectures:
 {"mask_token_id", "target_layer_ids"}`. Serving engines build the drafter's layers from the
 Qwen3 fields, so every size is written explicitly (`head_dim` included: Qwen3Config's default
 of 128 would be silently wrong for other head sizes). The format's keys, layer types and the
-refusals of what engines would serve differently: `dflash.models.config_format`.
+refusals of what engines would serve differently: `dflash.drafter.config_format`.
 """
 from __future__ import annotations
 
@@ -14,84 +14,10 @@ from typing import Any
 
 import torch
 
-from dflash.models.config_format import (
-    DFLASH2,
-    SLIDING,
-    check_engine_agreement,
-    check_layer_types,
-    check_supported,
-)
-from dflash.models.serving import state_serving_fields
-from dflash.models.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
-
-
-@dataclass
-class DFlash2Settings:
-    """What a DFlash2 drafter adds (`dflash.models.dflash2`): grouped dynamic causal convolutions of
-    `conv_kernel_size` taps, one dynamic weight per `conv_group_size` channels, around each attention
-    and MLP sublayer; a candidate selector over the top-`selector_top_k` unary logits with codebooks
-    of `selector_rank`; unary logits = softcap(output_multiplier x lm_head(h)); noise embeddings x
-    input_embedding_scale. Written to config.json's dflash_config, as the release keeps them."""
-
-    conv_kernel_size: int
-    conv_group_size: int
-    selector_rank: int
-    selector_top_k: int
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None  # None: no softcap (0 reads as None, as the official class does)
-    input_embedding_scale: float = 1.0
-
-    def check(self, hidden_size: int, vocab_size: int) -> None:
-        """Raise ValueError naming the dflash_config key that the official class and SGLang would not
-        serve as this drafter computes it."""
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"dflash_config.{key} must be an integer >= 1 in a DFlash2 drafter, got {value!r}")
-        if hidden_size % self.conv_group_size:
-            raise ValueError(f"dflash_config.conv_group_size {self.conv_group_size} does not divide hidden_size "
-                             f"{hidden_size} (the convolution's dynamic weights are per group of channels)")
-        if self.selector_top_k > vocab_size:
-            raise ValueError(f"dflash_config.selector_top_k {self.selector_top_k} exceeds the {vocab_size} "
-                             "vocabulary rows")
-        if not self.output_multiplier > 0:
-            raise ValueError(f"dflash_config.output_multiplier must be > 0 (the selector's top-K and greedy drafts "
-                             f"read the scaled logits), got {self.output_multiplier!r}")
-        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
-            raise ValueError(f"dflash_config.final_logit_softcapping must be > 0 or absent, got "
-                             f"{self.final_logit_softcapping!r}")
-        if not self.input_embedding_scale > 0:
-            raise ValueError(f"dflash_config.input_embedding_scale must be > 0, got {self.input_embedding_scale!r}")
-
-    def to_json_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                              "selector_top_k", "output_multiplier")}
-        if self.final_logit_softcapping is not None:
-            out["final_logit_softcapping"] = self.final_logit_softcapping
-        if self.input_embedding_scale != 1.0:  # the release leaves it out (1.0 in the official loop)
-            out["input_embedding_scale"] = self.input_embedding_scale
-        return out
-
-    @classmethod
-    def from_json_dict(cls, d: dict[str, Any]) -> DFlash2Settings:
-        """From a DFlash2 config.json (dflash_config first, then the top level, as the official class reads)."""
-        dflash = d.get("dflash_config") or {}
-
-        def pick(name, default=None):
-            return dflash.get(name, d.get(name, default))
-
-        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-                   if pick(k) is None]
-        if missing:
-            raise ValueError(f"config.json of a DFlash2DraftModel lacks dflash_config.{missing[0]} (the official class "
-                             "requires it)")
-        softcap = pick("final_logit_softcapping")
-        return cls(conv_kernel_size=pick("conv_kernel_size"), conv_group_size=pick("conv_group_size"),
-                   selector_rank=pick("selector_rank"), selector_top_k=pick("selector_top_k"),
-                   output_multiplier=float(pick("output_multiplier", 1.0)),
-                   final_logit_softcapping=float(softcap) if softcap else None,
-                   input_embedding_scale=float(pick("input_embedding_scale", 1.0)))
-
+from dflash.drafter.config_format import SLIDING, check_engine_agreement, check_layer_types, check_supported
+from dflash.drafter.kinds import DEFAULT, drafter_kind, kind_of_architectures
+from dflash.drafter.serving import state_serving_fields
+from dflash.target.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -124,7 +50,8 @@ class DrafterConfig:
     layer_types: list[str] | None = None  # one of LAYER_TYPES per layer; None: all full_attention
     sliding_window: int | None = None  # positions a sliding layer sees, the query's own included
     is_causal: bool | None = None  # overrides every layer's causality (engines' top-level is_causal)
-    dflash2: DFlash2Settings | None = None  # a DFlash2 drafter's extra parts (None: a DFlash drafter)
+    kind: str = DEFAULT  # its drafter kind (`dflash.drafter.kinds`), which its architecture names
+    kind_settings: Any = None  # what the kind adds to a DFlash drafter's config (None: nothing)
 
     def __post_init__(self) -> None:
         try:
@@ -146,8 +73,7 @@ class DrafterConfig:
             raise ValueError(f"the DFlash drafter uses a SwiGLU MLP (hidden_act 'silu'), got {self.hidden_act!r}")
         if "rope_theta" not in self.rope_parameters:
             raise ValueError("rope_parameters needs a rope_theta")
-        if self.dflash2 is not None:
-            self.dflash2.check(self.hidden_size, self.vocab_size)
+        drafter_kind(self.kind).check_settings(self)
 
     @property
     def num_target_features(self) -> int:
@@ -173,7 +99,8 @@ class DrafterConfig:
         vocab_size: int | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
-        dflash2: DFlash2Settings | None = None,
+        kind: str = DEFAULT,
+        kind_settings: Any = None,
         is_causal: bool | None = None,
     ) -> DrafterConfig:
         """Sizes from a Hugging Face target config (any family of `TargetModel`: its hidden size, heads,
@@ -181,7 +108,8 @@ class DrafterConfig:
 
         vocab_size defaults to the config's; pass the embedding's row count if it differs.
         layer_types / sliding_window: the drafter's own layer types (default all full_attention).
-        dflash2: a DFlash2 drafter's settings; is_causal: the top-level override of every layer's causality.
+        kind, kind_settings: the drafter kind and its settings (`dflash.drafter.kinds`);
+        is_causal: the top-level override of every layer's causality.
         """
         L = target_config.num_hidden_layers
         if target_layer_ids is None:
@@ -213,7 +141,8 @@ class DrafterConfig:
             layer_types=None if layer_types is None else list(layer_types),
             sliding_window=sliding_window,
             is_causal=is_causal,
-            dflash2=dflash2,
+            kind=kind,
+            kind_settings=kind_settings,
         )
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -231,7 +160,7 @@ class DrafterConfig:
         }
         sliding = SLIDING in self.layer_types
         out = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [drafter_kind(self.kind).architecture],
             "model_type": "qwen3",
             "dtype": self.dtype,
             "hidden_size": self.hidden_size,
@@ -265,12 +194,7 @@ class DrafterConfig:
         }
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
-        if self.dflash2 is not None:
-            # The release keeps every drafter setting in dflash_config (block_size included) and the
-            # official class reads it there first.
-            out["architectures"] = [DFLASH2]
-            out["dflash_config"] = {"block_size": out.pop("block_size"), **out["dflash_config"],
-                                    **self.dflash2.to_json_dict()}
+        drafter_kind(self.kind).write_config(self, out)
         return state_serving_fields(out, self)
 
     @staticmethod
@@ -303,7 +227,8 @@ class DrafterConfig:
         if block_size is None:
             raise ValueError("config.json lacks block_size")
         check_engine_agreement(d)
-        check_supported(d)
+        kind = kind_of_architectures(d.get("architectures"))
+        check_supported(d, kind.config_keys)
         layer_types = d.get("layer_types")
         sliding = bool(layer_types) and SLIDING in layer_types
         if d.get("attention_bias"):
@@ -341,7 +266,8 @@ class DrafterConfig:
             sliding_window=d.get("sliding_window") if sliding else None,
             # what the layer types give every layer anyway (as the export states it) reads as no override
             is_causal=_override(d.get("is_causal"), layer_types, d["num_hidden_layers"]),
-            dflash2=DFlash2Settings.from_json_dict(d) if d.get("architectures") == [DFLASH2] else None,
+            kind=kind.name,
+            kind_settings=kind.read_settings(d),
         )
 
     def to_qwen3_config(self):

@@ -28,8 +28,8 @@ from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import UserError
-from dflash.models.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
-from dflash.models.target_spec import SUPPORTED_MODEL_TYPES
+from dflash.target.spec import SUPPORTED_MODEL_TYPES
+from dflash.target.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,14 @@ optimizer step (all micro-batches, all ranks).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
-    from dflash.models.blocks import Blocks
+    from dflash.objective.blocks import Blocks
 
 DEFAULT_CHUNK_ROWS = 1024
 # Loss decay per block size from the paper; other block sizes must set gamma explicitly.
@@ -62,6 +63,16 @@ class LogitTerm:
     # A term that reads only a chunk's top-K (values, ids) and gold logits sets K here and takes them in
     # `head_chunk`: the pass may then run the fused head (`dflash.ops.head_topk`). None: it reads the logits.
     head_top_k: int | None = None
+    metric_names: tuple[str, ...] = ()  # the named sums its `finish` reports (`LossOutput.metrics`)
+    # the training options it reads (`dflash.drafter.kinds.Option`, section "loss"), by name: `build` takes them
+    options: dict = {}
+    weighs_blocks = False  # its weights need whole blocks: the loss's chunks hold whole blocks (`chunk_rows_for`)
+
+    @classmethod
+    def build(cls, weight: float, options, lm_head: torch.Tensor) -> LogitTerm:
+        """The term of `--loss` weight `weight`, with its `options` read from `options` (the run's loss
+        section, or any object with those attributes) and the lm_head it may share with the target."""
+        return cls(weight)
 
     def __init__(self, weight: float = 1.0):
         if not weight >= 0:
@@ -86,13 +97,22 @@ class LogitTerm:
         Modules it calls are called through their forward (so ZeRO-3 gathers their parameters)."""
         return Finished(hidden.new_zeros((), dtype=torch.float32))
 
+    def figures(self, sums: dict, blocks: float) -> dict:
+        """The figures of its named sums (`metric_names`, and `argmax_tau_sum` when it chose the drafts),
+        summed over micro-batches and ranks, of `blocks` blocks: what a step's or a walk's record adds."""
+        return {}
+
+    def words(self, record: dict) -> str:
+        """Its figures in the evaluation's line (after the walk's own)."""
+        return ""
+
 
 class Finished(NamedTuple):
     """What a term adds after the lm_head pass (`LogitTerm.finish`)."""
 
     loss_sum: torch.Tensor  # scalar float32, differentiable: added to the chunks' sums of the term
     metrics: dict[str, torch.Tensor] = {}  # named detached sums for `LossOutput.metrics`
-    # When the term's module chooses the drafts (a DFlash2 drafter's selector), what the acceptance
+    # When the term's module chooses the drafts (a candidate selector), what the acceptance
     # metrics read instead of the lm_head's argmax and softmax: per row whether its draft is the label
     # given the labels before it (rows,) bool, and log q_t(label) (rows, len(temperatures)).
     correct: torch.Tensor | None = None
@@ -173,7 +193,7 @@ HEAD_BACKEND = "auto"
 
 
 def fused_head(hidden: torch.Tensor, terms, temperatures) -> bool:
-    """Whether the pass runs the fused head: a term reads top-K and gold logits (DFlash2's selector) and
+    """Whether the pass runs the fused head: a term reads top-K and gold logits (a candidate selector) and
     none reads more; no temperatures."""
     from dflash.ops.common.backend import HAS_TRITON
 
@@ -223,8 +243,8 @@ def chunked_loss(hidden, lm_head_weight, labels, row_weights, chunk_rows=None, t
                  terms=(), logit_scale=1.0, softcap=None):
     """The objective's one chunked lm_head pass: ce_weight x weighted cross-entropy plus each term's
     weight x its sum (see `chunked_weighted_ce` for the arguments). The logits everything reads are
-    softcap tanh(logit_scale x raw / softcap) (softcap None: logit_scale x raw), as a DFlash2 drafter's
-    `output_multiplier` and `final_logit_softcapping` make them.
+    softcap tanh(logit_scale x raw / softcap) (softcap None: logit_scale x raw), as a drafter kind's logit
+    map makes them (`DrafterKind.logit_map`).
 
     Returns (loss_sum, preds, label_logprobs, parts): parts (1 + len(terms),) float32, the unweighted
     sums of the cross-entropy and of each term.
@@ -309,7 +329,7 @@ class LossOutput:
     tau_sum: torch.Tensor  # scalar float32: sum over blocks of the offline acceptance length
     slot_correct: torch.Tensor  # (B-1,) int64: argmax == label, per slot k = 1..B-1
     slot_count: torch.Tensor  # (B-1,) int64: scored labels per slot
-    hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk of dflash.models.acceptance)
+    hits: torch.Tensor  # (NB, B-1) bool: slot k of block j is valid and correct (the walk, dflash.decoding.acceptance)
     num_blocks: int
     num_skipped: int  # samples skipped for too few supervised tokens
     # unweighted sums of each part of the objective ("ce" and every term's name), detached scalars
@@ -323,6 +343,8 @@ class LossOutput:
     # when a term chooses the drafts (`Finished.correct`, so `hits` are its path's): the hits of the lm_head's
     # own argmax, (NB, B-1) bool, what the same backbone would accept drafting its argmax
     argmax_hits: torch.Tensor | None = None
+    # how the named sums of `metrics` become figures once summed (`BlockLoss.figures`)
+    figures: Callable[[dict, float], dict] | None = None
 
 
 def chunk_vocab_buffers(term_buffers: list[int], softcap: bool) -> int:
@@ -358,6 +380,18 @@ class BlockLoss:
             raise ValueError(f"loss parts must have distinct names, got {names}")
         if not self.ce_weight and not any(t.weight for t in self.terms):
             raise ValueError("the objective is empty: the cross-entropy weight is 0 and no term weighs anything")
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The named sums of `LossOutput.metrics` its terms report (the same on every rank)."""
+        return tuple(name for t in self.terms for name in t.metric_names)
+
+    def figures(self, sums: dict, blocks: float) -> dict:
+        """The terms' figures of the named sums over `blocks` blocks (`LogitTerm.figures`)."""
+        return {k: v for t in self.terms for k, v in t.figures(sums, blocks).items()}
+
+    def words(self, record: dict) -> str:
+        return "".join(t.words(record) for t in self.terms)
 
     @property
     def vocab_buffers(self) -> int:
@@ -410,4 +444,5 @@ class BlockLoss:
             parts=dict(zip(["ce"] + [t.name for t in self.terms], parts.unbind(), strict=True)),
             metrics=metrics,
             argmax_hits=argmax_hits,
+            figures=self.figures,
         )

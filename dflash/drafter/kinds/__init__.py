@@ -1,0 +1,147 @@
+"""Drafter kinds, one module each, found here by name (`--drafter-kind`) or by the `architectures` string
+of a `config.json`.
+
+A kind is a `DrafterKind` declaring everything that makes it differ from the others: its name and
+architecture, its options (config keys, released defaults, checks), the settings its `config.json`
+carries, its network (an `nn.Module` with the DFlash drafter's forward, `DFlashDrafter` or a subclass:
+its `propose` drafts a block at decoding, its `export_tensors` is what the export writes), its extra
+loss terms and logit map, and what it adds per block row to the memory plan and the FLOP cost. Its
+terms name and reduce its figures (`LogitTerm.figures`). The config, the plan, the trainer, the
+evaluator, sizing, decoding and the planning scripts ask this registry; none of them names a kind.
+
+The built-in kinds are listed in `BUILT_IN` by module, imported on first use, so that the modules the
+kinds build on (the drafter, its config) can ask the registry without importing any kind; a kind of
+one's own is `register`ed (its module calls it), after which it trains, exports and decodes as the
+built-in ones do.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple
+
+# name -> the module that defines it (its `KIND`): the registry's table
+BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2"}
+DEFAULT = "dflash"
+
+_registered: dict[str, DrafterKind] = {}
+
+
+class Option(NamedTuple):
+    """An option a kind adds to the training options: its section, default, `--help` text and, for a
+    number, the range it must lie in (`check`: (holds, what it must be))."""
+
+    section: str
+    default: Any
+    help: str
+    check: tuple | None = None
+
+
+class DrafterKind:
+    """The DFlash drafter's answers; a kind overrides what it changes."""
+
+    name = DEFAULT
+    title = "DFlash"  # how messages name it
+    architecture = "DFlashDraftModel"  # config.json's architectures
+    summary = "the DFlash drafter"  # its line in --drafter-kind's help
+    options: dict[str, Option] = {}  # training options only this kind reads, by name
+    config_keys: tuple[str, ...] = ()  # config.json keys it computes that a DFlash drafter would refuse
+    # the layers a new drafter of this kind gets when --drafter-layer-types is not given (None: all full)
+    released_layer_type: str | None = None
+    released_window: int | None = None
+    released_is_causal: bool | None = None
+    may_softcap = False  # its logits may pass a softcap: one more chunk x vocab buffer in the loss
+    # its own terms read only a chunk's top-K and gold logits: alone, they run the fused head on a GPU
+    # (`dflash.objective.loss.fused_head`), which keeps the chunk's logits in the compute dtype alone
+    fused_head = False
+
+    network: type  # the module a config of this kind builds (`DFlashDrafter` or a subclass)
+
+    def option(self, options, name: str):
+        """The value of the kind's own option `name` in a section (`options`), its default where the section
+        has none (a kind registered after the training options were built)."""
+        return getattr(options, name, self.options[name].default)
+
+    def released_settings(self) -> Any:
+        """`DrafterConfig.kind_settings` of a new drafter of this kind (None: none)."""
+        return None
+
+    def read_settings(self, d: dict) -> Any:
+        """The kind's settings from a config.json (raises ValueError naming a missing key)."""
+        return None
+
+    def write_config(self, config, out: dict) -> None:
+        """Add the kind's settings to the config.json `out` of `config` (in place)."""
+
+    def check_sizes(self, settings, hidden_size: int, vocab_size: int) -> None:
+        """Raise ValueError naming the setting of `settings` that a target of these sizes cannot take."""
+
+    def check_settings(self, config) -> None:
+        """Raise ValueError naming the config.json key of `config` the engines would not serve."""
+        if config.kind_settings is not None:
+            raise ValueError(f"a {self.title} drafter has no settings of its own, got {config.kind_settings!r}")
+
+    def terms(self, drafter, loss_options) -> list:
+        """The kind's own `LogitTerm`s for `drafter` (`loss_options`: the run's loss section)."""
+        return []
+
+    def logit_map(self, config) -> tuple[float, float | None]:
+        """(scale, softcap) of the drafter's logits: softcap tanh(scale raw / softcap)."""
+        return 1.0, None
+
+    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
+        """FLOPs per block row in training it adds to the DFlash drafter's, forward and backward."""
+        return 0.0
+
+    def memory_sizes(self, settings, target_config) -> dict:
+        """`DrafterSizes` fields the memory plan prices beside the DFlash drafter's."""
+        return {}
+
+
+def register(kind: DrafterKind) -> DrafterKind:
+    """Make `kind` known by its name and architecture (a name or architecture taken is refused)."""
+    for other in _registered.values():
+        if other is not kind and (other.name == kind.name or other.architecture == kind.architecture):
+            raise ValueError(f"drafter kind {kind.name!r} ({kind.architecture}) clashes with {other.name!r} "
+                             f"({other.architecture})")
+    _registered[kind.name] = kind
+    return kind
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    """The kind of `--drafter-kind` `name` (raises ValueError naming the kinds)."""
+    if name not in _registered and name in BUILT_IN:
+        register(importlib.import_module(BUILT_IN[name]).KIND)
+    if name not in _registered:
+        raise ValueError(f"unknown drafter kind {name!r} (known: {', '.join(kind_names())})")
+    return _registered[name]
+
+
+def all_kinds() -> list[DrafterKind]:
+    """Every kind: the built-in ones, then those registered since."""
+    for name in BUILT_IN:
+        drafter_kind(name)
+    return list(_registered.values())
+
+
+def kind_names() -> tuple[str, ...]:
+    return (*BUILT_IN, *(n for n in _registered if n not in BUILT_IN))
+
+
+def architectures() -> tuple[str, ...]:
+    return tuple(k.architecture for k in all_kinds())
+
+
+def kind_of_architectures(architectures_field) -> DrafterKind:
+    """The kind of a config.json's `architectures` (absent: DFlash); raises ValueError for another."""
+    if architectures_field is None:
+        return drafter_kind(DEFAULT)
+    for kind in all_kinds():
+        if list(architectures_field) == [kind.architecture]:
+            return kind
+    known = architectures()
+    raise ValueError(f"architectures is {architectures_field}; this trains {' and '.join(known)} drafters only")
+
+
+def kind_options() -> dict[str, tuple[DrafterKind, Option]]:
+    """Every kind's own options by name."""
+    return {name: (kind, option) for kind in all_kinds() for name, option in kind.options.items()}
