@@ -8,9 +8,8 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from dflash.distributed.ranks import free_port
+from dflash import testing
 from dflash.errors import UserError
 from dflash.target.spec import load_target_spec
 from dflash.training.checkpoint import Checkpointer
@@ -22,15 +21,10 @@ from ..models.checkpoint_helpers import make_drafter
 
 @pytest.fixture(scope="module")
 def one_rank():
-    """A one-rank gloo process group, as the trainer has under the launcher."""
-    if dist.is_initialized():
+    """A one-rank gloo process group, as the trainer has under the launcher (a CLI main tested here exits
+    through exit_with_error, which takes it down: `testing.one_rank` destroys only a group still there)."""
+    with testing.one_rank():
         yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1)
-    yield
-    if dist.is_initialized():  # a CLI main tested here exits through exit_with_error, which takes it down
-        dist.destroy_process_group()
 
 
 class FileEngine:
