@@ -31,7 +31,7 @@ ds_config = with_optimizer(load_ds_config(f"ds_configs/zero{sys.argv[1]}.json", 
                                           bf16=False),
                            o.optimizer, lr=o.lr, muon_lr=o.muon_lr, momentum=o.muon_momentum,
                            weight_decay=o.weight_decay, named="test")
-engine, optimizer, _ = engine_for(drafter, ds_config, cfg, 10, "cpu")
+engine, optimizer, _ = engine_for(drafter, ds_config, cfg.optim, 10, "cpu")
 names = {id(p): n for n, p in drafter.named_parameters()}
 inner = optimizer.optimizer  # ZeRO's wrapper around DeepSpeed's MuonWithAuxAdam
 # ZeRO hands the inner optimizer flat partitions; its groups of the model's own tensors are aligned with them

@@ -18,6 +18,7 @@ from dflash.distributed.process_group import init_distributed  # noqa: E402
 from dflash.models import DFlashDrafter  # noqa: E402
 from dflash.target.spec import load_target_spec  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
+from dflash.training.data import chat_data  # noqa: E402
 from dflash.training.models import load_train_target  # noqa: E402
 from dflash.training.trainer import Trainer  # noqa: E402
 
@@ -30,7 +31,7 @@ cfg_args = ["--target", gguf, "--data", data, "--mask-token", "<empty_output>", 
             "--dtype", "fp32", "--num-workers", "0", "--no-progress"]
 cfg = load_config([*cfg_args, "--output-dir", str(out)])
 spec = load_target_spec(gguf)
-target = load_train_target(cfg, spec, torch.device("cpu"), torch.float32)
+target = load_train_target(spec, torch.device("cpu"), torch.float32, cfg.drafter, cfg.device, chat_data(cfg.inputs))
 report = {"layers": spec.num_layers, "vocab": spec.embedding_rows, "rows": target.model.num_embedding_rows,
           "tied": target.model.shared_weights().embed is target.model.shared_weights().lm_head,
           "mask_id": target.mask_id, "mask_token_id": target.tokenizer.convert_tokens_to_ids("<empty_output>"),

@@ -284,7 +284,8 @@ def test_bad_training_input_is_a_clear_error_without_traceback(case, tiny_run_in
     if case == "missing data":
         flags["--data"], message = tmp_path / "nope.jsonl", f"--data {tmp_path / 'nope.jsonl'}: no such file"
     elif case == "missing target":
-        flags["--target"], message = tmp_path / "nope", f"--target {tmp_path / 'nope'}: not a Hugging Face model"
+        flags["--target"] = tmp_path / "nope"
+        message = f"--target {tmp_path / 'nope'}: no such folder or file, and not a Hugging Face Hub id"
     elif case == "no tokenizer":  # transformers would load an empty tokenizer, and the mask token get id 1
         flags["--target"] = tmp_path / "bare"
         shutil.copytree(target, flags["--target"], ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))

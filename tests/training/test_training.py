@@ -186,7 +186,7 @@ BAD_OPTIONS = [
     (["--target-partition", "zero2"], "--target-partition: must be one of none, zero3, got 'zero2'"),
     (["--target-offload"], "--target-offload: offloads the partitions of --target-partition zero3; add it, or drop "
                            "--target-offload"),
-    (["--memory-gib", "-1"], "--memory-gib: must be >= 0 (0: the GPU's own), got -1.0"),
+    (["--memory-gib", "-1"], "--memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got -1.0"),
     (["--drafter-layer-types", "sliding,dense"], "--drafter-layer-types: 'dense' is not sliding or full (expected a "
                                                  "comma-separated list, got 'sliding,dense')"),
     (["--drafter-layer-types", "sliding,full,full"], "--drafter-layer-types: gives 3 types for 2 drafter layers "
