@@ -234,17 +234,18 @@ def test_train_py_trains_on_a_parquet_file_with_its_messages_field(tmp_path):
     folder as the JSONL would be, and trained."""
     from transformers import AutoTokenizer
 
-    from ..training.conftest import make_conversations, make_tiny_target, train_one_rank
+    from dflash.testing import train_in_process
+
+    from ..training.conftest import make_conversations, make_tiny_target
 
     target, data = make_tiny_target(tmp_path / "target"), make_conversations(tmp_path / "data.jsonl")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     src = tmp_path / "conv.parquet"
     dataset([{"dialog": r["messages"]} for r in rows]).to_parquet(src)
-    proc = train_one_rank("--target", target, "--data", src, "--output-dir", tmp_path / "run", "--token-budget", 1024,
-                          "--step-tokens", 1500, "--num-anchors", 8, "--draft-layers", 1, "--num-target-features", 2,
-                          "--max-steps", 1, "--no-progress", "--num-workers", 0, "--dtype", "fp32", "--no-export",
-                          "--eval-every", 0, "--speculate-turns", 0, "--messages-field", "dialog")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train_in_process(["--target", target, "--data", src, "--output-dir", tmp_path / "run", "--token-budget", 1024,
+                      "--step-tokens", 1500, "--num-anchors", 8, "--draft-layers", 1, "--num-target-features", 2,
+                      "--max-steps", 1, "--no-progress", "--num-workers", 0, "--dtype", "fp32", "--no-export",
+                      "--eval-every", 0, "--speculate-turns", 0, "--messages-field", "dialog"])
     store = TokenStore(tmp_path / "run" / "data")
     assert store.meta["input_format"] == "parquet" and store.meta["settings"]["messages_field"] == "dialog"
     want = prepare_jsonl(data, AutoTokenizer.from_pretrained(str(target)), tmp_path / "want", progress=False,

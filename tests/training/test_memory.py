@@ -25,7 +25,7 @@ from dflash.sizing.memory import (
 )
 from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 from dflash.target.spec import load_target_spec
-from dflash.testing import tiny_qwen3_config
+from dflash.testing import tiny_qwen3_config, train_in_process
 from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
 from dflash.training.plan import loss_setup
@@ -232,13 +232,14 @@ def test_the_anchor_ceiling_is_the_most_anchors_that_fit_and_more_are_refused_na
 def test_train_refuses_a_run_that_cannot_fit_before_loading_anything(tiny_run_inputs, tmp_path):
     target, data = tiny_run_inputs
     out = tmp_path / "run"
-    proc = train_one_rank(*tiny_train_args(target, data, out, "--memory-gib", 2.2), timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    with pytest.raises(UserError) as refused:
+        train_in_process(tiny_train_args(target, data, out, "--memory-gib", 2.2))
     # 2.2 GiB leave 0.09 GiB for tensors: ZeRO-2's 2 x 5e7-element buckets (ds_configs/zero2.json) do not fit
-    assert "error: memory plan: this run needs about" in proc.stderr and "--memory-gib" in proc.stderr
-    assert "it would fit with: --deepspeed_config ds_configs/zero3.json" in proc.stderr
-    assert "nothing was loaded" in proc.stderr
-    assert not out.exists() and "Traceback" not in proc.stderr  # not even the run folder was claimed
+    message = str(refused.value)
+    assert message.startswith("memory plan: this run needs about") and "--memory-gib" in message
+    assert "it would fit with: --deepspeed_config ds_configs/zero3.json" in message
+    assert "nothing was loaded" in message
+    assert not out.exists()  # not even the run folder was claimed
 
 
 def test_plan_memory_compares_the_target_replicated_and_partitioned(capsys):
@@ -305,10 +306,9 @@ def test_an_unsupported_family_is_refused_before_any_plan(tiny_run_inputs, tmp_p
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --target {tmp_path / 'gpt2'}: {refusal}"], proc.stderr[-2000:]
     out = tmp_path / "run"
-    proc = train_one_rank(*tiny_train_args(tmp_path / "gpt2", tiny_run_inputs[1], out), timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"error: --target {tmp_path / 'gpt2'}: {refusal}" in proc.stderr.splitlines()
-    assert "Traceback" not in proc.stderr and not out.exists()
+    with pytest.raises(UserError) as refused:
+        train_in_process(tiny_train_args(tmp_path / "gpt2", tiny_run_inputs[1], out))
+    assert str(refused.value) == f"--target {tmp_path / 'gpt2'}: {refusal}" and not out.exists()
 
 
 @pytest.mark.slow
