@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Plot a training run: loss and acceptance length tau against the step, train and held out.
+"""Plot a training run: loss and acceptance length tau against the step (or the training time),
+train and held out.
 
-  python launch/plot_metrics.py runs/demo [--output runs/demo/curves.png]
+  python launch/plot_metrics.py runs/demo [--output runs/demo/curves.png] [--x seconds]
 
 Reads RUN/metrics.jsonl (written by launch/train.py) and writes a PNG with two panels. Steps
 skipped for non-finite values leave gaps.
@@ -20,13 +21,16 @@ def main(argv=None):
     p.add_argument("run", help="the output dir of launch/train.py")
     p.add_argument("--output", default="", help="PNG to write (default: RUN/curves.png)")
     p.add_argument("--title", default="", help="figure title (default: the run folder)")
+    p.add_argument("--x", choices=("step", "seconds"), default="step",
+                   help="the x axis: the optimizer step, or the training time so far (the steps' own seconds, "
+                        "evaluations left out; drawn in minutes)")
     args = p.parse_args(argv)
     run = Path(args.run)
     records = read_records(run)
     if not any(r["kind"] == "train" for r in records):
         raise UserError(f"{run / 'metrics.jsonl'}: no training records yet")
     output = Path(args.output or run / "curves.png")
-    plot_curves(records, output, args.title or str(run))
+    plot_curves(records, output, args.title or str(run), x=args.x)
     print(f"wrote {output}")
 
 

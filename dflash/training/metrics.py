@@ -122,10 +122,24 @@ def tau_at_words(record: dict) -> list[str]:
     return words
 
 
-def plot_curves(records: list[dict], output: Path, title: str) -> None:
-    """Loss and acceptance against the step, training records and held-out evaluations, as a PNG:
-    the walk tau of the evaluations (what greedy decoding reaches) and tau@T (the expected acceptance
-    of speculative sampling at T) beside the anchor tau of both."""
+def training_seconds(records: list[dict]) -> dict[int, float]:
+    """Each step's training time so far (the steps' own seconds summed, evaluations left out)."""
+    total, at = 0.0, {}
+    for r in records:
+        if r["kind"] == "train":
+            total += r.get("step_seconds") or 0.0
+            at[r["step"]] = total
+    return at
+
+
+def plot_curves(records: list[dict], output: Path, title: str, x: str = "step") -> None:
+    """Loss and acceptance against the step (x="seconds": the training time so far), training
+    records and held-out evaluations, as a PNG: the walk tau of the evaluations (what greedy
+    decoding reaches) and tau@T (the expected acceptance of speculative sampling at T) beside the
+    anchor tau of both."""
+    if x not in ("step", "seconds"):
+        raise ValueError(f"x must be step or seconds, got {x!r}")
+    seconds = training_seconds(records)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,15 +154,15 @@ def plot_curves(records: list[dict], output: Path, title: str) -> None:
                  for key in sampled_tau_keys(records)]}
     for ax, (ylabel, lines) in zip(axes, curves.items(), strict=True):
         for kind, key, style, label in lines:
-            rows = [r for r in records if r["kind"] == kind and key in r]
-            x = [r["step"] for r in rows]
+            rows = [r for r in records if r["kind"] == kind and key in r and (x == "step" or r["step"] in seconds)]
+            xs = [r["step"] if x == "step" else seconds[r["step"]] / 60 for r in rows]
             y = [float("nan") if r[key] is None else r[key] for r in rows]
             err = [r.get(key + "_stderr") for r in rows]
             if any(e is not None for e in err):  # tau@T with its standard error over turns
-                ax.errorbar(x, y, yerr=[0.0 if e is None else e for e in err], fmt=style, capsize=3, label=label)
+                ax.errorbar(xs, y, yerr=[0.0 if e is None else e for e in err], fmt=style, capsize=3, label=label)
             else:
-                ax.plot(x, y, style, label=label, alpha=0.6 if kind == "train" else 1.0)
-        ax.set_xlabel("optimizer step")
+                ax.plot(xs, y, style, label=label, alpha=0.6 if kind == "train" else 1.0)
+        ax.set_xlabel("optimizer step" if x == "step" else "training time, minutes (evaluations left out)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()

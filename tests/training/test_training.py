@@ -271,11 +271,11 @@ def test_config_file_values_are_read_as_the_option_types(tmp_path):
 
 
 def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
-    from dflash.training.metrics import plot_curves, read_records, sampled_tau_keys, tau_at_words
+    from dflash.training.metrics import plot_curves, read_records, sampled_tau_keys, tau_at_words, training_seconds
 
     writer = MetricsWriter(tmp_path, enabled=True)
     for step in (1, 2, 3):
-        writer.write("train", step, {"loss": 3.0 / step, "anchor_tau": 1.0 + step / 10})
+        writer.write("train", step, {"loss": 3.0 / step, "anchor_tau": 1.0 + step / 10, "step_seconds": 1.5 * step})
     writer.write("eval", 2, {"loss": 2.5, "tau": 1.1, "tau@0": 1.1, "tau@0.7": 1.08, "tau@0.7_stderr": None,
                              "tau@1": 1.05, "tau@1_stderr": 0.02})
     writer.write("train", 4, {"loss": float("nan"), "anchor_tau": 1.0})  # a skipped step: strict JSON null
@@ -287,6 +287,9 @@ def test_metrics_are_cut_back_to_the_resumed_step_and_plotted(tmp_path):
     assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
     plot_curves(records + [{"kind": "train", "step": 3, "loss": None, "anchor_tau": None}], tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert training_seconds(records) == {1: 1.5, 2: 4.5}  # the cut step's seconds are gone with it
+    plot_curves(records, tmp_path / "s.png", "t", x="seconds")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
     assert sampled_tau_keys(records) == ["tau@0.7", "tau@1"]  # a curve each (with error bars), beside tau
     assert tau_at_words(records[-1]) == ["tau@0.7 1.080", "tau@1 1.050 +- 0.020"]
 
