@@ -161,7 +161,8 @@ def test_decoding_block_by_block_equals_the_packed_training_forward():
             for a in range(n):
                 new = feats[cu[s] + cache.length:cu[s] + a]
                 got = drafter.draft_hidden(cache, new, int(batch.input_ids[cu[s] + a]))
-                torch.testing.assert_close(got, training[cu[s] + a], rtol=1e-5, atol=1e-5)
+                # states reach about 3; the two paths sum in different orders (fp32): ~4e-6 of that apart
+                torch.testing.assert_close(got, training[cu[s] + a], rtol=1e-5, atol=4e-5)
 
 
 def test_a_new_dflash2_drafter_computes_what_the_dflash_drafter_of_its_seed_does():
