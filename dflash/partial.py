@@ -107,20 +107,23 @@ def try_lock(path: Path) -> tuple[int | None, str]:
 
 
 class OutputLock:
-    """An exclusive lock on an output (a file or a folder) for the life of its writer (`.NAME.lock`
-    beside it, holding pid@host), taken before any work: two writers never write one output, the
-    second stops at once naming the first. The lock file goes when the writer ends; a killed
-    writer's lock is released with its process (`flock`)."""
+    """An exclusive lock on an output (a file or a folder) for the life of its writer, taken before
+    any work: two writers never write one output, the second stops at once naming the first. The
+    one lock of every writer (train, prepare, capture, regenerate, build_real_bench). The lock file
+    holds pid@host: `.NAME.lock` beside the output, or with `inside` (a folder that stays, as a run
+    folder) `.dflash.lock` in it. The lock file goes when the writer ends; a killed writer's lock
+    is released with its process (`flock`)."""
 
-    def __init__(self, output: Path, *, flag: str = "--output", what: str = "run"):
+    def __init__(self, output: Path, *, flag: str = "--output", what: str = "run", inside: bool = False):
         self.output, self.flag, self.what = Path(output), flag, what
-        self.path = self.output.with_name(f".{self.output.name}.lock")
+        self.path = self.output / ".dflash.lock" if inside else self.output.with_name(f".{self.output.name}.lock")
         self._fd = None
 
     def _cannot_write(self, err: OSError):
         from dflash.errors import UserError, os_reason
 
-        return UserError(f"{self.flag} {self.output}: cannot write in {self.path.parent} ({os_reason(err)})")
+        return UserError(f"{self.flag} {self.output}: cannot write in {self.path.parent} ({os_reason(err)}); "
+                         f"choose another {self.flag}")
 
     def __enter__(self):
         from dflash.errors import UserError
@@ -147,5 +150,8 @@ class OutputLock:
         return self
 
     def __exit__(self, *exc):
+        if self._fd is None:
+            return
         self.path.unlink(missing_ok=True)  # still locked: whoever opens it now fails, or finds it gone
         os.close(self._fd)
+        self._fd = None

@@ -1,20 +1,23 @@
 """A run folder belongs to one run at a time, and dflash deletes in it only what it wrote.
 
-Rank 0 holds an exclusive lock on `<output_dir>/.dflash.lock` for the life of the run, so a
-second run into the same folder stops at once instead of overwriting the first one's files. A
-fresh run into a folder that holds a previous run is refused unless told: `--resume` continues
-it, `--overwrite` first deletes what a run writes (the entries below) and nothing else. The
-on-the-fly token store `data/` is kept: it carries fingerprints and is rebuilt if they differ.
+Rank 0 holds an exclusive lock on `<output_dir>/.dflash.lock` (`dflash.partial.OutputLock`, the
+lock of every writer) for the life of the run, so a second run into the same folder stops at
+once instead of overwriting the first one's files. The first run in a folder marks it as a run
+folder (`dflash.folders.WRITER_MARK`). A fresh run into a folder that holds a previous run is
+refused unless told: `--resume` continues it, `--overwrite` first deletes what a run writes (the
+entries below) and nothing else, and only in a marked folder that holds nothing else. A folder
+whose files have a run's names but no mark (the user's own `config.json`, a model's) is refused
+whatever the options. The on-the-fly token store `data/` is kept: it carries fingerprints and is
+rebuilt if they differ.
 """
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.errors import UserError, os_reason
-from dflash.partial import try_lock
+from dflash.folders import check_apart, check_own_folder, delete_own, mark_folder
+from dflash.partial import OutputLock
 
 LOCK = ".dflash.lock"
 SAMPLES = "samples.rank{}.jsonl"  # --sample-log, one per rank
@@ -47,12 +50,21 @@ class RunPaths:
 
 # what a run writes in its folder, and so what --overwrite may delete
 RUN_ENTRIES = tuple(getattr(RunPaths(Path()), name).name
-                    for name in ("config", "metrics", "curves", "checkpoints", "tensorboard", "drafter", "eval_turns"))
+                    for name in ("config", "metrics", "curves", "checkpoints", "tensorboard", "drafter", "eval_turns",
+                                 "speculate"))
 RUN_PATTERNS = (SAMPLES.format("*"),)
+WRITER = "launch/train.py"  # the run folder's mark
+
+
+def run_entry(name: str) -> bool:
+    """Whether a run writes an entry of this name in its folder (its token store `data/` included)."""
+    from fnmatch import fnmatch
+
+    return name in RUN_ENTRIES or name == RunPaths(Path()).store.name or any(fnmatch(name, p) for p in RUN_PATTERNS)
 
 
 def run_entries(output_dir: Path) -> list[Path]:
-    """The files and folders of a previous run in `output_dir`."""
+    """The files and folders of a previous run in `output_dir` (what --overwrite deletes: the store is kept)."""
     found = [output_dir / name for name in RUN_ENTRIES if (output_dir / name).exists()]
     for pattern in RUN_PATTERNS:
         found += sorted(output_dir.glob(pattern))
@@ -83,67 +95,43 @@ def foreign_drafter(output_dir: Path) -> None:
                         "--output-dir")
 
 
-def _within(path: Path, entry: Path) -> bool:
-    """Whether `path` is `entry` or lies inside it (links resolved)."""
-    path, entry = path.resolve(), entry.resolve()
-    return path == entry or entry in path.parents
-
-
 class RunFolder:
     """The lock on a run folder (rank 0 only), released when the process ends."""
 
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir)
-        self._fd = None
+        self._lock = OutputLock(self.path, flag="--output-dir", what="run", inside=True)
 
     def lock(self) -> None:
         make_run_folder(self.path)
-        try:
-            fd, holder = try_lock(self.path / LOCK)
-        except OSError as err:
-            raise UserError(f"--output-dir {self.path}: cannot write in the folder ({os_reason(err)}); choose "
-                            "another --output-dir") from None
-        if fd is None:
-            raise UserError(f"--output-dir {self.path}: another run is using this folder (process {holder}); "
-                            "wait for it to end, or choose another --output-dir")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}@{os.uname().nodename}\n".encode())
-        self._fd = fd  # held open: the lock lasts as long as the process
+        self._lock.__enter__()  # held: the lock lasts as long as the process, or until `release`
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._lock.__exit__()
 
     def claim(self, *, resume: bool, overwrite: bool, reads: dict | None = None) -> None:
-        """Lock the folder and refuse a fresh run over a previous one unless told; with
-        `overwrite`, delete the previous run's entries first (and only those), but never one that
-        holds or lies in what the run reads (`reads`: flag -> path, e.g. --init-drafter RUN/drafter).
-        A `drafter/` folder that is not an export is refused first: no option makes it the run's to
-        replace."""
+        """Lock the folder and refuse a fresh run over a previous one unless told; with `overwrite`,
+        delete the previous run's entries first (and only those, in a folder marked as a run's that
+        holds nothing else). The folder is never what the run reads, nor in it or holding it (`reads`:
+        flag -> path, e.g. --init-drafter RUN/drafter). A `drafter/` folder that is not an export is
+        refused first: no option makes it the run's to replace."""
+        check_apart(self.path, reads or {}, "--output-dir")  # before the lock makes the folder
         self.lock()
         try:
-            foreign_drafter(self.path)
-        except UserError:
+            self._check(resume=resume, overwrite=overwrite)
+            mark_folder(self.path, WRITER)
+        except BaseException:
             self.release()
             raise
+
+    def _check(self, *, resume: bool, overwrite: bool) -> None:
+        check_own_folder(self.path, writer=WRITER, owned=run_entry, flag="--output-dir")
+        foreign_drafter(self.path)
         previous = run_entries(self.path)
         if not previous or resume:
             return
-        names = ", ".join(p.name for p in previous)
         if not overwrite:
-            self.release()
-            raise UserError(f"--output-dir {self.path}: holds a previous run ({names}); continue it with --resume, "
-                            "start over with --overwrite (deletes these and nothing else), or choose another folder")
-        for p in previous:
-            for flag, path in (reads or {}).items():
-                if _within(Path(path), p):
-                    self.release()
-                    raise UserError(f"--overwrite would delete {p}, and the run reads {flag} {path} from it: "
-                                    f"copy {path} out of --output-dir {self.path} first, or choose another "
-                                    "--output-dir")
-        for p in previous:
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+            raise UserError(f"--output-dir {self.path}: holds a previous run ({', '.join(p.name for p in previous)}); "
+                            "continue it with --resume, start over with --overwrite (deletes these and nothing "
+                            "else), or choose another folder")
+        delete_own(self.path, previous, run_entry, "--output-dir")

@@ -149,8 +149,7 @@ class Trainer:
         """Rank 0: lock the run folder and, for --resume, refuse options that would train another
         drafter than the checkpoint's, before anything loads."""
         cfg = self.cfg
-        reads = {**input_paths(cfg), **({"--init-drafter": Path(cfg.drafter.init_drafter)}
-                                        if cfg.drafter.init_drafter else {})}
+        reads = {**input_paths(cfg), "--init-drafter": cfg.drafter.init_drafter, "--features": cfg.inputs.features}
 
         def settings_of(options: dict) -> dict:  # a checkpoint of an older dflash: its options, the target by path
             old = cfg.replace(**{k: v for k, v in options.items() if k in OPTIONS})

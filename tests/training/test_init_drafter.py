@@ -154,6 +154,7 @@ def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
     from types import SimpleNamespace
 
     from dflash.distributed.run_folder import RunFolder
+    from dflash.folders import mark_folder
     from dflash.training.checkpoint import Checkpointer
     from dflash.training.trainer import Trainer
 
@@ -166,8 +167,9 @@ def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
                               drafter_settings={})
     with pytest.raises(UserError) as err:
         Trainer._claim(trainer)
-    assert str(err.value) == (f"--overwrite would delete {folder}, and the run reads --init-drafter {folder} from "
-                              f"it: copy {folder} out of --output-dir {run} first, or choose another --output-dir")
+    assert str(err.value) == (f"--output-dir {run}: holds --init-drafter {folder}, which this command reads; what "
+                              "dflash writes stays apart from what it reads: choose another --output-dir")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert (run / "metrics.jsonl").is_file(), "a refused overwrite deletes nothing"
-    RunFolder(run).claim(resume=False, overwrite=True)  # the lock was released
+    mark_folder(run, "launch/train.py")  # a run's folder: only the lock could refuse a resume
+    RunFolder(run).claim(resume=True, overwrite=False)  # the lock was released

@@ -166,7 +166,7 @@ def test_a_run_folder_is_locked_and_a_used_one_refused_unless_resumed_or_overwri
     run = tmp_path / "run"
     first = RunFolder(run)
     first.claim(resume=False, overwrite=False)
-    with pytest.raises(UserError, match=rf"another run is using this folder \(process {os.getpid()}@"):
+    with pytest.raises(UserError, match=rf"--output-dir {run}: another run is writing it \(process {os.getpid()}@"):
         RunFolder(run).claim(resume=False, overwrite=False)
     first.release()  # the first run ends
     for name in ("config.json", "metrics.jsonl", "samples.rank0.jsonl", "notes.txt"):
@@ -190,8 +190,55 @@ def test_a_run_folder_is_locked_and_a_used_one_refused_unless_resumed_or_overwri
     resumed.claim(resume=True, overwrite=False)
     resumed.release()
     assert (run / "checkpoints" / "step-00000006").is_dir(), "a resume keeps everything"
+    # --overwrite deletes only in a folder that holds nothing but what runs write
+    with pytest.raises(UserError, match=rf"--output-dir {run}: --overwrite deletes only what dflash wrote, and the "
+                                        r"folder also holds mine, notes.txt: move those away"):
+        RunFolder(run).claim(resume=False, overwrite=True)
+    assert (run / "checkpoints" / "step-00000006").is_dir(), "a refused overwrite deletes nothing"
+    for name in ("mine", "notes.txt"):
+        (run / name).rename(tmp_path / name)
     RunFolder(run).claim(resume=False, overwrite=True)
-    assert sorted(p.name for p in run.iterdir()) == [".dflash.lock", "data", "mine", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [".dflash.lock", ".dflash_writer.json", "data"]
+
+
+def test_overwrite_deletes_only_in_a_folder_dflash_marked_and_never_an_input(tmp_path):
+    """The user's own config.json and metrics.jsonl (no mark) are a previous run to no option: refused
+    naming them, deleted by nothing; --output-dir set to the target's folder is refused before anything
+    is deleted (it used to delete the target's config.json)."""
+    from types import SimpleNamespace
+
+    from dflash.distributed.run_folder import RunFolder
+    from dflash.training.checkpoint import Checkpointer
+    from dflash.training.config import load_config
+    from dflash.training.trainer import Trainer
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    files = {"config.json": b'{"lr": 1}\n', "metrics.jsonl": b'{"step": 1}\n'}
+    for name, data in files.items():
+        (mine / name).write_bytes(data)
+    for resume, overwrite in ((False, False), (False, True), (True, False)):
+        with pytest.raises(UserError) as err:
+            RunFolder(mine).claim(resume=resume, overwrite=overwrite)
+        assert str(err.value) == (f"--output-dir {mine}: holds config.json, metrics.jsonl, which launch/train.py "
+                                  "did not write (the folder has no .dflash_writer.json of it); dflash replaces and "
+                                  "deletes only what it wrote: move them away, or choose another --output-dir")
+        assert "previous run" not in str(err.value)
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == files
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "qwen3"}\n')
+    for out in (target, target / "run"):
+        cfg = load_config(["--target", str(target), "--output-dir", str(out), "--overwrite"])
+        trainer = SimpleNamespace(cfg=cfg, run_folder=RunFolder(out), checkpointer=Checkpointer(out, keep=1),
+                                  drafter_settings={})
+        with pytest.raises(UserError) as err:
+            Trainer._claim(trainer)
+        relation = "is" if out == target else "lies inside"
+        assert str(err.value) == (f"--output-dir {out}: {relation} --target {target}, which this command reads; what "
+                                  "dflash writes stays apart from what it reads: choose another --output-dir")
+    assert sorted(p.name for p in target.iterdir()) == ["config.json"], "nothing written, nothing deleted"
 
 
 def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(tmp_path, monkeypatch):
