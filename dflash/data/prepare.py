@@ -23,6 +23,7 @@ from dflash.data.token_store import (
 )
 from dflash.data.tokenizing import load_tokenizer, tokenized
 from dflash.errors import UserError, disk_full, free_space, os_reason
+from dflash.folders import check_apart, folder_entries
 from dflash.partial import OutputLock, partial_folder
 
 OVERLONG = ("truncate", "drop", "error")
@@ -121,12 +122,19 @@ def refuse_changed_store(store_dir: Path, diffs: list[str]) -> None:
                         "start a new run (--overwrite or another --output-dir)")
 
 
-def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag: str = "--output") -> None:
+STORE_FILES = (STORE_META, "dataset_info.json", "state.json", "data-*.arrow")  # what a store holds
+
+
+def _store_file(name: str) -> bool:
+    from fnmatch import fnmatch
+
+    return any(fnmatch(name, pattern) for pattern in STORE_FILES)
+
+
+def check_replaceable(output_dir: Path, overwrite: bool, flag: str = "--output") -> None:
     """Refuse to write the store where it would delete anything dflash did not create: only an
-    empty folder or a token store (marked by its meta file) is replaced, never the input."""
-    if output_dir.resolve() == input_path.resolve() or output_dir.resolve() in input_path.resolve().parents:
-        raise UserError(f"{flag} {output_dir}: the input {input_path} lies inside it and would be deleted; "
-                        "choose another folder")
+    empty folder or a token store (marked by its meta file) holding nothing else is replaced (what
+    the preparation reads is kept apart before: `prepare_jsonl`)."""
     if not output_dir.exists():
         return
     if not output_dir.is_dir():
@@ -136,6 +144,11 @@ def check_replaceable(output_dir: Path, input_path: Path, overwrite: bool, flag:
                         "replaces only folders it made: choose another folder, or move its contents away")
     if not overwrite:
         raise UserError(f"{flag} {output_dir} already exists; choose another folder or pass --overwrite")
+    _, others = folder_entries(output_dir, _store_file)
+    if others:
+        raise UserError(f"{flag} {output_dir}: --overwrite replaces only what dflash wrote, and the store also holds "
+                        f"{', '.join(p.name for p in others)}: move those away (or choose another folder); nothing "
+                        "was deleted")
 
 
 def _check_arguments(max_length: int | None, overlong: str, num_proc: int | None) -> None:
@@ -195,7 +208,7 @@ def _count_and_fingerprint(source: Source) -> tuple[int | None, dict]:
 def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None = None,
                   overlong: str = "truncate", skip_bad: bool = False, overwrite: bool = False,
                   progress: bool = True, flag: str = "--output", messages_field: str | None = None,
-                  num_proc: int | None = None, split: str | None = None) -> PrepareSummary:
+                  num_proc: int | None = None, split: str | None = None, input_flag: str = "--input") -> PrepareSummary:
     """Tokenize the conversations at `input_path` (any format of `dflash.data.sources`: JSONL,
     JSON, parquet, Arrow, a folder of parquet shards or a `save_to_disk` folder) into a token
     store at `output_dir`.
@@ -207,10 +220,12 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
     leaves nothing. An existing `output_dir` is replaced (with `overwrite`) only if it is empty or
     a token store. `flag` names `output_dir` in errors; `messages_field` the conversation column
     of a tabular input (default: `messages` or `conversations`); `split` the split of a folder
-    or DatasetDict that holds several.
+    or DatasetDict that holds several; `input_flag` names `input_path`.
     """
     input_path, output_dir = Path(input_path), Path(output_dir)
     _check_arguments(max_length, overlong, num_proc)
+    tokenizer_folder = Path(tokenizer) if isinstance(tokenizer, (str, Path)) and Path(tokenizer).exists() else None
+    check_apart(output_dir, {input_flag: input_path, "--tokenizer": tokenizer_folder}, flag)  # before the lock
     try:
         output_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -219,18 +234,18 @@ def prepare_jsonl(input_path, tokenizer, output_dir, *, max_length: int | None =
     with OutputLock(output_dir, flag=flag, what="preparation"):
         return _write_store(input_path, tokenizer, output_dir, max_length=max_length, overlong=overlong,
                             skip_bad=skip_bad, overwrite=overwrite, progress=progress, flag=flag,
-                            messages_field=messages_field, num_proc=num_proc, split=split)
+                            messages_field=messages_field, num_proc=num_proc, split=split, input_flag=input_flag)
 
 
 def _write_store(input_path: Path, tokenizer, output_dir: Path, *, max_length, overlong, skip_bad, overwrite, progress,
-                 flag, messages_field, num_proc, split) -> PrepareSummary:
+                 flag, messages_field, num_proc, split, input_flag) -> PrepareSummary:
     """`prepare_jsonl`'s work, under the store's lock."""
     import datasets
     from tqdm.auto import tqdm
 
     datasets.disable_progress_bars()  # ours counts rows; theirs would repeat it per stage
     source = open_source(input_path, messages_field=messages_field, split=split)
-    check_replaceable(output_dir, input_path, overwrite, flag)
+    check_replaceable(output_dir, overwrite, flag)
     tok_path = None
     if isinstance(tokenizer, (str, Path)):
         tok_path, tokenizer = str(tokenizer), load_tokenizer(tokenizer)
@@ -338,5 +353,5 @@ def ensure_store(input_path: Path, tokenizer, store_dir: Path, *, max_length: in
     say(f"preparing {input_path} -> {store_dir}")
     summary = prepare_jsonl(input_path, tokenizer, store_dir, max_length=max_length, overlong="truncate",
                             overwrite=True, progress=progress, flag="the run's token store",
-                            messages_field=messages_field)
+                            messages_field=messages_field, input_flag="--data")
     say(summary.text())

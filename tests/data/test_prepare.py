@@ -171,8 +171,10 @@ def test_overwrite_replaces_only_a_store_and_never_the_input(tmp_path, tokenizer
     data.mkdir()
     src = write_jsonl(data / "train.jsonl", CONVERSATIONS)
     (data / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match=r"the input .*train\.jsonl lies inside it"):
+    with pytest.raises(UserError, match=rf"--output {data}: holds --input {src}, which this command reads"):
         prepare_jsonl(src, tokenizer, data, overwrite=True, progress=False)
+    with pytest.raises(UserError, match=rf"--output {data / 'store'}: lies inside --input {data}, which this command"):
+        prepare_jsonl(data, tokenizer, data / "store", progress=False)
     other = write_jsonl(tmp_path / "other.jsonl", CONVERSATIONS)
     with pytest.raises(UserError, match=r"exists and is not a dflash token store"):
         prepare_jsonl(other, tokenizer, data, overwrite=True, progress=False)
@@ -182,6 +184,12 @@ def test_overwrite_replaces_only_a_store_and_never_the_input(tmp_path, tokenizer
     prepare_jsonl(other, tokenizer, tmp_path / "store", overwrite=True, max_length=20, progress=False)
     assert TokenStore(tmp_path / "store").meta["max_length"] == 20
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "other.jsonl", "store"]
+    # a store that also holds the user's file is not replaced: the file is named, nothing deleted
+    (tmp_path / "store" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"--overwrite replaces only what dflash wrote, and the store also holds "
+                                        r"notes.txt: move those away"):
+        prepare_jsonl(src, tokenizer, tmp_path / "store", overwrite=True, progress=False)
+    assert (tmp_path / "store" / "notes.txt").is_file() and TokenStore(tmp_path / "store").meta["max_length"] == 20
 
 
 def chat_tokenizer_with(template):

@@ -287,7 +287,7 @@ def test_run_store_is_rebuilt_when_its_input_changes_and_refused_on_resume(tmp_p
     inside = tmp_path / "S" / "data"
     inside.mkdir(parents=True)
     user = write_jsonl(inside / "train.jsonl", CONVERSATIONS)
-    with pytest.raises(UserError, match=r"lies inside it and would be deleted"):
+    with pytest.raises(UserError, match=rf"the run's token store {inside}: holds --data {user}, which this command"):
         ensure_store(user, tok, inside, max_length=64, progress=False, say=said.append)
     assert [p.name for p in inside.iterdir()] == ["train.jsonl"]
 
