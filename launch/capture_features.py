@@ -7,6 +7,10 @@
 target's tokenizer into DIR/tokens (reused while the same). The run that reads the features gives
 the same --target and that token store as --data, and taps the same layers; anything else is
 refused in one line. Disk: (K + 1) x hidden x bytes per token (printed).
+
+One capture writes DIR at a time (a second one stops at once); DIR is marked as a capture's
+(.dflash_writer.json), a capture again replaces only the store's own files, and a folder holding
+files of others under those names is refused. DIR is never --data or --target, nor in or around them.
 """
 from __future__ import annotations
 
@@ -36,6 +40,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+WRITER = "launch/capture_features.py"  # the feature store's mark
+
+
+def store_entry(name: str) -> bool:
+    """Whether a capture writes an entry of this name in its --output."""
+    from dflash.features import META
+
+    return name in (META, "features.bin", "states.bin", "offsets.npy", "shared.safetensors", "tokens")
+
+
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
@@ -45,9 +59,24 @@ def main(argv=None):
         raise UserError(f"--target-layer-ids: comma-separated integers, got {args.target_layer_ids!r}") from None
     if args.output.exists() and not args.output.is_dir():
         raise UserError(f"--output {args.output}: not a folder")
+    from dflash.folders import check_apart
+    from dflash.partial import OutputLock
+
+    check_apart(args.output, {"--data": args.data, "--target": args.target if Path(args.target).exists() else None},
+                "--output")
+    # one capture per store, from the first check to the meta written last: a second one stops at once
+    with OutputLock(args.output, what="capture"):
+        capture_into(args, taps)
+
+
+def capture_into(args, taps):
+    """`main`'s work, under the store's lock: the store's folder marked as a capture's first (a
+    folder of others' files under a store's names is refused), then the target loaded and run."""
     from dflash.data.sources import is_token_store
+    from dflash.folders import check_own_folder, mark_folder
     from dflash.target.spec import load_target_spec
 
+    check_own_folder(args.output, writer=WRITER, owned=store_entry, flag="--output")
     spec = load_target_spec(args.target)  # one line for a bad --target, before anything loads
     if spec.random:
         raise UserError(f"--target {args.target}: a random target's features are made in memory; nothing to capture")
@@ -59,6 +88,8 @@ def main(argv=None):
     from dflash.features import capture
     from dflash.target.load import load_target
 
+    args.output.mkdir(parents=True, exist_ok=True)
+    mark_folder(args.output, WRITER)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,
                          num_features=args.num_target_features, mask_token=False)

@@ -114,3 +114,29 @@ def test_compare_recipes_reads_the_features_and_evaluates_as_online(captured):
         results.append({r: [[{k: v for k, v in e.items() if k != "train_seconds"} for e in s["evals"]]
                             for s in stats["seeds"]] for r, stats in recipes.items()})
     assert results[0] == results[1] and len(results[0]["b"][1]) == 2
+
+
+def test_a_second_capture_into_one_output_stops_at_once_and_others_files_are_refused(tmp_path, capsys):
+    """Two captures into one --output used to both exit 0, one store silently replacing the other;
+    a folder of the user's files under a store's names was written over."""
+    from dflash.partial import OutputLock
+
+    out = tmp_path / "features"
+    args = ["--target", str(TARGET), "--data", str(DATA), "--output", str(out)]
+    with OutputLock(out, what="capture"):  # as the first capture holds it, from its start
+        with pytest.raises(SystemExit):
+            launch_script("capture_features").main(args)
+    assert capsys.readouterr().err.startswith(f"error: --output {out}: another capture is writing it (process ")
+    assert not out.exists(), "refused before any work"
+    out.mkdir()
+    (out / "features.bin").write_bytes(b"mine")
+    with pytest.raises(SystemExit):
+        launch_script("capture_features").main(args)
+    assert capsys.readouterr().err == (f"error: --output {out}: holds features.bin, which launch/capture_features.py "
+                                       "did not write (the folder has no .dflash_writer.json of it); dflash replaces "
+                                       "and deletes only what it wrote: move them away, or choose another --output\n")
+    assert (out / "features.bin").read_bytes() == b"mine"
+    with pytest.raises(SystemExit):  # the output inside the data's folder, or holding it
+        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(DATA), "--output",
+                                                str(TARGET / "features")])
+    assert f"lies inside --target {TARGET}" in capsys.readouterr().err
