@@ -369,6 +369,28 @@ def test_an_output_of_another_input_or_a_folder_is_refused_in_one_line(tmp_path,
         regenerate(cfg_for(tmp_path, first, out="folder.jsonl"), backend=backend, tokenizer=tokenizer, progress=False)
 
 
+def test_an_output_that_is_an_input_or_the_users_own_file_is_refused_and_kept_whole(tmp_path, tokenizer):
+    """--output is never what the command reads, under any spelling, nor inside the target's folder;
+    a file of the user's is refused before a byte of it changes (its last line, without a newline, was
+    cut as a crash's torn line before the file was found not to be a regeneration's)."""
+    backend = ScriptedBackend(tokenizer, "The answer is 7 .")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    with pytest.raises(UserError, match=rf"--output {tmp_path / 'link.jsonl'}: is --input {prompts}, which this "
+                                        "command reads"):
+        regenerate(cfg_for(tmp_path, prompts, out="link.jsonl"), backend=backend, tokenizer=tokenizer, progress=False)
+    cfg = cfg_for(tmp_path, prompts)
+    cfg.output = str(TARGET / "out.jsonl")
+    with pytest.raises(UserError, match=rf"--output {TARGET / 'out.jsonl'}: lies inside --target {TARGET}"):
+        regenerate(cfg, backend=backend, tokenizer=tokenizer, progress=False)
+    for mine in (b'{"messages": []}\n{"note": 2}', b'{"note": 1}'):
+        (tmp_path / "mine.jsonl").write_bytes(mine)
+        with pytest.raises(UserError, match=r"mine.jsonl:1: not a line written by regenerate"):
+            regenerate(cfg_for(tmp_path, prompts, out="mine.jsonl"), backend=backend, tokenizer=tokenizer,
+                       progress=False)
+        assert (tmp_path / "mine.jsonl").read_bytes() == mine
+
+
 def test_a_full_disk_keeps_the_complete_lines_and_the_rerun_resumes(tmp_path, tokenizer, monkeypatch):
     import errno
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dflash.data.sources import open_source
 from dflash.errors import UserError
+from dflash.folders import check_apart
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,8 +62,8 @@ class RegenerateConfig:
             raise UserError(f"--target {self.target}: a random target has no chat model to answer with")
         # the format and columns, one line if wrong
         open_source(self.input, messages_field=self.messages_field, split=self.split)
-        if Path(self.output).resolve() == Path(self.input).resolve():
-            raise UserError("--output must differ from --input")
+        check_apart(self.output, {"--input": self.input,
+                                  "--target": self.target if Path(self.target).exists() else None}, "--output")
         if not Path(self.output).resolve().parent.is_dir():
             raise UserError(f"--output {self.output}: the folder {Path(self.output).parent} does not exist")
         if Path(self.output).exists() and not Path(self.output).is_file():

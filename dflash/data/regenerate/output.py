@@ -43,9 +43,6 @@ def read_output(output: Path, settings: dict) -> list[OutputLine]:
         return []
     data = output.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with output.open("r+b") as f:
-            f.truncate(end)
     lines = []
     for lineno, line in enumerate(data[:end].splitlines(keepends=True), start=1):
         if not line.strip():
@@ -64,6 +61,11 @@ def read_output(output: Path, settings: dict) -> list[OutputLine]:
             raise UserError(f"{output}:{lineno} was generated with other settings: {diff}; resume with the same "
                             "settings or give a new --output")
         lines.append(OutputLine(source, conversation_key(messages, row), line))
+    if data[end:].strip() and not lines:  # a torn line is ours to cut only in a file of our lines
+        raise UserError(f"{output}:1: not a line written by regenerate (no meta.source_line); give a new --output")
+    if end < len(data):
+        with output.open("r+b") as f:
+            f.truncate(end)
     return lines
 
 
