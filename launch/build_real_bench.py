@@ -5,6 +5,8 @@ standard library): `dflash/bench_real/assets/prompts.jsonl` and `heldout_prompts
 
 The same seed and Python version give the same files. Regenerating them with the target is a
 separate, resumable run (hours on one CPU thread); the command is in the assets' README.md.
+One build writes --out at a time; it replaces only files it wrote (each line records `built_with`),
+and the rest of the folder (the regenerated data, a drafter) is left as it is.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from dflash.bench_real import ASSETS
-from dflash.errors import exit_on_user_error
+from dflash.errors import UserError, exit_on_user_error
 from dflash.options import number
 
 
@@ -27,18 +29,44 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+OUTPUTS = ("prompts.jsonl", "heldout_prompts.jsonl")
+
+
+def check_own_file(path: Path) -> None:
+    """Refuse to replace `path` unless a build wrote it (its first line records `built_with`)."""
+    if not path.exists():
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            ours = "built_with" in json.loads(f.readline() or "{}")
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours and path.stat().st_size:
+        raise UserError(f"--out {path.parent}: holds {path.name}, which build_real_bench.py did not write (its lines "
+                        "record no built_with); move it away, or choose another --out")
+
+
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    from dflash.bench_real.prompts import build_prompts, record, split
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out}: exists and is not a folder; give a folder to write the prompts in")
+    from dflash.partial import OutputLock, replace_file
 
-    train, heldout = split(build_prompts(args.seed), args.heldout_share, args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, prompts in (("prompts.jsonl", train), ("heldout_prompts.jsonl", heldout)):
-        with open(args.out / name, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(record(p, args.seed), ensure_ascii=False) + "\n" for p in prompts)
-        kinds = Counter(p.kind for p in prompts)
-        print(f"{args.out / name}: {len(prompts)} conversations ({', '.join(f'{k} {n}' for k, n in kinds.items())})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock(args.out, flag="--out", what="build"):  # before any work: a second build stops at once
+        for name in OUTPUTS:
+            check_own_file(args.out / name)
+        from dflash.bench_real.prompts import build_prompts, record, split
+
+        train, heldout = split(build_prompts(args.seed), args.heldout_share, args.seed)
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name, prompts in zip(OUTPUTS, (train, heldout), strict=True):
+            replace_file(args.out / name, ((json.dumps(record(p, args.seed), ensure_ascii=False) + "\n").encode()
+                                           for p in prompts))
+            kinds = Counter(p.kind for p in prompts)
+            print(f"{args.out / name}: {len(prompts)} conversations "
+                  f"({', '.join(f'{k} {n}' for k, n in kinds.items())})")
 
 
 if __name__ == "__main__":

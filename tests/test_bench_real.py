@@ -60,3 +60,31 @@ def test_a_store_prepared_with_the_gguf_tokenizer_is_the_one_training_on_the_ggu
     store = TokenStore(tmp_path / "store")
     store.check_tokenizer(load_tokenizer(str(target_gguf())), "--target")  # refused if it were another tokenizer
     assert len(store) == 2 and store.vocab_size == 49152
+
+
+def test_a_build_refuses_before_building_what_it_would_not_write(tmp_path, monkeypatch, capsys):
+    """--out an existing file used to build every prompt first and then fail; the user's own
+    prompts.jsonl was replaced, and two builds into one folder both ran."""
+    import dflash.bench_real.prompts as prompts_module
+    from dflash.partial import OutputLock
+
+    from .conftest import launch_script
+
+    main = launch_script("build_real_bench").main
+
+    def built(seed):
+        raise AssertionError("the prompts were built before the refusal")
+
+    monkeypatch.setattr(prompts_module, "build_prompts", built)
+    (tmp_path / "file").write_text("x")
+    mine = tmp_path / "out" / "prompts.jsonl"
+    mine.parent.mkdir()
+    mine.write_text('{"messages": []}\n')
+    with OutputLock(tmp_path / "busy", flag="--out", what="build"):
+        cases = {"file": "exists and is not a folder", "out": "holds prompts.jsonl, which build_real_bench.py did "
+                 "not write", "busy": "another build is writing it (process "}
+        for out, said in cases.items():
+            with pytest.raises(SystemExit):
+                main(["--out", str(tmp_path / out)])
+            assert capsys.readouterr().err.startswith(f"error: --out {tmp_path / out}: {said}")
+    assert mine.read_text() == '{"messages": []}\n'
