@@ -61,3 +61,32 @@ def number(kind=int, *, minimum=None, above=None, maximum=None):
     parse.__name__ = kind.__name__  # argparse's fallback message: "invalid int value"
     parse.bounds = (kind, minimum, above, maximum)
     return parse
+
+
+GIVEN_AS = "{} given as"  # the namespace attribute of the name an option was given under (`one_name`)
+
+
+class _Store(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+def one_name(base: type[argparse.Action] | None = None) -> type[argparse.Action]:
+    """The argparse action of an option with several names (an older name kept as an alias, as
+    `--gpu-memory-gib` of `--memory-gib`): given under two of them it is refused naming both, where
+    argparse would keep the last one silently; the name it was given under is kept (`given_as`), so
+    that a later error names the option as typed. `base`: the action otherwise (default: store)."""
+    class OneName(base or _Store):
+        def __call__(self, parser, namespace, values, option_string=None):
+            first = getattr(namespace, GIVEN_AS.format(self.dest), None)
+            if first is not None and first != option_string:
+                parser.error(f"{first} and {option_string} are one option (two names of it): give it once")
+            setattr(namespace, GIVEN_AS.format(self.dest), option_string)
+            super().__call__(parser, namespace, values, option_string)
+
+    return OneName
+
+
+def given_as(args, dest: str, name: str) -> str:
+    """The name option `dest` was given under on the command line (`one_name`), else its own `name`."""
+    return getattr(args, GIVEN_AS.format(dest), None) or name

@@ -25,7 +25,8 @@ import sys
 
 from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError, exit_on_user_error
-from dflash.options import number
+from dflash.options import given_as, number
+from dflash.sizing.fit import accelerator_memory
 from dflash.sizing.memory import (
     GIB,
     RESERVE_BYTES,
@@ -95,7 +96,7 @@ def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> Non
     t = next(iter(plans.values())).target
     size = gib(t.params * (2 if args.dtype == "bf16" else 4))
     print(f"{args.target}: {t.params / 1e9:.2f}B parameters ({size} {args.dtype}), largest layer "
-          f"{t.largest_layer / 1e6:.0f}M; {args.world_size} x {args.memory_gib:g} GiB, "
+          f"{t.largest_layer / 1e6:.0f}M; {args.world_size} x {memory / GIB:g} GiB, "
           f"{gib(MemoryPlan.usable(memory))} usable per GPU ({RESERVE_FRACTION:.0%} and {gib(RESERVE_BYTES)} kept "
           f"free); {args.deepspeed_config}, {args.dtype}, token budget {args.token_budget:,}, {rows:,} drafter rows")
     lines = table(["target", "peak/GPU", "fits", "host/rank", "rows that fit", "tokens that fit"],
@@ -115,15 +116,39 @@ def print_table(args, plans: dict, results: dict, memory: int, rows: int) -> Non
           "the largest --token-budget with one sample's rows (block size x anchors)")
 
 
+def planned_memory(args) -> int:
+    """Bytes per GPU to plan for: --memory-gib, or with 0 (as train.py) this machine's GPU's own."""
+    import torch
+
+    if args.memory_gib:
+        return int(args.memory_gib * GIB)
+    if not torch.cuda.is_available():
+        raise UserError(f"{given_as(args, 'memory_gib', '--memory-gib')} 0: 0 is the GPU's own memory, and this "
+                        "machine has no GPU; give the memory per GPU in GiB")
+    return accelerator_memory("cuda", 0)
+
+
+def check_taps(spec, num_features: int) -> None:
+    """The tap rule spreads --num-target-features over the target's layers (its config.json): more than
+    it has room for is refused, as train.py would once the target loads."""
+    try:
+        taps = spec.default_layer_ids(num_features)
+    except ValueError as err:
+        raise UserError(f"--num-target-features {num_features}: {err}") from None
+    if len(set(taps)) < num_features:
+        raise UserError(f"--num-target-features {num_features}: the target has {spec.num_layers} layers, and the "
+                        f"tap rule spreads at most {len(set(spec.default_layer_ids(spec.num_layers)))} distinct "
+                        "taps over them (layers 1 to L-3); give fewer")
+
+
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
     cfg = options_of(args, PLANNED)
-    if not args.memory_gib > 0:
-        raise UserError(f"--memory-gib must be positive, got {args.memory_gib}")
+    memory = planned_memory(args)
     spec = load_target_spec(args.target, "--target", bare_presets=True)
+    check_taps(spec, args.num_target_features)
     ds_config = _ds_config(args.deepspeed_config, args.world_size)
-    memory = int(args.memory_gib * GIB)
     base = dict(world_size=args.world_size, dtype_bytes=2 if args.dtype == "bf16" else 4,
                 activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
                 num_anchors=args.num_anchors)

@@ -94,3 +94,30 @@ def test_every_numeric_training_option_refuses_nan_infinities_and_negatives_nami
             assert e.code == 2 and f"argument {option}" in capsys.readouterr().err
         else:
             pytest.fail(f"{option} {value} accepted")
+
+
+def valid_value(action):
+    """A value `action` accepts (none for a flag without one)."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(next(iter(action.choices)))]
+    return ["1" if numeric(action) else "x"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_an_option_given_under_two_of_its_names_is_refused_naming_both(name, monkeypatch, capsys):
+    """`plan_memory.py --memory-gib 40 --gpu-memory-gib 80` (an option and its older name) used to plan
+    with the last one; every option of several names, in every command, is refused naming both."""
+    parser = own_parser(name, monkeypatch)
+    monkeypatch.undo()
+    for action in parser._actions:
+        names = [n for n in action.option_strings if not n.startswith("--no-")]
+        if isinstance(action, argparse._HelpAction) or len(names) < 2:
+            continue
+        first, second = names[0], names[-1]
+        with pytest.raises(SystemExit):
+            parser.parse_args([first, *valid_value(action), second, *valid_value(action)])
+        assert f"error: {first} and {second} are one option (two names of it): give it once" in capsys.readouterr().err
+        # either name alone, or one name twice, is taken (the later value: argparse's rule for one name)
+        assert parser.parse_args([second, *valid_value(action), second, *valid_value(action)]) is not None

@@ -90,7 +90,7 @@ def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
     with pytest.raises(SystemExit) as e:
         plan_memory.main(["--gpu-memory-gib", "1e300"])
     assert e.value.code == 2
-    assert "--memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got 1e+300" in capsys.readouterr().err
+    assert "--gpu-memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got 1e+300" in capsys.readouterr().err
     plan_memory.main(["--gpu-memory-gib", "65536", "--token-budget", "1"])
     lines = capsys.readouterr().out.splitlines()
     for head in ("target  ", "target  "):
@@ -100,6 +100,29 @@ def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
         widths = {len([c for c in cell if c]) for cell in cells}
         assert len(widths) == 1, rows  # every row has as many cells as the header
         del lines[:start + 1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="0 plans for this machine's GPU")
+def test_plan_memory_names_the_option_as_typed_and_means_by_0_what_train_does(capsys):
+    """`--gpu-memory-gib -1` used to be refused naming --memory-gib, a name not typed; 0 was allowed by
+    the range ("0: the GPU's own") and refused by the script ("must be positive"). 36 layers hold no
+    100 taps: planned all the same."""
+    plan_memory = launch_script("plan_memory")
+    cases = {("--gpu-memory-gib", "-1"): "--gpu-memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got -1.0",
+             ("--memory-gib", "-1"): "--memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got -1.0",
+             ("--gpu-memory-gib", "0"): "--gpu-memory-gib 0: 0 is the GPU's own memory, and this machine has no GPU; "
+                                        "give the memory per GPU in GiB",
+             ("--memory-gib", "0"): "--memory-gib 0: 0 is the GPU's own memory, and this machine has no GPU; give "
+                                    "the memory per GPU in GiB",
+             ("--num-target-features", "100"): "--num-target-features 100: the target has 36 layers, and the tap "
+                                               "rule spreads at most 33 distinct taps over them (layers 1 to L-3); "
+                                               "give fewer"}
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit):
+            plan_memory.main(["--target", "qwen3-8b", *argv])
+        assert capsys.readouterr().err == f"error: {said}\n"
+    plan_memory.main(["--target", "qwen3-8b", "--num-target-features", "33"])  # the most there is room for
+    assert "peak/GPU" in capsys.readouterr().out
 
 
 def test_an_allocation_failure_is_known_on_every_device():

@@ -16,7 +16,7 @@ from dflash import demo
 from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError
 from dflash.objective.loss import GAMMA_BY_BLOCK_SIZE
-from dflash.options import number, parse_list
+from dflash.options import given_as, number, one_name, parse_list
 from dflash.training.config.sections import OPTIONS, SECTION_OF, SECTIONS, TrainConfig, flag, layer_type
 from dflash.training.config.validate import validate
 
@@ -67,6 +67,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of options (keys as below, with underscores)")
     p.add_argument("--local_rank", "--local-rank", type=number(int, minimum=-1), default=-1,  # set by the launcher
+                   action=one_name(),
                    help=argparse.SUPPRESS)
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section, cls.__doc__)
@@ -87,6 +88,8 @@ def _add_option(parser, name: str, default, aliases=(), help_default=None, help_
     else:
         kwargs["type"] = {"int": int, "float": float, "str": str}[kind]
     names = [flag(f.name)] + (["--deepspeed_config"] if f.name == "deepspeed_config" else []) + list(aliases)
+    if len(names) > 1:  # an option of several names is given under one of them
+        kwargs["action"] = one_name(kwargs.get("action"))
     parser.add_argument(*names, **kwargs)
 
 
@@ -113,8 +116,15 @@ def options_of(args, names) -> TrainConfig:
     from dflash.training.config.validate import check_each, check_kind_options
 
     c = TrainConfig.of(**{name: getattr(args, name) for name in names})
-    check_each(c, names)
-    check_kind_options(c)
+    try:
+        check_each(c, names)
+        check_kind_options(c)
+    except UserError as err:  # named as the user typed it (an older name of the option included)
+        typed = {flag(name): given_as(args, name, flag(name)) for name in names}
+        wrong = str(err).split(":", 1)[0]
+        if typed.get(wrong, wrong) != wrong:
+            raise UserError(typed[wrong] + str(err)[len(wrong):]) from None
+        raise
     return c
 
 
