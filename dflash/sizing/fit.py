@@ -89,7 +89,35 @@ def _alternatives(plan: MemoryPlan, memory: int, tokens: int, longest: int | Non
         found.append(f"--num-anchors {anchors}")
     if s.zero_stage < 3 and fits(MemoryPlan(plan.target, plan.drafter, replace(s, zero_stage=3, bucket_elements=0))):
         found.append("--deepspeed_config ds_configs/zero3.json (the drafter's weights and state partitioned too)")
-    return found
+    return found or _pairs(plan, memory, tokens, longest)
+
+
+def _pairs(plan: MemoryPlan, memory: int, tokens: int, longest: int | None) -> list[str]:
+    """When no one flag is enough: two changes together that make the run fit (fewer anchors or a
+    smaller token budget with one of the others), so a refusal always says what would fit when
+    anything would."""
+    s = plan.setup
+    changes = [(flags, fields) for flags, fields, holds in (
+        ("--target-partition zero3", {"target_partition": "zero3"}, s.target_partition == "none"),
+        ("--activation-checkpointing", {"activation_checkpointing": True}, not s.activation_checkpointing),
+        ("--deepspeed_config ds_configs/zero3.json", {"zero_stage": 3, "bucket_elements": 0}, s.zero_stage < 3),
+        ("", {}, True)) if holds]
+    found = []
+    for flags, fields in changes:
+        for anchors in [a for a in (256, 128, 64, 32, 16) if a < s.num_anchors] + [s.num_anchors]:
+            p = MemoryPlan(plan.target, plan.drafter, replace(s, **fields, num_anchors=anchors))
+            both = [flags] if flags else []
+            both += [f"--num-anchors {anchors}"] if anchors != s.num_anchors else []
+            if not both:
+                continue
+            if p.rows_that_fit(memory, tokens) >= p.min_rows():
+                found.append(" ".join(both))
+                break
+            budget = p.tokens_that_fit(memory, p.min_rows())
+            if budget and (longest is None or budget >= longest):
+                found.append(" ".join([*both, f"--token-budget {budget:,}"]))
+                break
+    return found[:4]
 
 
 def size_run(plan: MemoryPlan, memory: int | None, *, token_budget: int, row_budget: int,

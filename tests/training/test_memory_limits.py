@@ -85,6 +85,24 @@ def test_a_refusal_sizes_what_it_prices_and_every_suggestion_passes(data, anchor
             check_lengths(TokenStore(cfg.inputs.data).lengths, plan.cfg.batches.token_budget, name=str)
 
 
+def test_a_refusal_that_no_one_flag_answers_lists_two_that_do():
+    """A Qwen3-8B on one 66 GiB rank: no one flag is enough, and the refusal named the anchor ceiling
+    alone (round 4's "it would fit with: ..." had slipped); now it lists changes made together, and
+    each gives a run the plan accepts."""
+    base = ["--target", "random:qwen3-8b", "--memory-gib", "66"]
+    spec = load_target_spec("random:qwen3-8b")
+    with pytest.raises(UserError) as err:
+        plan_run(load_config(base), spec, device=torch.device("cpu"), world_size=1)
+    ways = re.search(r"\nit would fit with: (.*)\n", str(err.value)).group(1).split("; or ")
+    assert "--activation-checkpointing --num-anchors 256" in ways, ways
+    for way in ways:
+        args = [a.replace(",", "") for a in way.split()]
+        if "--deepspeed_config" in args:
+            continue  # ZeRO-3 on one CPU rank is refused by the trainer's own checks for other reasons
+        plan = plan_run(load_config([*base, *args]), spec, device=torch.device("cpu"), world_size=1)
+        assert plan.cfg.batches.row_budget >= plan.memory.min_rows(), way
+
+
 def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
     plan_memory = launch_script("plan_memory")
     with pytest.raises(SystemExit) as e:
