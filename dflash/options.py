@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from itertools import pairwise
 
 from dflash.errors import UserError
@@ -90,3 +91,13 @@ def one_name(base: type[argparse.Action] | None = None) -> type[argparse.Action]
 def given_as(args, dest: str, name: str) -> str:
     """The name option `dest` was given under on the command line (`one_name`), else its own `name`."""
     return getattr(args, GIVEN_AS.format(dest), None) or name
+
+
+def split_flags(text: str, where: str) -> list[str]:
+    """Flags written as one string (`--recipes 'name: --loss ce=1'`), split as a shell would; a quote
+    left open is one line naming `where`, not shlex's traceback."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise UserError(f"{where}: {text.strip()!r} cannot be split into flags ({str(err).lower()}: a quote left "
+                        "open?)") from None

@@ -17,7 +17,6 @@ options; its lines carry "sweep": FLAGS.
 import argparse
 import json
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ if not torch.cuda.is_available():
 
 from dflash.distributed.ranks import single_process_env  # noqa: E402
 from dflash.errors import exit_on_user_error  # noqa: E402
-from dflash.options import number  # noqa: E402
+from dflash.options import number, split_flags  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
 
 
@@ -79,8 +78,8 @@ def main(argv=None):
     argv, steps, sweep = _own_options(list(sys.argv[1:] if argv is None else argv))
     fixed = ["--overwrite", "--no-export", "--speculate-turns", "0", "--max-steps", str(steps),
              "--eval-every", str(10**6), "--checkpoint-every", str(10**6), "--no-progress"]
-    configs = [(flags, load_config([*argv, *shlex.split(flags), *fixed], description=__doc__)) for flags in sweep] \
-        or [(None, load_config([*argv, *fixed], description=__doc__))]
+    configs = [(flags, load_config([*argv, *split_flags(flags, "--sweep"), *fixed], description=__doc__))
+               for flags in sweep] or [(None, load_config([*argv, *fixed], description=__doc__))]
     single_process_env(os.environ, torch.cuda.device_count())
 
     from dflash.devices import resolve_dtype

@@ -13,13 +13,13 @@ the schedule length and the drafter's sizes are the same.
 from __future__ import annotations
 
 import gc
-import shlex
 import time
 from pathlib import Path
 
 import numpy as np
 
 from dflash.errors import UserError
+from dflash.options import split_flags
 from dflash.training.config import OPTIONS, TrainConfig, load_config
 from dflash.training.config.sections import KIND_OPTIONS, TERM_OPTIONS
 from dflash.training.trainer import Trainer
@@ -55,7 +55,7 @@ def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
         if name in recipes:
             raise UserError(f"--recipes: {name} is given twice")
         try:
-            cfg = load_config([*base_argv, *shlex.split(flags)])
+            cfg = load_config([*base_argv, *split_flags(flags, f'--recipes {name}')])
         except UserError as e:
             raise UserError(f"--recipes {name}: {e}") from None
         changed = [name for name in OPTIONS if name not in COMPARED and cfg.value(name) != base.value(name)]
