@@ -82,6 +82,9 @@ def _sniff_file(path: Path) -> str:
     return kind
 
 
+DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")  # names of data files: empty, one is refused
+
+
 def _data_files(folder: Path) -> dict[str, list[Path]]:
     """The files of a folder by the format their content has (hidden ones and files of no data
     format, a README, left out), each list in path order."""
@@ -89,6 +92,9 @@ def _data_files(folder: Path) -> dict[str, list[Path]]:
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name not in METADATA and not any(part.startswith(".") for part in
                                                               p.relative_to(folder).parts):
+            if not p.stat().st_size and p.suffix in DATA_SUFFIXES:  # a shard cut short, or never downloaded
+                raise UserError(f"{p}: an empty {p.suffix[1:]} file (0 bytes) in the data folder {folder}; "
+                                "download or copy it again, or remove it")
             kind = _sniff(p) if p.stat().st_size else None
             if kind is not None:
                 found.setdefault(kind, []).append(p)
@@ -104,7 +110,13 @@ def _one_split(folder: Path, shards: list[Path], split: str | None, flag: str) -
         patterns = get_data_patterns(str(folder))
     except Exception:  # noqa: BLE001 - no split layout datasets knows: one split, the whole folder
         patterns = {}
-    splits = {str(name): sorted({Path(f) for pat in pats for f in resolve_pattern(pat, str(folder))} & set(shards))
+    def matches(pattern: str) -> list[str]:  # datasets' patterns are alternatives: one may match nothing
+        try:
+            return resolve_pattern(pattern, str(folder))
+        except FileNotFoundError:
+            return []
+
+    splits = {str(name): sorted({Path(f) for pat in pats for f in matches(pat)} & set(shards))
               for name, pats in patterns.items()}
     splits = {name: files for name, files in splits.items() if files}
     if split is None:

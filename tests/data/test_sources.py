@@ -313,8 +313,14 @@ def test_a_hub_folder_of_several_splits_needs_split_and_a_datasetdict_takes_it(t
         prepare_jsonl(hub, tokenizer, tmp_path / "s", progress=False)
     assert str(err.value) == (f"--input {hub}: holds the splits train, test (train: 1 file(s), test: 1 file(s)); "
                               "choose one with --split, e.g. --split train")
+    # the Hub's data/ folder itself, given as the input: datasets' FileNotFoundError traceback before
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(hub / "data", tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value) == (f"--input {hub / 'data'}: holds the splits train, test (train: 1 file(s), test: 1 "
+                              "file(s)); choose one with --split, e.g. --split train")
     want = _store_of_jsonl(MESSAGES[:3], tmp_path, tokenizer, "want")
     assert _prepared(hub, tmp_path, tokenizer, split="train") == want
+    assert _prepared(hub / "data", tmp_path, tokenizer, split="train") == want
     with pytest.raises(UserError, match=r"--split validation: .*hub holds the splits train, test"):
         prepare_jsonl(hub, tokenizer, tmp_path / "s", split="validation", progress=False)
     saved = tmp_path / "dict"
@@ -335,6 +341,19 @@ def test_a_hub_folder_of_several_splits_needs_split_and_a_datasetdict_takes_it(t
     with pytest.raises(UserError, match="holds the splits train, test .*; choose one with --split, e.g. --split train"):
         regenerate.validate()
     RegenerateConfig(target=str(TARGET), input=str(hub), output=str(tmp_path / "out.jsonl"), split="test").validate()
+
+
+def test_an_empty_shard_in_a_folder_is_refused_naming_it(tmp_path, tokenizer):
+    """A zero-byte parquet shard (a download cut short) was skipped silently: the data lost a shard."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    dataset(MESSAGES[:2]).to_parquet(shards / "part-0.parquet")
+    (shards / "part-1.parquet").write_bytes(b"")
+    with pytest.raises(UserError) as err:
+        prepare_jsonl(shards, tokenizer, tmp_path / "s", progress=False)
+    assert str(err.value) == (f"{shards / 'part-1.parquet'}: an empty parquet file (0 bytes) in the data folder "
+                              f"{shards}; download or copy it again, or remove it")
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_folder_of_several_formats_is_refused_naming_one_file_of_each(tmp_path, tokenizer):
