@@ -3,7 +3,8 @@
 Rank 0 holds an exclusive lock on `<output_dir>/.dflash.lock` (`dflash.partial.OutputLock`, the
 lock of every writer) for the life of the run, so a second run into the same folder stops at
 once instead of overwriting the first one's files. The first run in a folder marks it as a run
-folder (`dflash.folders.WRITER_MARK`). A fresh run into a folder that holds a previous run is
+folder (`dflash.folders.WRITER_MARK`; a run of an older dflash, unmarked, is known by its
+checkpoints' `COMPLETE`). A fresh run into a folder that holds a previous run is
 refused unless told: `--resume` continues it, `--overwrite` first deletes what a run writes (the
 entries below) and nothing else, and only in a marked folder that holds nothing else. A folder
 whose files have a run's names but no mark (the user's own `config.json`, a model's) is refused
@@ -125,6 +126,8 @@ class RunFolder:
             raise
 
     def _check(self, *, resume: bool, overwrite: bool) -> None:
+        if any(RunPaths(self.path).checkpoints.glob("step-*/COMPLETE")):  # an older dflash's run: no mark, but
+            mark_folder(self.path, WRITER)  # checkpoints that only dflash completes
         check_own_folder(self.path, writer=WRITER, owned=run_entry, flag="--output-dir")
         foreign_drafter(self.path)
         previous = run_entries(self.path)
