@@ -20,7 +20,6 @@ from dflash.errors import UserError, os_reason
 from dflash.folders import check_apart, check_own_folder, delete_own, mark_folder
 from dflash.partial import OutputLock
 
-LOCK = ".dflash.lock"
 SAMPLES = "samples.rank{}.jsonl"  # --sample-log, one per rank
 
 
