@@ -10,8 +10,9 @@ dtype in the token store's sample order, memory-mapped; `offsets.npy` (samples +
 token of each sample; `shared.safetensors` the embedding and the lm_head the drafter borrows;
 `feature_store.json` (written last: a folder without it is incomplete) the dtype, the shapes, the
 target's config and the fingerprints of what the features are of: the target
-(`TargetSpec.fingerprint`, its weights sampled), the data (a hash of the store's token ids and
-loss masks) and the tapped layers. A run whose target, data or taps differ is refused in one line.
+(`TargetSpec.fingerprint`: by content, `dflash.identity`, whatever path names it), the data (a hash
+of the store's token ids and loss masks) and the tapped layers. A run whose target, data or taps
+differ is refused in one line.
 
 Captured per sample on the packed path, which gives every sample the same bits alone as in any
 packed micro-batch (a row's matmul does not depend on the rows beside it on the CPU; GPU kernels
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from dflash.errors import UserError
+from dflash.identity import same_target
 
 META = "feature_store.json"
 VERSION = 1
@@ -128,7 +130,7 @@ def read_meta(folder: Path, flag: str = "--features") -> dict:
 
 def check_matches(meta: dict, folder, *, spec, store, target_layer_ids, flag: str = "--features") -> None:
     """Refuse, in one line, a store captured of another target, other data or other tapped layers."""
-    if meta["target"] != spec.fingerprint():
+    if not same_target(meta["target"], spec.fingerprint(known=meta["target"])):
         raise UserError(f"{flag} {folder}: captured from another target ({meta['target'].get('path')}) than --target "
                         f"{spec.name}, or the target's weights changed since; capture again")
     if list(target_layer_ids) != meta["target_layer_ids"]:

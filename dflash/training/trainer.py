@@ -157,6 +157,10 @@ class Trainer:
             return {**drafter_settings(old, self.target_spec.num_layers),
                     "--target": {"path": str(Path(old.inputs.target).resolve())}}
 
+        # the target by content: the checkpoint's record spares hashing the files unchanged since
+        recorded = ((self.checkpointer.newest_state() or {}).get("drafter") or {}).get("--target") \
+            if cfg.run.resume else None
+        self.drafter_settings["--target"] = self.target_spec.fingerprint(known=recorded)
         self.checkpointer.claim(self.run_folder, resume=cfg.run.resume, overwrite=cfg.run.overwrite, reads=reads,
                                 settings=self.drafter_settings, settings_of=settings_of)
         diffs = schedule_differences(self.checkpointer.recorded_options, cfg) if cfg.run.resume else []

@@ -24,7 +24,8 @@ def test_plan_run_sizes_the_row_budget_from_the_memory_plan_alone():
     # the most rows that fit: the peak at them fits in what is usable, one block of rows more does not
     assert plan.memory.peak(4096, rows)["total"] <= usable < plan.memory.peak(4096, rows + 16 * 64)["total"]
     assert cfg.batches.row_budget == 0 and plan.cfg.replace(row_budget=0) == cfg, "only the row budget is decided"
-    assert plan.drafter_settings["--target"] == spec.fingerprint() and plan.dtype == torch.bfloat16
+    # the target's identity hashes its weights: rank 0 adds it when it claims the run folder
+    assert "--target" not in plan.drafter_settings and plan.dtype == torch.bfloat16
     assert plan.ds_config["train_micro_batch_size_per_gpu"] == 1
 
 
