@@ -142,6 +142,33 @@ def check_matches(meta: dict, folder, *, spec, store, target_layer_ids, flag: st
                         f"store {store.path}; capture again from the same store")
 
 
+def check_files(folder, meta: dict, flag: str = "--features") -> None:
+    """Refuse, in one line naming the file, a store whose arrays are missing or not the size its meta
+    says (a cut copy, a deleted file): memory-mapping one would fail with numpy's words, or read wrong rows."""
+    from dflash.folders import safetensors_shapes
+
+    folder = Path(folder)
+    item = np.dtype(DTYPES[meta["dtype"]][1]).itemsize
+    rows, hidden = max(meta["tokens"], 1), meta["hidden_size"]
+    sizes = {"features.bin": rows * len(meta["target_layer_ids"]) * hidden * item, "states.bin": rows * hidden * item}
+    for name in (*sizes, "offsets.npy", "shared.safetensors"):
+        if not (folder / name).is_file():
+            raise UserError(f"{flag} {folder}: {name} is missing (the store's {META} lists it); capture again")
+    for name, size in sizes.items():
+        actual = (folder / name).stat().st_size
+        if actual != size:
+            raise UserError(f"{flag} {folder / name}: {actual:,} bytes where the store's {META} makes {size:,} (cut "
+                            "short or replaced); capture again")
+    try:
+        offsets = np.load(folder / "offsets.npy")
+    except (OSError, ValueError) as e:
+        raise UserError(f"{flag} {folder / 'offsets.npy'}: unreadable ({e}); capture again") from None
+    if offsets.shape != (meta["samples"] + 1,) or int(offsets[-1]) != meta["tokens"]:
+        raise UserError(f"{flag} {folder / 'offsets.npy'}: does not hold the {meta['samples'] + 1} offsets of the "
+                        f"store's {meta['tokens']:,} tokens; capture again")
+    safetensors_shapes(folder / "shared.safetensors", flag)
+
+
 class CapturedTarget(torch.nn.Module):
     """Stands in for `TargetModel` where only features are read: `features(batch)` returns, from the
     memory-mapped store, what the packed path computes for the batch's samples. `model` holds the
@@ -200,5 +227,6 @@ def load_captured(folder, spec, store, device, dtype, target_layer_ids, tokenize
 
     meta = read_meta(folder)
     check_matches(meta, folder, spec=spec, store=store, target_layer_ids=target_layer_ids)
+    check_files(folder, meta)
     model = CapturedTarget(folder, meta, device, dtype)
     return LoadedTarget(tokenizer, SimpleNamespace(config=spec.config), model, None, spec)
