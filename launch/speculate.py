@@ -48,7 +48,8 @@ def parse_args(argv=None):
                    "file's history, and a conversation ending with a user turn gets one response (default: the "
                    "held-out turns of the drafter's run)")
     p.add_argument("--target", help="the target: a Hugging Face model folder, a Hub id or a .gguf file (default: the "
-                                    "run's target, else the demo target)")
+                                    "run's target; with --prompts, the target the drafter records, else the demo "
+                                    "target when the drafter fits it)")
     p.add_argument("--max-new-tokens", type=number(int, minimum=1),
                    help="limit per turn (default: the limit the data was regenerated "
                    "with, meta.max_new_tokens, else 2048)")
@@ -113,6 +114,34 @@ def run_heldout(drafter_dir: Path):
         raise UserError(f"{paths.config}: the run held nothing out (eval_fraction 0); give --prompts")
     return (Path(cfg.inputs.target), [store[int(i)] for i in eval_idx], turn_limit(store, data),
             data_temperature(store, data))
+
+
+def recorded_target(drafter_dir: Path) -> str:
+    """The target to decode `--prompts` with when --target is not given: the one the drafter's export
+    records (`TARGET_KEY`: by its name as given, else its path), found here; a drafter that records
+    none, the demo target when it fits it. Otherwise one line: --target is missing, and which target
+    the drafter was trained on."""
+    from dflash.demo import TARGET
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.config_format import TARGET_KEY
+    from dflash.models import load_target_spec
+
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    record = raw.get(TARGET_KEY)
+    if isinstance(record, dict):
+        for name in (record.get("name"), record.get("path")):
+            if name and Path(name).exists():
+                return name
+        raise UserError(f"--target is missing: --drafter {drafter_dir} was trained on {record.get('name')} "
+                        f"({record.get('model_type')}, {record.get('num_hidden_layers')} layers), which is not here; "
+                        "give its path or Hub id with --target")
+    config, demo = DrafterConfig.from_json_dict(raw), load_target_spec(str(TARGET))
+    if (config.num_target_layers, config.hidden_size) != (demo.num_layers, demo.hidden_size):
+        raise UserError(f"--target is missing: --drafter {drafter_dir} records no target; it was trained on one of "
+                        f"{config.num_target_layers} layers (num_target_layers) and hidden size "
+                        f"{config.hidden_size}, not the demo target ({demo.num_layers} layers, hidden size "
+                        f"{demo.hidden_size}) used without --target: give its target with --target")
+    return str(TARGET)
 
 
 def save_heldout(drafter_dir: Path, output: Path) -> int:
@@ -251,7 +280,6 @@ def main(argv=None):
         prompts_from_samples,
         speculate,
     )
-    from dflash.demo import TARGET
     from dflash.models import load_target_spec
 
     drafter_dir = Path(args.drafter)
@@ -267,7 +295,7 @@ def main(argv=None):
     if args.prompts:
         if not Path(args.prompts).is_file():
             raise UserError(f"--prompts {args.prompts}: no such file")
-        target_path = Path(args.target or TARGET)
+        target_path = Path(args.target or recorded_target(drafter_dir))
         data_limit, data_temperature = regeneration_limit(args.prompts), regeneration_temperature(args.prompts)
     else:
         target_path, samples, data_limit, data_temperature = run_heldout(drafter_dir)

@@ -170,6 +170,15 @@ class Trainer:
                             + "\n  ".join(diffs) + "\nresume with the checkpoint's values, or add --force-resume to "
                             "continue with these (the run then equals neither schedule)")
 
+    def _target_record(self) -> dict | None:
+        """Rank 0: what the exported drafter records of its target (`TARGET_KEY`): the name as given,
+        the family, the depth and the content hash (`dflash.identity`; a `random:` target has none)."""
+        if self.rank != 0:
+            return None
+        spec, identity = self.target_spec, self.drafter_settings["--target"]
+        return {"name": spec.name, "path": identity["path"], "model_type": spec.family,
+                "num_hidden_layers": spec.num_layers, "sha256": identity.get("sha256")}
+
     def state_dict(self) -> dict:
         """The run's state beside the engine's: what a checkpoint records to continue it."""
         return {"step": self.step, "planner": self.data.planner.state_dict(),
@@ -296,7 +305,7 @@ class Trainer:
         drafter_dir = self.paths.drafter
         if cfg.run.export:
             try:
-                self.models.export(drafter_dir)
+                self.models.export(drafter_dir, self._target_record())
             except DiskFull as err:
                 raise UserError(f"{err}; the last checkpoint holds the weights: free some space and run the same "
                                 "command with --resume to export them") from None

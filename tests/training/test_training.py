@@ -77,12 +77,15 @@ def check_official_export(drafter_dir):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+    from dflash.drafter.config_format import TARGET_KEY
     from dflash.models import CONFIG_KEYS, DFlashDrafter
 
     from ..models.checkpoint_helpers import expected_names
 
     exported = json.loads((drafter_dir / "config.json").read_text())
-    assert set(exported) - {"is_causal"} == CONFIG_KEYS and exported["architectures"] == ["DFlashDraftModel"]
+    assert set(exported) - {"is_causal", TARGET_KEY} == CONFIG_KEYS
+    assert exported["architectures"] == ["DFlashDraftModel"]
+    assert set(exported[TARGET_KEY]) == {"name", "path", "model_type", "num_hidden_layers", "sha256"}
     tensors = load_file(drafter_dir / "model.safetensors")
     assert set(tensors) == expected_names(exported["num_hidden_layers"])
     config = Qwen3Config.from_pretrained(drafter_dir)
