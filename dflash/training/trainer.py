@@ -119,8 +119,7 @@ class Trainer:
         self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, "
                   f"ZeRO-{self.models.zero_stage}; {len(d.train_idx):,} train / {len(d.eval_idx):,} eval samples "
                   f"({len(d.store) - d.usable:,} too short for a block); {cfg.batches.order}-{cfg.batches.layout}, "
-                  f"budget {cfg.batches.token_budget:,}, {cfg.batches.step_tokens:,} tokens/rank/step, "
-                  f"{d.total_steps} steps; "
+                  f"budget {cfg.batches.token_budget:,}; {d.total_steps} steps of {self._step_content()}; "
                   + ("micro-batches dealt to the ranks by cost (--balance: ranks wait less for each other)"
                      if d.balance else "round robin to the ranks (--no-balance)" if self.world_size > 1
                      else "one rank: no dealing"))
@@ -140,6 +139,16 @@ class Trainer:
         if cfg.run.resume and cfg.run.sample_log:
             trim_jsonl(self._sample_log_path(), self.step)
         self._stream = self._micro_steps()
+
+    def _step_content(self) -> str:
+        """What a step holds, from the plan: micro-batches and real tokens per rank, on average (a step
+        ends with the micro-batch that reaches --step-tokens, so it holds more than that)."""
+        d = self.data
+        micro = [end - first for ranges in d.steps for first, end in ranges][:d.total_steps]
+        tokens = d.step_tokens()
+        return (f"{sum(micro) / max(len(micro), 1):.1f} micro-batches and "
+                f"{sum(tokens) / max(len(tokens), 1) / self.world_size:,.0f} real tokens per rank on average "
+                f"(--step-tokens {self.cfg.batches.step_tokens:,}: a step ends with the micro-batch that reaches it)")
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -288,7 +297,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.3f}", anchor_tau=f"{record['anchor_tau']:.2f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}")
                 every = cfg.eval.eval_every
-                if (every and self.step % every == 0) or (not every and epoch_done) or last:
+                # a periodic evaluation less than half an interval before the end is the end's own (the
+                # demo's 106 steps, every 21: not at 105 and again at 106)
+                periodic = every and self.step % every == 0 and total - self.step >= every / 2
+                if periodic or (not every and epoch_done) or last:
                     last_eval = self.evaluate()
                 stop = self.step == cfg.run.stop_at_step
                 if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or \
