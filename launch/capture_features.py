@@ -51,6 +51,7 @@ def main(argv=None):
     spec = load_target_spec(args.target)  # one line for a bad --target, before anything loads
     if spec.random:
         raise UserError(f"--target {args.target}: a random target's features are made in memory; nothing to capture")
+    spec.layer_ids(taps, args.num_target_features)  # the taps its config allows, before the weights load
     import torch
 
     from dflash.data.prepare import ensure_store

@@ -198,6 +198,18 @@ def check_positions(prompts, spec, where) -> None:
                         "conversations out or shorten them (--max-turns decodes only the first turns)")
 
 
+def check_fits(drafter_dir: Path, config, spec) -> None:
+    """The drafter fits the target by their configs (hidden size, vocabulary, taps, depth): refused in
+    one line before either's weights load."""
+    from dflash.drafter.config import DrafterConfig, check_fits_target
+
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    try:
+        check_fits_target(config, spec.config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+    except ValueError as e:
+        raise UserError(f"--drafter {drafter_dir} does not fit --target {spec.name}: {e}") from None
+
+
 def load_models(drafter_dir: Path, spec, dtype_option: str):
     import torch
 
@@ -286,7 +298,7 @@ def main(argv=None):
     if not (drafter_dir / "config.json").is_file():
         hint = " (train the demo first: deepspeed launch/train.py)" if args.drafter == "runs/demo/drafter" else ""
         raise UserError(f"--drafter {drafter_dir}: no exported drafter there (config.json){hint}")
-    check_drafter_folder(drafter_dir, "--drafter")  # its weights there, whole, and the config's
+    drafter_config = check_drafter_folder(drafter_dir, "--drafter")  # its weights there, whole, and the config's
     if args.save_heldout:
         count = save_heldout(drafter_dir, Path(args.save_heldout))
         print(f"wrote the {count} held-out conversations of {drafter_dir.parent} to {args.save_heldout}")
@@ -305,6 +317,7 @@ def main(argv=None):
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 
     spec = load_target_spec(str(target_path))  # a folder, a Hub id or a .gguf file; one line if none
+    check_fits(drafter_dir, drafter_config, spec)
     # the turns, tokenized and checked against the target's positions, before any weight loads
     tokenizer = load_tokenizer(spec.folder / spec.gguf_file if spec.gguf_file else spec.folder, "--target")
     if args.prompts:

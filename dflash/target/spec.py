@@ -143,6 +143,18 @@ class TargetSpec:
 
         return default_target_layer_ids(self.num_layers, num_features)
 
+    def layer_ids(self, given=None, num_features: int = 5) -> list[int]:
+        """The tapped layers from the config alone, before any weight loads: `given` (--target-layer-ids)
+        checked against the depth, else the official rule for `num_features` (--num-target-features);
+        one line naming the option when the target cannot give them."""
+        from dflash.target.taps import check_target_layer_ids
+
+        try:
+            return check_target_layer_ids(given, self.num_layers) if given else self.default_layer_ids(num_features)
+        except ValueError as e:
+            flag = "--target-layer-ids" if given else f"--num-target-features {num_features}"
+            raise UserError(f"{flag} with --target {self.name}: {e}") from None
+
     def generation_eos(self):
         """The eos id(s) of the model's generation config (or its config), without loading weights;
         None for a target with no folder (its tokenizer's eos ends turns)."""

@@ -98,6 +98,7 @@ class RunPlan:
 def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_size: int) -> RunPlan:
     """The plan of the run `cfg` on `world_size` ranks of `device`s (raises UserError, naming the
     option, for a DeepSpeed config or a run that cannot be)."""
+    spec.layer_ids(cfg.drafter.target_layer_ids, cfg.drafter.num_target_features)  # the taps the config allows
     ds_config, dtype = training_ds_config(cfg.device.deepspeed_config, cfg.device.dtype, device=device,
                                           world_size=world_size, grad_clip=cfg.optim.grad_clip)
     o = cfg.optim

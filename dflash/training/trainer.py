@@ -27,7 +27,7 @@ from dflash.errors import DiskFull, UserError, allocation_failed
 from dflash.partial import write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
 from dflash.target.load import LoadedTarget
-from dflash.target.spec import load_target_spec, target_folder
+from dflash.target.spec import is_random_target, load_target_spec, target_folder
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import OPTIONS, TrainConfig, speculate_turns
@@ -163,8 +163,9 @@ class Trainer:
 
         def settings_of(options: dict) -> dict:  # a checkpoint of an older dflash: its options, the target by path
             old = cfg.replace(**{k: v for k, v in options.items() if k in OPTIONS})
+            target = old.inputs.target
             return {**drafter_settings(old, self.target_spec.num_layers),
-                    "--target": {"path": str(Path(old.inputs.target).resolve())}}
+                    "--target": {"path": target if is_random_target(target) else str(Path(target).resolve())}}
 
         # the target by content: the checkpoint's record spares hashing the files unchanged since
         recorded = ((self.checkpointer.newest_state() or {}).get("drafter") or {}).get("--target") \

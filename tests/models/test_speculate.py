@@ -494,3 +494,22 @@ def test_prompts_without_target_take_the_drafters_target_or_say_it_is_missing(tm
     err = capsys.readouterr().err
     assert err.startswith(f"error: --target is missing: --drafter {drafter} records no target; it was trained on "
                           "one of 30 layers") and "Traceback" not in err
+
+
+def test_a_drafter_of_another_target_is_refused_before_any_weight_loads(tmp_path, capsys, monkeypatch):
+    from dflash.bench_real import ASSETS, HELDOUT
+    from dflash.demo import TARGET
+
+    from ..conftest import launch_script
+
+    cli = launch_script("speculate")
+
+    def no_loading(*_):
+        raise AssertionError("weights loaded before the configs were compared")
+
+    monkeypatch.setattr(cli, "load_models", no_loading)
+    with pytest.raises(SystemExit):
+        cli.main(["--drafter", str(ASSETS / "drafter"), "--prompts", str(HELDOUT), "--target", str(TARGET)])
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --drafter {ASSETS / 'drafter'} does not fit --target {TARGET}: ") and \
+        err.count("\n") == 1, err

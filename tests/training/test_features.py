@@ -112,6 +112,23 @@ def test_a_damaged_store_is_one_line_naming_the_file(captured, tmp_path, damage,
     assert "\n" not in str(err.value)
 
 
+def test_capture_refuses_taps_the_target_cannot_give_before_its_weights_load(tmp_path, monkeypatch, capsys):
+    from dflash.target import load
+
+    def no_loading(*_, **__):
+        raise AssertionError("the weights were loaded before the taps were checked")
+
+    monkeypatch.setattr(load, "load_target", no_loading)
+    with pytest.raises(SystemExit):
+        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(DATA), "--output",
+                                                str(tmp_path / "features"), "--target-layer-ids", "1,5"])
+    assert capsys.readouterr().err == (f"error: --target-layer-ids with --target {TARGET}: target layer id 5 is out "
+                                       "of range: the target has 6 layers and ids must lie in [0, 4] (hidden_states[L] "
+                                       "of a Hugging Face forward is the final-normed output, so layer 5 cannot be "
+                                       "tapped)\n")
+    assert not (tmp_path / "features").exists()
+
+
 def test_features_with_a_conversation_file_as_data_is_refused_before_loading(captured, tmp_path):
     with pytest.raises(UserError, match="--features: reads features captured of a model's token store"):
         train_in_process(tiny_train_args(TARGET, DATA, tmp_path / "run", "--features", captured))

@@ -142,3 +142,20 @@ def test_dflash2_sizes_that_do_not_fit_the_target_are_refused_naming_the_flag_be
     assert str(err.value) == (f"--drafter-kind dflash2: its released sizes do not fit --target random:{tmp_path}: "
                               f"{error}; train --drafter-kind dflash on this target, or start from a DFlash2 drafter "
                               "sized for it (--init-drafter)")
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--target-layer-ids", "1,2"], r"--target-layer-ids with --target random:.*: target layer id 2 is out of "
+                                    r"range: the target has 3 layers"),
+    (["--num-target-features", "2"], r"--num-target-features 2 with --target random:.*: the default tap rule needs "
+                                     r"at least 4 target layers, got 3"),
+])
+def test_taps_the_target_cannot_give_are_refused_from_its_config(option, message, tmp_path):
+    """Limits before weights: the taps are checked against config.json's depth, not by the loaded model."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32).save_pretrained(tmp_path)
+    cfg = load_config(["--target", f"random:{tmp_path}", "--data", "random", "--memory-gib", "80", *option])
+    with pytest.raises(UserError, match=message):
+        plan_run(cfg, load_target_spec(cfg.inputs.target), device=torch.device("cpu"), world_size=1)
