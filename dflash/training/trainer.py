@@ -51,6 +51,19 @@ def input_paths(cfg: TrainConfig) -> dict[str, Path]:
     return {flag: Path(path) for flag, path in paths.items() if not made.get(flag)}
 
 
+def init_drafter_note(folder: Path, spec, identity: dict) -> str | None:
+    """What to say when --init-drafter records (`TARGET_KEY`) another target than --target, by content
+    (`identity`, `TargetSpec.fingerprint`): its weights start the run all the same (a drafter carried
+    to a fine-tune of its target, say), but the user should know."""
+    from dflash.drafter.config_format import TARGET_KEY
+
+    record = json.loads((folder / "config.json").read_text()).get(TARGET_KEY)
+    if not isinstance(record, dict) or not record.get("sha256") or record["sha256"] == identity.get("sha256"):
+        return None
+    return (f"--init-drafter {folder}: trained on {record.get('name')}, another model than --target {spec.name} "
+            "(by content): its weights start this run all the same")
+
+
 class Trainer:
     """One training run: the parts, the loop and its state (step, planner position, non-finite count).
 
@@ -171,6 +184,11 @@ class Trainer:
         recorded = ((self.checkpointer.newest_state() or {}).get("drafter") or {}).get("--target") \
             if cfg.run.resume else None
         self.drafter_settings["--target"] = self.target_spec.fingerprint(known=recorded)
+        if cfg.drafter.init_drafter and not cfg.run.resume:
+            note = init_drafter_note(Path(cfg.drafter.init_drafter), self.target_spec,
+                                     self.drafter_settings["--target"])
+            if note:
+                self._say(note)
         self.checkpointer.claim(self.run_folder, resume=cfg.run.resume, overwrite=cfg.run.overwrite, reads=reads,
                                 settings=self.drafter_settings, settings_of=settings_of)
         diffs = schedule_differences(self.checkpointer.recorded_options, cfg) if cfg.run.resume else []

@@ -159,3 +159,24 @@ def test_taps_the_target_cannot_give_are_refused_from_its_config(option, message
     cfg = load_config(["--target", f"random:{tmp_path}", "--data", "random", "--memory-gib", "80", *option])
     with pytest.raises(UserError, match=message):
         plan_run(cfg, load_target_spec(cfg.inputs.target), device=torch.device("cpu"), world_size=1)
+
+
+def test_an_init_drafter_of_another_target_by_content_is_said_by_the_same_rule(tmp_path):
+    """--init-drafter reads the target its export recorded (`dflash_target`) and compares it by the one
+    identity rule: the same files under another path say nothing; other weights are named."""
+    import shutil
+
+    from dflash.demo import TARGET
+    from dflash.training.trainer import init_drafter_note
+
+    spec = load_target_spec(str(TARGET))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    record = {"name": "elsewhere/target", "model_type": spec.family, "num_hidden_layers": spec.num_layers,
+              "sha256": load_target_spec(str(shutil.copytree(TARGET, tmp_path / "copy"))).fingerprint()["sha256"]}
+    (drafter / "config.json").write_text(json.dumps({"dflash_target": record}))
+    assert init_drafter_note(drafter, spec, spec.fingerprint()) is None
+    (drafter / "config.json").write_text(json.dumps({"dflash_target": {**record, "sha256": "0" * 64}}))
+    assert init_drafter_note(drafter, spec, spec.fingerprint()) == (
+        f"--init-drafter {drafter}: trained on elsewhere/target, another model than --target {TARGET} (by content): "
+        "its weights start this run all the same")
