@@ -127,6 +127,12 @@ def test_capture_refuses_taps_the_target_cannot_give_before_its_weights_load(tmp
                                        "of a Hugging Face forward is the final-normed output, so layer 5 cannot be "
                                        "tapped)\n")
     assert not (tmp_path / "features").exists()
+    bad = tmp_path / "bad.jsonl"  # the data are tokenized before the weights load too: a bad line is named first
+    bad.write_text(DATA.read_text(encoding="utf-8").splitlines()[0] + '\n{"messages": []}\n', encoding="utf-8")
+    with pytest.raises(SystemExit):
+        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(bad), "--output",
+                                                str(tmp_path / "features")])
+    assert capsys.readouterr().err.endswith(f"\nerror: {bad}:2: the conversation has no turns\n")
 
 
 def test_features_with_a_conversation_file_as_data_is_refused_before_loading(captured, tmp_path):
