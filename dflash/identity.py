@@ -6,7 +6,8 @@ A file is its size and the SHA-256 of every byte. Hashing costs (1.47 GB/s on on
 2-core test machine, SHA-NI: 11 s for Qwen3-8B's 16.4 GB, on top of reading them), so a record
 also keeps the file's stat (device, inode, size, modification and change times): a file whose
 stat is unchanged is trusted without reading it (a write changes the change time, which no user
-can set back); any other file is hashed again, so a touched but identical file matches and one
+can set back; a stat younger than `SETTLE_NS` when hashed is never trusted, the times ticking
+coarsely); any other file is hashed again, so a touched but identical file matches and one
 byte changed anywhere does not. A record is taken once (where the command reads the file
 anyway: the run's start, a capture, a regeneration) and compared for free while nothing changed.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 from dflash.errors import UserError
@@ -41,15 +43,31 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# File times tick coarsely (a few ms): a file changed this recently when it was hashed could change
+# again with the same stat, so its stat is not trusted (it is hashed each time), as git's racy entries.
+SETTLE_NS = 2 * 10**9
+_HASHED: dict[tuple[int, ...], str] = {}  # this process's hashes by settled stat: runs sharing a target hash it once
+
+
+def _trusted(st: os.stat_result) -> bool:
+    return time.time_ns() - st.st_ctime_ns > SETTLE_NS
+
+
 def file_identity(path: Path, known: dict | None = None, sha256: str | None = None) -> dict:
     """`path`'s record: size, stat and SHA-256 (`known`'s hash when `known`, a record, was taken
-    of this very file unchanged; `sha256` when the caller hashed it while reading)."""
+    of this very file unchanged; `sha256` when the caller hashed it while reading). `stat` is
+    recorded only when settled (`SETTLE_NS`): a record without it is always hashed again."""
     path = Path(path)
     st = path.stat()
+    key, trusted = tuple(_stat_key(st)), _trusted(st)
+    if sha256 is None and trusted:
+        sha256 = known["sha256"] if known and known.get("stat") == list(key) else _HASHED.get(key)
     if sha256 is None:
-        sha256 = known["sha256"] if known and known.get("stat") == _stat_key(st) else sha256_file(path)
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "stat": _stat_key(st),
-            "sha256": sha256}
+        sha256 = sha256_file(path)
+    if trusted:
+        _HASHED[key] = sha256
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "stat": list(key) if trusted else None, "sha256": sha256}
 
 
 def same_file(recorded: dict, path: Path) -> bool:
@@ -61,7 +79,7 @@ def same_file(recorded: dict, path: Path) -> bool:
         return False
     if st.st_size != recorded.get("size"):
         return False
-    if recorded.get("stat") == _stat_key(st):
+    if recorded.get("stat") == _stat_key(st):  # recorded only when settled
         return True
     return sha256_file(path) == recorded.get("sha256")
 
@@ -102,11 +120,10 @@ def target_identity(folder: Path | None, gguf_file: str | None, name: str, known
     if folder is None:
         return {"path": name}
     reuse = {f["path"]: f for f in (known or {}).get("files", [])} if isinstance(known, dict) else {}
-    by_stat = {tuple(f.get("stat", ())): f for f in reuse.values()}
+    by_stat = {tuple(f["stat"]): f for f in reuse.values() if f.get("stat")}
     h, files = hashlib.sha256(), []
     for f in target_files(folder, gguf_file):
-        st = _stat_key(f.stat())
-        record = file_identity(f, reuse.get(str(f.resolve())) or by_stat.get(tuple(st)))
+        record = file_identity(f, reuse.get(str(f.resolve())) or by_stat.get(tuple(_stat_key(f.stat()))))
         # a .gguf is its content under any name; a folder's files are found by their names
         label = "gguf" if gguf_file else f.name
         h.update(f"{label}:{record['size']}:{record['sha256']}\n".encode())

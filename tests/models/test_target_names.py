@@ -99,16 +99,31 @@ def _fake_target(folder, size=1 << 20):
     return folder, data
 
 
-def test_one_byte_changed_anywhere_is_another_target_whatever_the_times_say(tmp_path):
+def _settled(monkeypatch):
+    """Files as old as a model's: their stats are trusted (`SETTLE_NS`), as they are an hour on."""
+    import time
+
+    from dflash import identity
+
+    now = time.time_ns()
+    monkeypatch.setattr(identity.time, "time_ns", lambda: now + 3600 * 10**9)
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["just-written", "settled"])
+def test_one_byte_changed_anywhere_is_another_target_whatever_the_times_say(tmp_path, monkeypatch, settled):
     """The whole file is hashed: a byte between any windows a sampled hash reads, its modification time
     set back, is seen (a write changes the change time, which no user sets back)."""
     import os
+    import time
 
     folder, data = _fake_target(tmp_path / "m")
+    if settled:
+        _settled(monkeypatch)
     spec = TargetSpec("m", None, folder, False)
     before = spec.fingerprint()
     weights = folder / "model.safetensors"
     st = weights.stat()
+    time.sleep(0.05)  # past the file times' tick
     data[(1 << 16) + 10_000] ^= 1  # past the header, between sampled windows
     weights.write_bytes(data)
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -121,13 +136,16 @@ def test_a_touched_or_moved_identical_target_is_the_same_and_unchanged_files_are
     from dflash import identity
 
     folder, _ = _fake_target(tmp_path / "m")
+    _settled(monkeypatch)
     spec = TargetSpec("m", None, folder, False)
     before = spec.fingerprint()
     hashed = []
     real = identity.sha256_file
     monkeypatch.setattr(identity, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    identity._HASHED.clear()  # this process's memory aside: the record alone spares the reading
     assert spec.fingerprint(known=before) == before and hashed == [], "nothing changed: nothing is read"
-    os.utime(folder / "model.safetensors")  # touched, the same bytes
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns + 10**9
+    os.utime(folder / "model.safetensors", ns=(mtime, mtime))  # touched, the same bytes
     assert spec.fingerprint(known=before)["sha256"] == before["sha256"] and hashed == ["model.safetensors"]
     (folder / "notes.gguf").write_bytes(b"GGUF" * 100)  # a file the folder's target never loads
     (folder / "extra.pt").write_bytes(b"x")
