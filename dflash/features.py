@@ -10,8 +10,9 @@ dtype in the token store's sample order, memory-mapped; `offsets.npy` (samples +
 token of each sample; `shared.safetensors` the embedding and the lm_head the drafter borrows;
 `feature_store.json` (written last: a folder without it is incomplete) the dtype, the shapes, the
 target's config and the fingerprints of what the features are of: the target
-(`TargetSpec.fingerprint`, its weights sampled), the data (a hash of the store's token ids and
-loss masks) and the tapped layers. A run whose target, data or taps differ is refused in one line.
+(`TargetSpec.fingerprint`: by content, `dflash.identity`, whatever path names it), the data (a hash
+of the store's token ids and loss masks) and the tapped layers. A run whose target, data or taps
+differ is refused in one line.
 
 Captured per sample on the packed path, which gives every sample the same bits alone as in any
 packed micro-batch (a row's matmul does not depend on the rows beside it on the CPU; GPU kernels
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from dflash.errors import UserError
+from dflash.identity import same_target
 
 META = "feature_store.json"
 VERSION = 1
@@ -128,7 +130,7 @@ def read_meta(folder: Path, flag: str = "--features") -> dict:
 
 def check_matches(meta: dict, folder, *, spec, store, target_layer_ids, flag: str = "--features") -> None:
     """Refuse, in one line, a store captured of another target, other data or other tapped layers."""
-    if meta["target"] != spec.fingerprint():
+    if not same_target(meta["target"], spec.fingerprint(known=meta["target"])):
         raise UserError(f"{flag} {folder}: captured from another target ({meta['target'].get('path')}) than --target "
                         f"{spec.name}, or the target's weights changed since; capture again")
     if list(target_layer_ids) != meta["target_layer_ids"]:
@@ -138,6 +140,33 @@ def check_matches(meta: dict, folder, *, spec, store, target_layer_ids, flag: st
     if len(store) != meta["samples"] or data_fingerprint(store) != meta["data"]["sha256"]:
         raise UserError(f"{flag} {folder}: captured from other data ({meta['data']['path']}) than the run's token "
                         f"store {store.path}; capture again from the same store")
+
+
+def check_files(folder, meta: dict, flag: str = "--features") -> None:
+    """Refuse, in one line naming the file, a store whose arrays are missing or not the size its meta
+    says (a cut copy, a deleted file): memory-mapping one would fail with numpy's words, or read wrong rows."""
+    from dflash.folders import safetensors_shapes
+
+    folder = Path(folder)
+    item = np.dtype(DTYPES[meta["dtype"]][1]).itemsize
+    rows, hidden = max(meta["tokens"], 1), meta["hidden_size"]
+    sizes = {"features.bin": rows * len(meta["target_layer_ids"]) * hidden * item, "states.bin": rows * hidden * item}
+    for name in (*sizes, "offsets.npy", "shared.safetensors"):
+        if not (folder / name).is_file():
+            raise UserError(f"{flag} {folder}: {name} is missing (the store's {META} lists it); capture again")
+    for name, size in sizes.items():
+        actual = (folder / name).stat().st_size
+        if actual != size:
+            raise UserError(f"{flag} {folder / name}: {actual:,} bytes where the store's {META} makes {size:,} (cut "
+                            "short or replaced); capture again")
+    try:
+        offsets = np.load(folder / "offsets.npy")
+    except (OSError, ValueError) as e:
+        raise UserError(f"{flag} {folder / 'offsets.npy'}: unreadable ({e}); capture again") from None
+    if offsets.shape != (meta["samples"] + 1,) or int(offsets[-1]) != meta["tokens"]:
+        raise UserError(f"{flag} {folder / 'offsets.npy'}: does not hold the {meta['samples'] + 1} offsets of the "
+                        f"store's {meta['tokens']:,} tokens; capture again")
+    safetensors_shapes(folder / "shared.safetensors", flag)
 
 
 class CapturedTarget(torch.nn.Module):
@@ -198,5 +227,6 @@ def load_captured(folder, spec, store, device, dtype, target_layer_ids, tokenize
 
     meta = read_meta(folder)
     check_matches(meta, folder, spec=spec, store=store, target_layer_ids=target_layer_ids)
+    check_files(folder, meta)
     model = CapturedTarget(folder, meta, device, dtype)
     return LoadedTarget(tokenizer, SimpleNamespace(config=spec.config), model, None, spec)

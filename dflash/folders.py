@@ -3,8 +3,9 @@
 A drafter folder (`check_drafter_folder`): config.json and model.safetensors present, the
 weights file as long as its header says (a cut copy is named, not a safetensors traceback), its
 tensors those the config builds, with their shapes. A target folder (`check_target_folder`):
-config.json present, each safetensors file whole. Token stores and checkpoints have their own
-(`TokenStore` names a damaged store, `COMPLETE` lists every checkpoint file with its size).
+config.json present, the weight files it loads present (every shard its index names) and whole.
+Token stores and checkpoints have their own (`TokenStore` names a damaged store, `COMPLETE` lists
+every checkpoint file with its size).
 """
 from __future__ import annotations
 
@@ -75,12 +76,16 @@ def check_drafter_folder(folder: str | Path, where: str, check_config=None):
 
 
 def check_target_folder(folder: str | Path, where: str = "--target") -> None:
-    """A target model folder: config.json there, and each safetensors file whole."""
+    """A target model folder: config.json there, the weight files it loads there (a shard its index
+    names among them: `dflash.identity.target_files`), each safetensors file whole."""
+    from dflash.identity import target_files
+
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise UserError(f"{where} {folder}: not a Hugging Face model folder (no config.json)")
-    for path in sorted(folder.glob("*.safetensors")):
-        safetensors_shapes(path, where)
+    for path in target_files(folder, None, where):
+        if path.suffix == ".safetensors":
+            safetensors_shapes(path, where)
 
 
 # --- What a command writes: apart from what it reads, and deleted only where dflash wrote it ---

@@ -80,27 +80,32 @@ def capture_into(args, taps):
     spec = load_target_spec(args.target)  # one line for a bad --target, before anything loads
     if spec.random:
         raise UserError(f"--target {args.target}: a random target's features are made in memory; nothing to capture")
+    spec.layer_ids(taps, args.num_target_features)  # the taps its config allows, before the weights load
     import torch
 
     from dflash.data.prepare import ensure_store
     from dflash.data.token_store import TokenStore
+    from dflash.data.tokenizing import load_tokenizer
     from dflash.devices import resolve_dtype
     from dflash.features import capture
     from dflash.target.load import load_target
 
+    # the data tokenized (or the store checked) with the target's tokenizer before its weights load:
+    # a bad line is named now, not after the load
+    tokenizer = load_tokenizer(spec.folder / spec.gguf_file if spec.gguf_file else spec.folder, "--target")
     args.output.mkdir(parents=True, exist_ok=True)
     mark_folder(args.output, WRITER)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,
-                         num_features=args.num_target_features, mask_token=False)
     data = Path(args.data)
     if is_token_store(data):
         store_dir = data
-        TokenStore(data).check_tokenizer(target.tokenizer, f"--target {args.target}")
+        TokenStore(data).check_tokenizer(tokenizer, f"--target {args.target}")
     else:
         store_dir = args.output / "tokens"
-        ensure_store(data, target.tokenizer, store_dir, max_length=args.max_length)
+        ensure_store(data, tokenizer, store_dir, max_length=args.max_length)
     store = TokenStore(store_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,
+                         num_features=args.num_target_features, mask_token=False)
     meta = capture(target, spec, store, args.output, token_budget=args.token_budget)
     size = meta["tokens"] * meta["bytes_per_token"]
     print(f"captured {meta['tokens']:,} tokens of {meta['samples']:,} samples at layers {meta['target_layer_ids']} "

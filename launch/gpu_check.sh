@@ -10,13 +10,23 @@
 #                                                            bench_kernels.json, fused_ops.json, e2e.json, memory.json,
 #                                                            <kind>.json per other drafter kind, summary.json
 #   bash launch/gpu_check.sh OUT --dry-run                 # tiny shapes on a CPU (Triton interpreter)
+#   bash launch/gpu_check.sh --help                        # this text and gpu_check.py's options
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: launch/gpu_check.sh OUT [gpu_check.py options]" >&2; exit 2; }
+usage="usage: bash launch/gpu_check.sh OUT [gpu_check.py options] (--help: what it does)"
+[ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
+root=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}  # the image's interpreter; CI's test passes its own
+case "$1" in
+  -h|--help)  # the comment above, then the options gpu_check.py takes after OUT
+    sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo
+    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" "$root/launch/gpu_check.py" --help ;;
+  -*) echo "error: OUT $1: the output folder comes first, not an option; $usage" >&2; exit 2 ;;
+esac
 mkdir -p "$1"
 OUT=$(cd "$1" && pwd)
 shift
-cd "$(dirname "$0")/.."
+cd "$root"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python3}  # the image's interpreter; CI's test passes its own
 timeout -k 10 480 "$PY" launch/gpu_check.py "$OUT" "$@" 2>&1 | tee -a "$OUT/log.txt"
 exit "${PIPESTATUS[0]}"

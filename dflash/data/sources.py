@@ -40,8 +40,9 @@ from dflash.data.tables import (
     saved_part,
     saved_table,
 )
-from dflash.data.token_store import STORE_META, file_fingerprint, same_file_content
+from dflash.data.token_store import STORE_META
 from dflash.errors import UserError
+from dflash.identity import file_identity, same_file
 
 FORMATS = ("JSONL, JSON (an array of objects), parquet, Arrow (IPC file or stream), a folder of parquet shards, "
            "a datasets save_to_disk folder")
@@ -286,21 +287,22 @@ class Source:
 
     # -- content fingerprint -----------------------------------------------------------------
     def fingerprint(self, sha256: str | None = None) -> dict:
-        """A file's `file_fingerprint`; a folder's: its path and every data file's."""
+        """A file's `file_identity` (`dflash.identity`, the rule targets follow too); a folder's: its
+        path and every data file's."""
         if self.path.is_file():
-            return file_fingerprint(self.path, sha256)
+            return file_identity(self.path, sha256=sha256)
         return {"path": str(self.path.resolve()),
-                "files": [{**file_fingerprint(f), "path": str(f.relative_to(self.path))} for f in self.files]}
+                "files": [{**file_identity(f), "path": str(f.relative_to(self.path))} for f in self.files]}
 
     def same_content(self, recorded: dict) -> bool:
         """Whether the data hold what `recorded` (a `fingerprint`) was taken of."""
         if self.path.is_file():
-            return "files" not in recorded and same_file_content(recorded, self.path)
+            return "files" not in recorded and same_file(recorded, self.path)
         files = recorded.get("files")
         if not isinstance(files, list) or [f.get("path") for f in files] != \
                 [str(f.relative_to(self.path)) for f in self.files]:
             return False
-        return all(same_file_content(r, f) for r, f in zip(files, self.files, strict=True))
+        return all(same_file(r, f) for r, f in zip(files, self.files, strict=True))
 
 
 def _stream(rows, part: Path) -> Iterator[dict]:

@@ -47,32 +47,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def file_fingerprint(path: Path, sha256: str | None = None) -> dict:
-    """Size, modification time and content hash of a file (hashed here unless given)."""
-    st = path.stat()
-    if sha256 is None:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-        sha256 = h.hexdigest()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
-
-
-def same_file_content(recorded: dict, path: Path) -> bool:
-    """Whether `path` holds what `recorded` (a file_fingerprint) was taken of: equal size and
-    modification time are trusted; otherwise the content is hashed (a touched, unchanged file)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return False
-    if st.st_size != recorded.get("size"):
-        return False
-    if st.st_mtime_ns == recorded.get("mtime_ns"):
-        return True
-    return file_fingerprint(path)["sha256"] == recorded.get("sha256")
-
-
 def read_store_meta(path: Path) -> dict | None:
     """The store's meta, or None when `path` is not a dflash store; a damaged meta is an error."""
     meta_path = Path(path) / STORE_META

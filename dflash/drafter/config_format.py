@@ -47,6 +47,11 @@ CONFIG_KEYS = frozenset(
     }
 )
 
+# The target the drafter was trained on (its name as given, family, depth and content hash,
+# `dflash.identity`), written by training's export: an extra top-level key, which transformers keeps
+# as an attribute and the engines never read; `launch/speculate.py` takes the target from it.
+TARGET_KEY = "dflash_target"
+
 # Written when every layer computes one causality (`dflash.drafter.serving`): an `is_causal` key, even
 # false, overrides every layer's default in the engines.
 OPTIONAL_CONFIG_KEYS = frozenset({"is_causal"})

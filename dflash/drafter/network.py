@@ -335,8 +335,9 @@ class DFlashDrafter(nn.Module):
         return self.block_hidden(features, blocks.input_ids, blocks.position_ids, packed.position_ids,
                                  (packed.cu_seqlens, packed.cu_seqlens_cpu), blocks.anchors)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write `config.json` and `model.safetensors` in the official DFlash format.
+    def save_pretrained(self, directory: str | os.PathLike, target: dict | None = None) -> None:
+        """Write `config.json` and `model.safetensors` in the official DFlash format (`target`: the
+        record of the target it was trained on, under `TARGET_KEY`, which the engines ignore).
 
         All or nothing: the files are written to a temporary folder beside `directory` and
         renamed into place. Non-finite weights are refused, and an existing `directory` is
@@ -359,6 +360,10 @@ class DFlashDrafter(nn.Module):
                             "not replaced (move it away)")
         config = self.config.to_json_dict()
         config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
+        if target is not None:
+            from dflash.drafter.config_format import TARGET_KEY
+
+            config[TARGET_KEY] = target
         directory.parent.mkdir(parents=True, exist_ok=True)
         work = partial_folder(directory)
         try:

@@ -8,7 +8,8 @@ weights); every command resolves it here, once (`resolve_target`). The sizing to
 (`launch/plan_memory.py`, `launch/plan_batches.py`) also take a bare preset name or a config.json.
 Everything decided before loading reads the spec: the memory plan, the drafter settings and
 `--init-drafter`'s check, the tapped layers, the mask token's embedding row, the loader, the
-partition, the FLOP model, the end-of-turn tokens and the fingerprint `--resume` compares.
+partition, the FLOP model, the end-of-turn tokens and the identity (`fingerprint`) that `--resume`,
+`--features` and regeneration compare.
 
 Resolution refuses, in one line naming the flag or the file, a family dflash has no feature
 path for and a config.json that leaves a size to transformers' defaults (which would plan and
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import json
 import os
 import re
@@ -30,7 +30,6 @@ from dflash.errors import UserError
 
 RANDOM_PREFIX = "random:"
 GGUF_SUFFIX = ".gguf"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", GGUF_SUFFIX)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # ORG/NAME, as the Hub names repositories
 # What a Hub id downloads: a transformers checkpoint (config, tokenizer, safetensors), not every file
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
@@ -144,6 +143,18 @@ class TargetSpec:
 
         return default_target_layer_ids(self.num_layers, num_features)
 
+    def layer_ids(self, given=None, num_features: int = 5) -> list[int]:
+        """The tapped layers from the config alone, before any weight loads: `given` (--target-layer-ids)
+        checked against the depth, else the official rule for `num_features` (--num-target-features);
+        one line naming the option when the target cannot give them."""
+        from dflash.target.taps import check_target_layer_ids
+
+        try:
+            return check_target_layer_ids(given, self.num_layers) if given else self.default_layer_ids(num_features)
+        except ValueError as e:
+            flag = "--target-layer-ids" if given else f"--num-target-features {num_features}"
+            raise UserError(f"{flag} with --target {self.name}: {e}") from None
+
     def generation_eos(self):
         """The eos id(s) of the model's generation config (or its config), without loading weights;
         None for a target with no folder (its tokenizer's eos ends turns)."""
@@ -158,36 +169,14 @@ class TargetSpec:
         except OSError:
             return json.loads((self.folder / "config.json").read_text()).get("eos_token_id")
 
-    def fingerprint(self) -> dict:
-        """The model's path and a hash of what tells one model from another without reading every
-        byte: config.json, and of every weight file (of the .gguf file alone for a GGUF target) its
-        name, size, first 64 KiB (the header) and 64 windows of 4 KiB spread over it (the weights
-        themselves: a fine-tune of the same shapes has the same header). A moved folder keeps its
-        hash; a `random:` target is its name."""
-        if self.folder is None:
-            return {"path": self.name}
-        h = hashlib.sha256()
-        if self.gguf_file:
-            files = [self.folder / self.gguf_file]
-        else:
-            files = [self.folder / "config.json",
-                     *sorted(p for p in self.folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)]
-        for f in files:
-            h.update(f"{f.name}:{f.stat().st_size}:".encode())
-            _hash_samples(h, f)
-        path = self.folder / self.gguf_file if self.gguf_file else self.folder
-        return {"path": str(path.resolve()), "sha256": h.hexdigest()}
+    def fingerprint(self, known: dict | None = None) -> dict:
+        """The target's identity by content (`dflash.identity.target_identity`: config.json and the
+        weight files it loads, each hashed whole; `known`, an earlier record, spares hashing the
+        files unchanged since). A moved or copied model, or a .gguf behind a link of another name,
+        is the same target; a `random:` target is its name."""
+        from dflash.identity import target_identity
 
-
-def _hash_samples(h, path: Path, head: int = 1 << 16, windows: int = 64, window: int = 1 << 12) -> None:
-    size = path.stat().st_size
-    with path.open("rb") as data:
-        h.update(data.read(head))
-        if size <= head:
-            return
-        for i in range(windows):
-            data.seek(head + (size - head) * i // windows)
-            h.update(data.read(window))
+        return target_identity(self.folder, self.gguf_file, self.name, known)
 
 
 def _preset_config(name: str):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dflash.distributed.run_folder import RunPaths
 from dflash.errors import UserError, disk_full, free_space
+from dflash.identity import same_target
 
 COMPLETE = "COMPLETE"
 
@@ -235,7 +236,7 @@ class Checkpointer:
 
 def drafter_differences(before: dict, now: dict) -> list[str]:
     """`option: checkpoint value -> value now` for every setting of `drafter_settings` that differs
-    (a target by its hash, shown by its folder; one recorded by path alone by its path)."""
+    (a target by its content, `dflash.identity.same_target`, shown by its path)."""
     def show(value):
         return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
@@ -245,8 +246,7 @@ def drafter_differences(before: dict, now: dict) -> list[str]:
         if old is None:
             continue
         if flag == "--target":
-            same = old["sha256"] == new["sha256"] if old.get("sha256") else old["path"] == new["path"]
-            if not same:
+            if not same_target(old, new):
                 diffs.append(f"--target: {old['path']} -> {new['path']}" if old["path"] != new["path"]
                              else f"--target: {new['path']} is another model now (its config or weights changed)")
         elif old != new:

@@ -172,14 +172,15 @@ class Models:
         self.zero_stage = zero_stage(ds_config)
         self.engine, self.optimizer, self.scheduler = engine_for(self.drafter, ds_config, optim, total_steps, device)
 
-    def export(self, directory: Path) -> None:
-        """The drafter in the official DFlash format (parameters gathered under ZeRO-3; rank 0 writes)."""
+    def export(self, directory: Path, target: dict | None = None) -> None:
+        """The drafter in the official DFlash format (parameters gathered under ZeRO-3; rank 0 writes),
+        with `target`, the record of the target it was trained on (`save_pretrained`)."""
         import deepspeed
 
         params = list(self.drafter.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3):
             try:
-                on_rank0(lambda: self.drafter.save_pretrained(directory), "exporting the drafter")
+                on_rank0(lambda: self.drafter.save_pretrained(directory, target), "exporting the drafter")
             except NonFiniteWeights as e:
                 advice = "the training diverged: lower --lr, or resume from an earlier checkpoint"
                 raise UserError(f"{e}: {advice}") from None

@@ -73,7 +73,7 @@ class RunPlan:
     memory_line: str  # what the plan says of the run, for the log
     kind_settings: Any  # the drafter kind's own settings (`kind_settings`; None: none)
     extra_row_flops: float  # FLOPs per block row the kind adds in training (`DrafterKind.row_flops`)
-    drafter_settings: dict  # what shapes the drafter's weights, the target's fingerprint among them
+    drafter_settings: dict  # what shapes the drafter's weights (the target's identity is added on rank 0)
 
     @property
     def data(self) -> DataSettings:
@@ -98,6 +98,7 @@ class RunPlan:
 def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_size: int) -> RunPlan:
     """The plan of the run `cfg` on `world_size` ranks of `device`s (raises UserError, naming the
     option, for a DeepSpeed config or a run that cannot be)."""
+    spec.layer_ids(cfg.drafter.target_layer_ids, cfg.drafter.num_target_features)  # the taps the config allows
     ds_config, dtype = training_ds_config(cfg.device.deepspeed_config, cfg.device.dtype, device=device,
                                           world_size=world_size, grad_clip=cfg.optim.grad_clip)
     o = cfg.optim
@@ -112,8 +113,8 @@ def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_
     cfg = cfg.replace(row_budget=row_budget)
     extra_flops = drafter_kind(cfg.drafter.drafter_kind).row_flops(
         spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size, settings, cfg.loss)
-    resumed = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
-    return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings, extra_flops, resumed)
+    return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings, extra_flops,
+                   drafter_settings(cfg, spec.num_layers))
 
 
 def longest_sample(cfg: TrainConfig) -> int | None:
@@ -187,7 +188,8 @@ def loss_setup(cfg: TrainConfig, device=None) -> dict:
 
 def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
     """What shapes the drafter's weights and what they learn, by option, as a checkpoint records it
-    and `--resume` compares it (with the target, `TargetSpec.fingerprint`): the taps (resolved by the
+    and `--resume` compares it (with the target's identity, `TargetSpec.fingerprint`, which rank 0
+    adds: it hashes the weights): the taps (resolved by the
     official rule for a target of `num_target_layers` when not given), the drafter's size, block,
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN

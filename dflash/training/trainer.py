@@ -27,7 +27,7 @@ from dflash.errors import DiskFull, UserError, allocation_failed
 from dflash.partial import write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
 from dflash.target.load import LoadedTarget
-from dflash.target.spec import load_target_spec, target_folder
+from dflash.target.spec import is_random_target, load_target_spec, target_folder
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import OPTIONS, TrainConfig, speculate_turns
@@ -49,6 +49,19 @@ def input_paths(cfg: TrainConfig) -> dict[str, Path]:
              "--deepspeed_config": resolve_ds_config(cfg.device.deepspeed_config)}
     made = {"--target": target_folder(cfg.inputs.target) is None, "--data": is_synthetic(cfg.inputs.data)}
     return {flag: Path(path) for flag, path in paths.items() if not made.get(flag)}
+
+
+def init_drafter_note(folder: Path, spec, identity: dict) -> str | None:
+    """What to say when --init-drafter records (`TARGET_KEY`) another target than --target, by content
+    (`identity`, `TargetSpec.fingerprint`): its weights start the run all the same (a drafter carried
+    to a fine-tune of its target, say), but the user should know."""
+    from dflash.drafter.config_format import TARGET_KEY
+
+    record = json.loads((folder / "config.json").read_text()).get(TARGET_KEY)
+    if not isinstance(record, dict) or not record.get("sha256") or record["sha256"] == identity.get("sha256"):
+        return None
+    return (f"--init-drafter {folder}: trained on {record.get('name')}, another model than --target {spec.name} "
+            "(by content): its weights start this run all the same")
 
 
 class Trainer:
@@ -119,8 +132,7 @@ class Trainer:
         self._say(f"dflash: {self.world_size} rank(s) on {self.device.type}, {self.dtype}, "
                   f"ZeRO-{self.models.zero_stage}; {len(d.train_idx):,} train / {len(d.eval_idx):,} eval samples "
                   f"({len(d.store) - d.usable:,} too short for a block); {cfg.batches.order}-{cfg.batches.layout}, "
-                  f"budget {cfg.batches.token_budget:,}, {cfg.batches.step_tokens:,} tokens/rank/step, "
-                  f"{d.total_steps} steps; "
+                  f"budget {cfg.batches.token_budget:,}; {d.total_steps} steps of {self._step_content()}; "
                   + ("micro-batches dealt to the ranks by cost (--balance: ranks wait less for each other)"
                      if d.balance else "round robin to the ranks (--no-balance)" if self.world_size > 1
                      else "one rank: no dealing"))
@@ -141,6 +153,16 @@ class Trainer:
             trim_jsonl(self._sample_log_path(), self.step)
         self._stream = self._micro_steps()
 
+    def _step_content(self) -> str:
+        """What a step holds, from the plan: micro-batches and real tokens per rank, on average (a step
+        ends with the micro-batch that reaches --step-tokens, so it holds more than that)."""
+        d = self.data
+        micro = [end - first for ranges in d.steps for first, end in ranges][:d.total_steps]
+        tokens = d.step_tokens()
+        return (f"{sum(micro) / max(len(micro), 1):.1f} micro-batches and "
+                f"{sum(tokens) / max(len(tokens), 1) / self.world_size:,.0f} real tokens per rank on average "
+                f"(--step-tokens {self.cfg.batches.step_tokens:,}: a step ends with the micro-batch that reaches it)")
+
     def _say(self, text: str) -> None:
         if self.rank == 0:
             print(text, flush=True)
@@ -153,9 +175,19 @@ class Trainer:
 
         def settings_of(options: dict) -> dict:  # a checkpoint of an older dflash: its options, the target by path
             old = cfg.replace(**{k: v for k, v in options.items() if k in OPTIONS})
+            target = old.inputs.target
             return {**drafter_settings(old, self.target_spec.num_layers),
-                    "--target": {"path": str(Path(old.inputs.target).resolve())}}
+                    "--target": {"path": target if is_random_target(target) else str(Path(target).resolve())}}
 
+        # the target by content: the checkpoint's record spares hashing the files unchanged since
+        recorded = ((self.checkpointer.newest_state() or {}).get("drafter") or {}).get("--target") \
+            if cfg.run.resume else None
+        self.drafter_settings["--target"] = self.target_spec.fingerprint(known=recorded)
+        if cfg.drafter.init_drafter and not cfg.run.resume:
+            note = init_drafter_note(Path(cfg.drafter.init_drafter), self.target_spec,
+                                     self.drafter_settings["--target"])
+            if note:
+                self._say(note)
         self.checkpointer.claim(self.run_folder, resume=cfg.run.resume, overwrite=cfg.run.overwrite, reads=reads,
                                 settings=self.drafter_settings, settings_of=settings_of)
         diffs = schedule_differences(self.checkpointer.recorded_options, cfg) if cfg.run.resume else []
@@ -164,6 +196,15 @@ class Trainer:
             raise UserError(f"--resume: {self.checkpointer.recorded[0]} was trained with another schedule:\n  "
                             + "\n  ".join(diffs) + "\nresume with the checkpoint's values, or add --force-resume to "
                             "continue with these (the run then equals neither schedule)")
+
+    def _target_record(self) -> dict | None:
+        """Rank 0: what the exported drafter records of its target (`TARGET_KEY`): the name as given,
+        the family, the depth and the content hash (`dflash.identity`; a `random:` target has none)."""
+        if self.rank != 0:
+            return None
+        spec, identity = self.target_spec, self.drafter_settings["--target"]
+        return {"name": spec.name, "path": identity["path"], "model_type": spec.family,
+                "num_hidden_layers": spec.num_layers, "sha256": identity.get("sha256")}
 
     def state_dict(self) -> dict:
         """The run's state beside the engine's: what a checkpoint records to continue it."""
@@ -274,7 +315,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.3f}", anchor_tau=f"{record['anchor_tau']:.2f}",
                                     tok_s=f"{record['tokens_per_s']:.0f}")
                 every = cfg.eval.eval_every
-                if (every and self.step % every == 0) or (not every and epoch_done) or last:
+                # a periodic evaluation less than half an interval before the end is the end's own (the
+                # demo's 106 steps, every 21: not at 105 and again at 106)
+                periodic = every and self.step % every == 0 and total - self.step >= every / 2
+                if periodic or (not every and epoch_done) or last:
                     last_eval = self.evaluate()
                 stop = self.step == cfg.run.stop_at_step
                 if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or \
@@ -291,7 +335,7 @@ class Trainer:
         drafter_dir = self.paths.drafter
         if cfg.run.export:
             try:
-                self.models.export(drafter_dir)
+                self.models.export(drafter_dir, self._target_record())
             except DiskFull as err:
                 raise UserError(f"{err}; the last checkpoint holds the weights: free some space and run the same "
                                 "command with --resume to export them") from None

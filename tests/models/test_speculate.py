@@ -463,3 +463,53 @@ def test_a_prompt_past_the_targets_positions_is_refused_before_the_models_load(d
     err = capsys.readouterr().err
     assert err.startswith(f"error: {prompts}: turn 1 has a prompt of ") and err.count("\n") == 1, err
     assert f"(1 of 2 turns reach past the target's {positions:,} positions, max_position_embeddings of {TARGET})" in err
+
+
+def test_prompts_without_target_take_the_drafters_target_or_say_it_is_missing(tmp_path, capsys):
+    """A fresh clone's first try: the committed real-benchmark drafter on its held-out prompts without
+    --target. The drafter records its target; where that is not here, one line says --target is missing
+    and names it (never the demo target's layer-count error)."""
+    import shutil
+
+    from dflash.bench_real import ASSETS, HELDOUT
+    from dflash.drafter.config_format import TARGET_KEY
+
+    from ..conftest import launch_script
+
+    cli = launch_script("speculate")
+    drafter = shutil.copytree(ASSETS / "drafter", tmp_path / "drafter")
+    config = json.loads((drafter / "config.json").read_text())
+    assert config[TARGET_KEY]["name"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    config[TARGET_KEY]["name"] = str(tmp_path / "absent.gguf")
+    (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit):
+        cli.main(["--drafter", str(drafter), "--prompts", str(HELDOUT)])
+    assert capsys.readouterr().err == (f"error: --target is missing: --drafter {drafter} was trained on "
+                                       f"{tmp_path / 'absent.gguf'} (llama, 30 layers), which is not here; give its "
+                                       "path or Hub id with --target\n")
+    del config[TARGET_KEY]  # a drafter of an older dflash, for a target other than the demo's
+    (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit):
+        cli.main(["--drafter", str(drafter), "--prompts", str(HELDOUT)])
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --target is missing: --drafter {drafter} records no target; it was trained on "
+                          "one of 30 layers") and "Traceback" not in err
+
+
+def test_a_drafter_of_another_target_is_refused_before_any_weight_loads(tmp_path, capsys, monkeypatch):
+    from dflash.bench_real import ASSETS, HELDOUT
+    from dflash.demo import TARGET
+
+    from ..conftest import launch_script
+
+    cli = launch_script("speculate")
+
+    def no_loading(*_):
+        raise AssertionError("weights loaded before the configs were compared")
+
+    monkeypatch.setattr(cli, "load_models", no_loading)
+    with pytest.raises(SystemExit):
+        cli.main(["--drafter", str(ASSETS / "drafter"), "--prompts", str(HELDOUT), "--target", str(TARGET)])
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --drafter {ASSETS / 'drafter'} does not fit --target {TARGET}: ") and \
+        err.count("\n") == 1, err

@@ -89,3 +89,97 @@ def test_the_fingerprint_covers_the_weights_not_only_their_header(tmp_path, weig
     data[len(data) // 2:len(data) // 2 + 8192] = bytes(8192)  # a stretch of weights deep in the file
     (tmp_path / weights).write_bytes(data)
     assert spec.fingerprint() != before
+
+
+def _fake_target(folder, size=1 << 20):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    data = bytearray(range(256)) * (size // 256)
+    (folder / "model.safetensors").write_bytes(data)
+    return folder, data
+
+
+def _settled(monkeypatch):
+    """Files as old as a model's: their stats are trusted (`SETTLE_NS`), as they are an hour on."""
+    import time
+
+    from dflash import identity
+
+    now = time.time_ns()
+    monkeypatch.setattr(identity.time, "time_ns", lambda: now + 3600 * 10**9)
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["just-written", "settled"])
+def test_one_byte_changed_anywhere_is_another_target_whatever_the_times_say(tmp_path, monkeypatch, settled):
+    """The whole file is hashed: a byte between any windows a sampled hash reads, its modification time
+    set back, is seen (a write changes the change time, which no user sets back)."""
+    import os
+    import time
+
+    folder, data = _fake_target(tmp_path / "m")
+    if settled:
+        _settled(monkeypatch)
+    spec = TargetSpec("m", None, folder, False)
+    before = spec.fingerprint()
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    time.sleep(0.05)  # past the file times' tick
+    data[(1 << 16) + 10_000] ^= 1  # past the header, between sampled windows
+    weights.write_bytes(data)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert spec.fingerprint(known=before)["sha256"] != before["sha256"]
+
+
+def test_a_touched_or_moved_identical_target_is_the_same_and_unchanged_files_are_not_read(tmp_path, monkeypatch):
+    import os
+
+    from dflash import identity
+
+    folder, _ = _fake_target(tmp_path / "m")
+    _settled(monkeypatch)
+    spec = TargetSpec("m", None, folder, False)
+    before = spec.fingerprint()
+    hashed = []
+    real = identity.sha256_file
+    monkeypatch.setattr(identity, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    identity._HASHED.clear()  # this process's memory aside: the record alone spares the reading
+    assert spec.fingerprint(known=before) == before and hashed == [], "nothing changed: nothing is read"
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns + 10**9
+    os.utime(folder / "model.safetensors", ns=(mtime, mtime))  # touched, the same bytes
+    assert spec.fingerprint(known=before)["sha256"] == before["sha256"] and hashed == ["model.safetensors"]
+    (folder / "notes.gguf").write_bytes(b"GGUF" * 100)  # a file the folder's target never loads
+    (folder / "extra.pt").write_bytes(b"x")
+    moved = folder.rename(tmp_path / "moved")
+    assert identity.same_target(before, TargetSpec("moved", None, moved, False).fingerprint(known=before))
+
+
+def test_a_gguf_through_a_link_of_another_name_is_the_same_target(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "other-name.gguf").symlink_to(tmp_path / "model.gguf")
+    direct = TargetSpec("a", None, tmp_path, False, "model.gguf").fingerprint()
+    linked = TargetSpec("b", None, tmp_path / "links", False, "other-name.gguf").fingerprint()
+    assert direct["sha256"] == linked["sha256"]
+
+
+def test_a_folder_missing_its_weights_or_a_shard_is_one_line_before_loading(tmp_path):
+    """A Hub snapshot whose weight file never downloaded, a sharded folder missing a shard its index
+    names: refused by the folder check every load runs first, not a loader's traceback."""
+    import json
+
+    from dflash.folders import check_target_folder
+
+    folder = shutil.copytree(TARGET, tmp_path / "snapshot")
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(tmp_path / "blobs" / "absent")  # the cache's link, its blob gone
+    with pytest.raises(UserError, match=r"no weight file \(model.safetensors, .*\); model.safetensors is a link "
+                                        r"to a file that is not there") as err:
+        check_target_folder(folder)
+    assert "\n" not in str(err.value)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    shutil.copyfile(TARGET / "model.safetensors", folder / "model-00001-of-00002.safetensors")
+    with pytest.raises(UserError, match=r"1 of the 2 weight shards its model.safetensors.index.json names are "
+                                        r"missing \(model-00002-of-00002.safetensors\)"):
+        load_target_spec(str(folder)).fingerprint()

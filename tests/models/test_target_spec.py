@@ -30,9 +30,10 @@ def test_a_folder_spec_reads_its_config_and_hashes_its_files(tmp_path):
     assert (spec.folder, spec.random, spec.num_layers, spec.embedding_rows, spec.hidden_size) == (
         tmp_path, False, 6, 64, 32)
     assert spec.generation_eos() == 7
-    before = spec.fingerprint()
     (tmp_path / "model.safetensors").write_bytes(b"weights")
-    assert spec.fingerprint()["path"] == str(tmp_path.resolve()) and spec.fingerprint() != before
+    before = spec.fingerprint()
+    (tmp_path / "model.safetensors").write_bytes(b"weight2")
+    assert spec.fingerprint()["path"] == str(tmp_path.resolve()) and spec.fingerprint()["sha256"] != before["sha256"]
 
 
 def test_a_random_shape_without_sizes_is_refused_too(tmp_path):

@@ -71,7 +71,8 @@ def test_a_store_of_another_target_data_or_taps_is_refused(captured, tmp_path):
     with pytest.raises(UserError, match=r"captured at target layers \[\d+, \d+\], the run taps \[1\]"):
         check_matches(meta, captured, spec=spec, store=store, target_layer_ids=[1])
     other = tmp_path / "target"
-    shutil.copytree(TARGET, other)
+    shutil.copytree(TARGET, other)  # byte-identical at another path: the same target (identity by content)
+    check_matches(meta, captured, spec=load_target_spec(other), store=store, target_layer_ids=meta["target_layer_ids"])
     weights = other / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one weight changed: a fine-tune of the same shapes
@@ -85,6 +86,53 @@ def test_a_store_of_another_target_data_or_taps_is_refused(captured, tmp_path):
     with pytest.raises(UserError, match="captured from other data"):
         check_matches(meta, captured, spec=spec, store=TokenStore(tmp_path / "tokens"),
                       target_layer_ids=meta["target_layer_ids"])
+
+
+@pytest.mark.parametrize("damage, message", [
+    pytest.param("cut", r"features.bin: [\d,]+ bytes where the store's feature_store.json makes [\d,]+ \(cut short",
+                 id="features-cut-in-half"),
+    pytest.param("offsets", r"offsets.npy is missing \(the store's feature_store.json lists it\); capture again",
+                 id="offsets-deleted"),
+])
+def test_a_damaged_store_is_one_line_naming_the_file(captured, tmp_path, damage, message):
+    from dflash.data.token_store import TokenStore
+    from dflash.features import load_captured, read_meta
+    from dflash.target.spec import load_target_spec
+
+    folder = shutil.copytree(captured, tmp_path / "features")
+    if damage == "cut":
+        with open(folder / "features.bin", "r+b") as f:
+            f.truncate((folder / "features.bin").stat().st_size // 2)
+    else:
+        (folder / "offsets.npy").unlink()
+    meta = read_meta(folder)
+    with pytest.raises(UserError, match=message) as err:
+        load_captured(folder, load_target_spec(TARGET), TokenStore(captured / "tokens"), torch.device("cpu"),
+                      torch.float32, meta["target_layer_ids"], None)
+    assert "\n" not in str(err.value)
+
+
+def test_capture_refuses_taps_the_target_cannot_give_before_its_weights_load(tmp_path, monkeypatch, capsys):
+    from dflash.target import load
+
+    def no_loading(*_, **__):
+        raise AssertionError("the weights were loaded before the taps were checked")
+
+    monkeypatch.setattr(load, "load_target", no_loading)
+    with pytest.raises(SystemExit):
+        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(DATA), "--output",
+                                                str(tmp_path / "features"), "--target-layer-ids", "1,5"])
+    assert capsys.readouterr().err == (f"error: --target-layer-ids with --target {TARGET}: target layer id 5 is out "
+                                       "of range: the target has 6 layers and ids must lie in [0, 4] (hidden_states[L] "
+                                       "of a Hugging Face forward is the final-normed output, so layer 5 cannot be "
+                                       "tapped)\n")
+    assert not (tmp_path / "features").exists()
+    bad = tmp_path / "bad.jsonl"  # the data are tokenized before the weights load too: a bad line is named first
+    bad.write_text(DATA.read_text(encoding="utf-8").splitlines()[0] + '\n{"messages": []}\n', encoding="utf-8")
+    with pytest.raises(SystemExit):
+        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(bad), "--output",
+                                                str(tmp_path / "features")])
+    assert capsys.readouterr().err.endswith(f"\nerror: {bad}:2: the conversation has no turns\n")
 
 
 def test_features_with_a_conversation_file_as_data_is_refused_before_loading(captured, tmp_path):

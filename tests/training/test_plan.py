@@ -24,7 +24,8 @@ def test_plan_run_sizes_the_row_budget_from_the_memory_plan_alone():
     # the most rows that fit: the peak at them fits in what is usable, one block of rows more does not
     assert plan.memory.peak(4096, rows)["total"] <= usable < plan.memory.peak(4096, rows + 16 * 64)["total"]
     assert cfg.batches.row_budget == 0 and plan.cfg.replace(row_budget=0) == cfg, "only the row budget is decided"
-    assert plan.drafter_settings["--target"] == spec.fingerprint() and plan.dtype == torch.bfloat16
+    # the target's identity hashes its weights: rank 0 adds it when it claims the run folder
+    assert "--target" not in plan.drafter_settings and plan.dtype == torch.bfloat16
     assert plan.ds_config["train_micro_batch_size_per_gpu"] == 1
 
 
@@ -141,3 +142,41 @@ def test_dflash2_sizes_that_do_not_fit_the_target_are_refused_naming_the_flag_be
     assert str(err.value) == (f"--drafter-kind dflash2: its released sizes do not fit --target random:{tmp_path}: "
                               f"{error}; train --drafter-kind dflash on this target, or start from a DFlash2 drafter "
                               "sized for it (--init-drafter)")
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--target-layer-ids", "1,2"], r"--target-layer-ids with --target random:.*: target layer id 2 is out of "
+                                    r"range: the target has 3 layers"),
+    (["--num-target-features", "2"], r"--num-target-features 2 with --target random:.*: the default tap rule needs "
+                                     r"at least 4 target layers, got 3"),
+])
+def test_taps_the_target_cannot_give_are_refused_from_its_config(option, message, tmp_path):
+    """Limits before weights: the taps are checked against config.json's depth, not by the loaded model."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32).save_pretrained(tmp_path)
+    cfg = load_config(["--target", f"random:{tmp_path}", "--data", "random", "--memory-gib", "80", *option])
+    with pytest.raises(UserError, match=message):
+        plan_run(cfg, load_target_spec(cfg.inputs.target), device=torch.device("cpu"), world_size=1)
+
+
+def test_an_init_drafter_of_another_target_by_content_is_said_by_the_same_rule(tmp_path):
+    """--init-drafter reads the target its export recorded (`dflash_target`) and compares it by the one
+    identity rule: the same files under another path say nothing; other weights are named."""
+    import shutil
+
+    from dflash.demo import TARGET
+    from dflash.training.trainer import init_drafter_note
+
+    spec = load_target_spec(str(TARGET))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    record = {"name": "elsewhere/target", "model_type": spec.family, "num_hidden_layers": spec.num_layers,
+              "sha256": load_target_spec(str(shutil.copytree(TARGET, tmp_path / "copy"))).fingerprint()["sha256"]}
+    (drafter / "config.json").write_text(json.dumps({"dflash_target": record}))
+    assert init_drafter_note(drafter, spec, spec.fingerprint()) is None
+    (drafter / "config.json").write_text(json.dumps({"dflash_target": {**record, "sha256": "0" * 64}}))
+    assert init_drafter_note(drafter, spec, spec.fingerprint()) == (
+        f"--init-drafter {drafter}: trained on elsewhere/target, another model than --target {TARGET} (by content): "
+        "its weights start this run all the same")

@@ -77,12 +77,15 @@ def check_official_export(drafter_dir):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+    from dflash.drafter.config_format import TARGET_KEY
     from dflash.models import CONFIG_KEYS, DFlashDrafter
 
     from ..models.checkpoint_helpers import expected_names
 
     exported = json.loads((drafter_dir / "config.json").read_text())
-    assert set(exported) - {"is_causal"} == CONFIG_KEYS and exported["architectures"] == ["DFlashDraftModel"]
+    assert set(exported) - {"is_causal", TARGET_KEY} == CONFIG_KEYS
+    assert exported["architectures"] == ["DFlashDraftModel"]
+    assert set(exported[TARGET_KEY]) == {"name", "path", "model_type", "num_hidden_layers", "sha256"}
     tensors = load_file(drafter_dir / "model.safetensors")
     assert set(tensors) == expected_names(exported["num_hidden_layers"])
     config = Qwen3Config.from_pretrained(drafter_dir)
@@ -300,3 +303,22 @@ def test_non_finite_metric_values_are_written_as_null(tmp_path):
     writer.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {
         "kind": "train", "step": 1, "loss": None, "grad_norm": None, "tau": 1.5}
+
+
+def test_the_header_says_what_a_step_holds_and_the_end_is_evaluated_once(tiny_run_inputs, tmp_path, capsys):
+    """A step ends with the micro-batch that reaches --step-tokens: the header states what steps hold
+    on average, from the plan. --eval-every 3 over 7 steps: at 3 and at the end, not at 6 and again at 7
+    (the demo's 105 and 106)."""
+    from dflash.testing import train_in_process
+
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    train_in_process(tiny_train_args(target, data, out, "--max-steps", 7, "--eval-every", 3, "--no-export",
+                                     "--eval-temperatures", "0", "--eval-sample-turns", 0))
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("dflash: "))
+    train = read_metrics(out)
+    micro = sum(r["micro_batches"] for r in train) / len(train)
+    tokens = sum(r["real_tokens"] for r in train) / len(train)
+    assert f"; 7 steps of {micro:.1f} micro-batches and {tokens:,.0f} real tokens per rank on average " \
+           "(--step-tokens 1,500: a step ends with the micro-batch that reaches it)" in header, header
+    assert [r["step"] for r in read_metrics(out, "eval")] == [3, 7]

@@ -11,7 +11,8 @@ from dflash.folders import check_apart
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# meta fields that change what is generated: a resumed run must agree with the lines it keeps
+# meta fields that change what is generated: a resumed run must agree with the lines it keeps (the
+# target by content: each line records its `target_sha256`, `dflash.identity`)
 SETTINGS = ("target", "temperature", "seed", "max_new_tokens", "keep_thinking")
 
 

@@ -4,6 +4,7 @@ by turn (each seeing the target's earlier answers), and the lines written throug
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -159,11 +160,17 @@ def regenerate(cfg: RegenerateConfig, *, backend=None, tokenizer=None, progress:
 
 
 def _regenerate(cfg: RegenerateConfig, output: Path, backend, tokenizer, progress: bool, say) -> dict:
-    settings = cfg.settings()
+    # the target by content (`dflash.identity`): a resume against changed weights is refused
+    settings = {**cfg.settings(), "target_sha256": cfg.target_spec.fingerprint()["sha256"]}
     source_data = open_source(cfg.input, messages_field=cfg.messages_field, split=cfg.split)
     done, dropped = resume_output(output, cfg, settings, say, source_data)
     tokenizer = tokenizer or load_tokenizer(cfg.target, cfg.target_spec)
     positions = cfg.target_spec.positions
+    if not cfg.skip_bad:  # every prompt checked before the weights load: a bad one is named now, not hours in
+        checked = SkipCounter()
+        rows = source_data.rows(skip_bad=False, skipped=checked, require_assistant=False)
+        for _ in itertools.islice(renderable(rows, tokenizer, False, checked, positions), cfg.limit):
+            pass
     backend = backend or load_backend(cfg, tokenizer)
     skipped = SkipCounter()
     samples = renderable(source_data.rows(skip_bad=cfg.skip_bad, skipped=skipped, require_assistant=False),

@@ -221,8 +221,9 @@ class Eval:
 
     eval_every: int = _opt(
         0,
-        "evaluate on the held-out split every N steps (0: once per epoch and at the end): walk tau (what greedy "
-        "speculative decoding reaches), anchor tau, per-slot accuracy, loss",
+        "evaluate on the held-out split every N steps and at the end (one less than N/2 steps before the end is "
+        "left to the end's; 0: once per epoch and at the end): walk tau (what greedy speculative decoding "
+        "reaches), anchor tau, per-slot accuracy, loss",
     )
     eval_temperatures: tuple[float, ...] = _opt(
         (0.0, 1.0),
