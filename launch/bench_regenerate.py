@@ -40,7 +40,7 @@ def main(argv=None):
         raise UserError("--samples, --threads and every batch size must be at least 1")
     import torch
 
-    from dflash.data.regenerate import RegenerateConfig, load_backend, load_tokenizer, regenerate
+    from dflash.regenerate import RegenerateConfig, load_backend, load_tokenizer, regenerate
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,8 +37,8 @@ def main(argv=None):
     for name in ("steps", "prompts", "batch_size", "max_new_tokens", "threads"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    from dflash.data.regenerate import summary
     from dflash.demo.build import build
+    from dflash.regenerate import summary
 
     stats = build(args.out, seed=args.seed, steps=args.steps, n_prompts=args.prompts,
                   batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, threads=args.threads)

@@ -57,7 +57,7 @@ def main(argv=None):
     from dflash.data.token_store import TokenStore
     from dflash.devices import resolve_dtype
     from dflash.features import capture
-    from dflash.target.load import load_target
+    from dflash.training.target import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,

@@ -50,7 +50,7 @@ def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch):
 def test_a_store_prepared_with_the_gguf_tokenizer_is_the_one_training_on_the_gguf_target_accepts(tmp_path):
     """`prepare_data.py --tokenizer FILE.gguf`: the tokenizer the file holds, the one the target loads."""
     from dflash.data import TokenStore, prepare_jsonl
-    from dflash.data.regenerate import load_tokenizer
+    from dflash.regenerate import load_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
+from dflash.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.target.spec import load_target_spec
 
 from . import preloaded
