@@ -3,9 +3,12 @@ out by source, and the target found in its wheel or a one-line way to install it
 import importlib.util
 import json
 import random
+import subprocess
+from pathlib import Path
 
 import pytest
 
+import dflash
 from dflash.bench_real import HELDOUT_PROMPTS, PROMPTS, target_gguf
 from dflash.bench_real.prompts import DEFAULT_COUNTS, PLACEHOLDER, Prompt, arithmetic, held_out, split
 from dflash.errors import UserError
@@ -60,3 +63,17 @@ def test_a_store_prepared_with_the_gguf_tokenizer_is_the_one_training_on_the_ggu
     store = TokenStore(tmp_path / "store")
     store.check_tokenizer(load_tokenizer(str(target_gguf())), "--target")  # refused if it were another tokenizer
     assert len(store) == 2 and store.vocab_size == 49152
+
+
+def test_the_assets_live_outside_the_package_and_the_package_stays_small():
+    """The benchmark's files (its data, a trained drafter) are found by `dflash.bench_real` in the
+    repository's benchmarks/smollm2/, and the package's own folder, which the wheel ships, stays a few MB."""
+    from dflash.bench_real import ASSETS, DATA, HELDOUT
+
+    package = Path(dflash.__file__).resolve().parent
+    assert not ASSETS.is_relative_to(package)
+    assert DATA.is_file() and HELDOUT.is_file() and (ASSETS / "drafter" / "model.safetensors").is_file()
+    tracked = subprocess.run(["git", "ls-files", "-z", "dflash"], cwd=package.parent, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    size = sum((package.parent / f).stat().st_size for f in tracked if f)
+    assert size < 8 * 2**20, f"dflash/ holds {size / 2**20:.1f} MiB of committed files; keep data outside the package"
