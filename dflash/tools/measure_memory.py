@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Check the memory plan against a real run: train a few steps and compare, on every rank, the
 measured peak of tensor bytes with the plan's estimate for the micro-batches that ran.
 

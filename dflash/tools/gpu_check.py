@@ -58,7 +58,7 @@ from dflash.options import number
 from dflash.tools.gpu_check_fused_ops import stage_fused_ops
 from dflash.tools.gpu_check_training import Report, stage_e2e, stage_kinds, stage_memory
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: wheels/ beside launch/
 BUDGET_S = 450  # for the stages; gpu_check.sh stops everything at 480 s (8 minutes)
 # kept for each stage after the kernel benchmark: every stage stops the seconds kept for those after it
 # before the budget's end (the correctness and kernel stages at 450 - 330 = 120 s)
@@ -244,11 +244,11 @@ def stage_kernels(out: Path, cfg: dict, deadline: float) -> bool:
     if time allows; whatever the deadline leaves unmeasured is recorded as skipped. The dry run
     times each method's first call on the shuffled lengths only, without the warm-up call (it shows
     the benchmark runs)."""
-    import bench_kernels  # launch/ is this script's folder, first on sys.path
     import numpy as np
     import torch
 
     from dflash.data import seed_like_lengths
+    from dflash.tools import bench_kernels
 
     bench_cfg = {k: cfg[k] for k in ("tokens", "heads", "kv_heads", "head_dim", "block_size", "blocks",
                                      "length_scale")}

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Tune a DeepSpeed JSON on the real job: short training trials ranked by real tokens/s.
 
   python launch/tune_ds_config.py --base ds_configs/zero2.json [search space] [-- training options]

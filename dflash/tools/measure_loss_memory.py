@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from dflash.models import chunked_weighted_ce
-from dflash.objective.loss import DEFAULT_CHUNK_ROWS
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS, chunked_weighted_ce
 from dflash.options import number
 from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 

@@ -34,7 +34,7 @@ def pack(lengths, vocab, device, seed=0):
 
 def check(family: str, backend: str, device: str, dtype: torch.dtype) -> dict:
     from dflash.demo.families import VOCAB, WINDOW, tiny_target
-    from dflash.models import TargetModel
+    from dflash.target.model import TargetModel
 
     model, reference = (tiny_target(family).to(device, dtype) for _ in range(2))
     taps = [0, 1, model.config.num_hidden_layers - 2]

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Plot a training run: loss and acceptance length tau against the step (or the training time),
 train and held out.
 

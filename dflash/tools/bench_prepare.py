@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Data preparation at scale: a synthetic set of N conversations with seed-like lengths, tokenized
 into a token store by launch/prepare_data.py's code path; prints conversations/s, tokens/s, peak
 memory, the store's size and the time the seed's 902K conversations would take on 32 cores.

@@ -19,10 +19,11 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash.data.batch import PackedBatch
 from dflash.data.seed_lengths import SEED_TOKEN_BUDGET, seed_like_lengths
-from dflash.models import TargetModel, default_target_layer_ids
 from dflash.options import number
 from dflash.sizing.flops import measure_flops, target_forward_flops
+from dflash.target.model import TargetModel
 from dflash.target.spec import load_target_spec
+from dflash.target.taps import default_target_layer_ids
 
 
 def greedy(lengths, budget, cost):
