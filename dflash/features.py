@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -220,13 +219,10 @@ class CapturedTarget(torch.nn.Module):
         return (f, self._rows(self._states, batch)) if with_output else f
 
 
-def load_captured(folder, spec, store, device, dtype, target_layer_ids, tokenizer):
-    """A LoadedTarget whose model reads the feature store at `folder` (checked against the run's
-    target, data and taps); `hf` carries the config only: nothing of the target runs."""
-    from dflash.target.load import LoadedTarget
-
+def load_captured(folder, spec, store, device, dtype, target_layer_ids) -> CapturedTarget:
+    """The model that reads the feature store at `folder` in place of the target (checked against the
+    run's target, data and taps)."""
     meta = read_meta(folder)
     check_matches(meta, folder, spec=spec, store=store, target_layer_ids=target_layer_ids)
     check_files(folder, meta)
-    model = CapturedTarget(folder, meta, device, dtype)
-    return LoadedTarget(tokenizer, SimpleNamespace(config=spec.config), model, None, spec)
+    return CapturedTarget(folder, meta, device, dtype)

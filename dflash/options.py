@@ -1,13 +1,25 @@
-"""Command-line values shared by every entry point: one parser for comma-separated lists, and the
-argparse type of every numeric option of the `launch/` commands (`number`), with its range."""
+"""Command-line values shared by every entry point: one parser for comma-separated lists, the
+argparse type of every numeric option of the `launch/` commands (`number`), with its range, and
+`Option`, a training option that a drafter kind or a loss term declares."""
 from __future__ import annotations
 
 import argparse
 import math
 import shlex
 from itertools import pairwise
+from typing import Any, NamedTuple
 
 from dflash.errors import UserError
+
+
+class Option(NamedTuple):
+    """An option a drafter kind or a loss term adds to the training options: its section, default, `--help`
+    text and, for a number, the range it must lie in (`check`: (holds, what it must be))."""
+
+    section: str
+    default: Any
+    help: str
+    check: tuple | None = None
 
 
 def parse_list(text, flag: str, cast=int, *, increasing: bool = False, distinct: bool = False,

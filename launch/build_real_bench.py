@@ -1,5 +1,5 @@
 """Write the real benchmark's prompts (SmolLM2-135M-Instruct as the target; prompts from the Python
-standard library): `dflash/bench_real/assets/prompts.jsonl` and `heldout_prompts.jsonl`.
+standard library): `benchmarks/smollm2/prompts.jsonl` and `heldout_prompts.jsonl`.
 
     python launch/build_real_bench.py [--out DIR] [--seed N] [--heldout-share F]
 

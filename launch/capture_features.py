@@ -88,7 +88,7 @@ def capture_into(args, taps):
     from dflash.data.tokenizing import load_tokenizer
     from dflash.devices import resolve_dtype
     from dflash.features import capture
-    from dflash.target.load import load_target
+    from dflash.training.target import load_target
 
     # the data tokenized (or the store checked) with the target's tokenizer before its weights load:
     # a bad line is named now, not after the load

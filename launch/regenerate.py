@@ -16,9 +16,9 @@ import argparse
 import signal
 import sys
 
-from dflash.data.regenerate import BACKENDS, DTYPES, RegenerateConfig, regenerate, summary
 from dflash.errors import exit_on_user_error
 from dflash.options import number
+from dflash.regenerate import BACKENDS, DTYPES, RegenerateConfig, regenerate, summary
 
 
 def parse_args(argv=None) -> RegenerateConfig:

@@ -215,7 +215,7 @@ def load_models(drafter_dir: Path, spec, dtype_option: str):
 
     from dflash.devices import resolve_dtype
     from dflash.models import DFlashDrafter
-    from dflash.target.load import load_target
+    from dflash.training.target import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype_option, device)

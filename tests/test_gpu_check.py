@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from .conftest import ROOT, launch_script
+from .conftest import ROOT
 
 
 def _env():
@@ -151,7 +151,7 @@ def check_dflash2(dflash2, e2e, runs):
 
 
 def test_stages_leave_the_training_stages_after_them_their_time(tmp_path):
-    gpu_check = launch_script("gpu_check")
+    from dflash.tools import gpu_check
     stages = ["correctness", "kernels", "e2e", "memory", "kinds"]
     kept = {"e2e": 200.0, "memory": 40.0, "kinds": 50.0}
     assert [gpu_check.stage_deadline(s, stages, 450.0, kept) for s in stages] == [160.0, 160.0, 360.0, 400.0, 450.0]
@@ -187,7 +187,7 @@ def test_gpu_check_refuses_unknown_stages(tmp_path):
 def test_carried_wheels_go_on_the_path(tmp_path, monkeypatch):
     """What the machine lacks (DeepSpeed for the end-to-end stage) comes as wheels in wheels/, first
     on the path (the carried set was resolved together)."""
-    gpu_check = launch_script("gpu_check")
+    from dflash.tools import gpu_check
     for name, answer in (("carried_pkg-1.0-py3-none-any.whl", 42), ("carried_pkg-2.0-cp27-cp27mu-win32.whl", 0)):
         with zipfile.ZipFile(tmp_path / name, "w") as z:
             z.writestr("carried_pkg/__init__.py", f"ANSWER = {answer}\n")

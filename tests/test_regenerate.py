@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.data.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
+from dflash.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.target.spec import load_target_spec
 
 from . import preloaded
@@ -208,7 +208,7 @@ def test_a_resume_against_changed_weights_is_refused_naming_the_target(tmp_path,
 
 
 def test_a_prompt_past_the_positions_is_named_before_the_weights_load(tmp_path, tokenizer, monkeypatch):
-    from dflash.data.regenerate import run
+    from dflash.regenerate import run
 
     def no_loading(*_):
         raise AssertionError("the weights were loaded before the prompts were checked")

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.demo import PROMPTS, TARGET
 from dflash.demo.families import CONFIGS
+from dflash.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.target.spec import load_target_spec
 
 from .conftest import greedy_reference, read_jsonl

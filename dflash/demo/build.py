@@ -358,7 +358,7 @@ def build(out: Path, *, seed: int = 0, n_train: int = 20000, n_prompts: int = 10
     """Re-create the demo assets in `out`: target/, prompts.jsonl, demo_data.jsonl."""
     import torch
 
-    from dflash.data.regenerate import RegenerateConfig, regenerate
+    from dflash.regenerate import RegenerateConfig, regenerate
 
     torch.set_num_threads(threads)
     out = Path(out)

@@ -64,7 +64,7 @@ class LogitTerm:
     # `head_chunk`: the pass may then run the fused head (`dflash.ops.head_topk`). None: it reads the logits.
     head_top_k: int | None = None
     metric_names: tuple[str, ...] = ()  # the named sums its `finish` reports (`LossOutput.metrics`)
-    # the training options it reads (`dflash.drafter.kinds.Option`, section "loss"), by name: `build` takes them
+    # the training options it reads (`dflash.options.Option`, section "loss"), by name: `build` takes them
     options: dict = {}
     weighs_blocks = False  # its weights need whole blocks: the loss's chunks hold whole blocks (`chunk_rows_for`)
 

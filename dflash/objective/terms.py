@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from dflash.drafter.kinds import Option
 from dflash.objective.loss import DEFAULT_CHUNK_ROWS, LogitTerm
+from dflash.options import Option
 
 TARGET_STATES = "target_states"  # context key: (tokens, H) final-normed target hidden states, packed order
 CU_SEQLENS = "cu_seqlens"  # context key: (S+1,) sample boundaries of the packed layout

@@ -302,7 +302,7 @@ class Evaluator:
         (call on one rank): the acceptance length decoding reaches, to set beside the eval walk tau;
         written to `output` as JSON, and said."""
         from dflash.decoding.speculate import DEFAULT_MAX_NEW_TOKENS, prompts_from_samples, speculate
-        from dflash.models import DFlashDrafter
+        from dflash.drafter.network import DFlashDrafter
 
         d, target = self.data, self.models.target
         prompts = prompts_from_samples((d.maker.store[int(i)] for i in d.eval_idx), turns)

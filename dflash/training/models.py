@@ -11,9 +11,9 @@ import torch
 from dflash.distributed.ranks import on_rank0
 from dflash.drafter.kinds import drafter_kind
 from dflash.errors import NonFiniteWeights, UserError
-from dflash.target.load import LoadedTarget, load_target
 from dflash.target.spec import TargetSpec
 from dflash.training.config.sections import Device, Drafter, Loss, Optim
+from dflash.training.target import LoadedTarget, load_target
 
 
 def load_train_target(spec: TargetSpec, device, dtype, drafter: Drafter, placement: Device,
@@ -62,7 +62,7 @@ def init_drafter(folder: str, target: LoadedTarget, options: dict):
     size, taps, layer types, mask token) were taken by `config.load_config` / `load_train_target`."""
     import dataclasses
 
-    from dflash.models import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
 
     drafter = DFlashDrafter.from_pretrained(folder, **options).float()  # the network of the folder's kind
     if drafter.config.target_layer_ids != list(target.model.target_layer_ids):
@@ -88,7 +88,7 @@ def training_loss(loss: Loss, block_size: int, drafter, *, recipe: bool = True):
     (dflash.objective.terms), else the cross-entropy alone (what held-out runs are compared by); and its
     kind's own terms and logit map (`DrafterKind.terms`, `logit_map`). Chunks of whole blocks when a
     term weighs blocks (D-PACE)."""
-    from dflash.models import BlockLoss
+    from dflash.objective.loss import BlockLoss
     from dflash.objective.terms import build_terms, chunk_rows_for, parse_recipe
 
     weights = parse_recipe(loss.loss) if recipe else {"ce": 1.0}
@@ -147,8 +147,8 @@ class Models:
     def __init__(self, settings, loss: Loss, optim: Optim, target: LoadedTarget, ds_config: dict, *,
                  total_steps: int, device):
         """`settings`: the run plan's `ModelSettings` (the drafter to build)."""
+        from dflash.drafter.config import DrafterConfig
         from dflash.drafter.network import drafter_class
-        from dflash.models import DrafterConfig
         from dflash.training.ds_config import zero_stage
 
         self.target = target

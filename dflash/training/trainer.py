@@ -26,7 +26,6 @@ from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError, allocation_failed
 from dflash.partial import write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
-from dflash.target.load import LoadedTarget
 from dflash.target.spec import is_random_target, load_target_spec, target_folder
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
@@ -41,6 +40,7 @@ from dflash.training.phases import PhaseTimer
 from dflash.training.plan import drafter_settings, plan_run, schedule_differences
 from dflash.training.step_metrics import StepMetrics, StepResult
 from dflash.training.steps import micro_batches
+from dflash.training.target import LoadedTarget
 
 
 def input_paths(cfg: TrainConfig) -> dict[str, Path]:

@@ -187,8 +187,8 @@ def test_a_token_store_folder_is_no_conversation_input(tmp_path, tokenizer):
 def test_regenerate_reads_a_parquet_input_as_its_jsonl_and_resumes_it(tmp_path):
     import torch
 
-    from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate
     from dflash.demo import PROMPTS, TARGET
+    from dflash.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate
     from dflash.target.spec import load_target_spec
 
     torch.set_num_threads(1)
@@ -334,8 +334,8 @@ def test_a_hub_folder_of_several_splits_needs_split_and_a_datasetdict_takes_it(t
     with pytest.raises(UserError, match=r"prepare one split into a token store \(prepare_data.py --input .*hub "
                                         r"--split train\) and pass the store as --data"):
         check_data(*_sections(load_config(["--data", str(hub)])))
-    from dflash.data.regenerate import RegenerateConfig
     from dflash.demo import TARGET
+    from dflash.regenerate import RegenerateConfig
 
     regenerate = RegenerateConfig(target=str(TARGET), input=str(hub), output=str(tmp_path / "out.jsonl"))
     with pytest.raises(UserError, match="holds the splits train, test .*; choose one with --split, e.g. --split train"):

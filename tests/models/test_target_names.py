@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
-from dflash.data.regenerate import RegenerateConfig, regenerate
 from dflash.demo import PROMPTS, TARGET
 from dflash.errors import UserError
+from dflash.regenerate import RegenerateConfig, regenerate
 from dflash.target.spec import TargetSpec, load_target_spec
 
 from ..conftest import read_jsonl

@@ -18,8 +18,8 @@ from dflash.data.token_store import TokenStore  # noqa: E402
 from dflash.distributed.partition import largest_layer_numel, target_bytes  # noqa: E402
 from dflash.distributed.process_group import init_distributed  # noqa: E402
 from dflash.errors import exit_on_user_error  # noqa: E402
-from dflash.target.load import load_target  # noqa: E402
 from dflash.target.spec import load_target_spec  # noqa: E402
+from dflash.training.target import load_target  # noqa: E402
 
 init_distributed()
 rank = dist.get_rank()

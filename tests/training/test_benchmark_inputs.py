@@ -49,7 +49,7 @@ def test_a_random_target_defaults_to_synthetic_data_and_refuses_text():
 def test_a_random_target_runs_features_on_synthetic_data():
     from dflash.data.collate import collate_packed
     from dflash.data.synthetic import synthetic_store
-    from dflash.target.load import load_target
+    from dflash.training.target import load_target
 
     target = load_target(load_target_spec(f"random:{DEMO_TARGET}"), "cpu", torch.float32, num_features=2)
     assert target.mask_id == len(target.tokenizer) - 1 < target.model.num_embedding_rows

@@ -75,8 +75,8 @@ def test_a_drafter_folder_lost_cut_or_not_its_config_is_one_line(tmp_path, capsy
 def test_a_target_with_a_cut_weight_file_is_one_line_before_its_weights_load(tiny_run_inputs, tmp_path):
     import shutil
 
-    from dflash.target.load import load_target
     from dflash.target.spec import load_target_spec
+    from dflash.training.target import load_target
 
     target = shutil.copytree(tiny_run_inputs[0], tmp_path / "target")
     cut(target)

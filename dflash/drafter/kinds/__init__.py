@@ -17,23 +17,15 @@ built-in ones do.
 from __future__ import annotations
 
 import importlib
-from typing import Any, NamedTuple
+from typing import Any
+
+from dflash.options import Option  # a kind's options; importable from here for kinds of one's own
 
 # name -> the module that defines it (its `KIND`): the registry's table
 BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2"}
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}
-
-
-class Option(NamedTuple):
-    """An option a kind adds to the training options: its section, default, `--help` text and, for a
-    number, the range it must lie in (`check`: (holds, what it must be))."""
-
-    section: str
-    default: Any
-    help: str
-    check: tuple | None = None
 
 
 class DrafterKind:

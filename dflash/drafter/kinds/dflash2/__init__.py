@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash.drafter.config_format import SLIDING
-from dflash.drafter.kinds import DrafterKind, Option
+from dflash.drafter.kinds import DrafterKind
 from dflash.drafter.kinds.dflash2.network import (
     CandidateSelector,
     DFlash2Drafter,
@@ -18,6 +18,7 @@ from dflash.drafter.kinds.dflash2.network import (
     selector_figures,
     unary_logits,
 )
+from dflash.options import Option
 
 # The released DFlash2 drafters' attention: every layer sliding over this many positions, is_causal false.
 SLIDING_WINDOW = 2048

@@ -1,6 +1,6 @@
 """A regeneration run: conversations read and checked, batched, every assistant turn generated turn
 by turn (each seeing the target's earlier answers), and the lines written through
-`dflash.data.regenerate.output`; the summary it prints.
+`dflash.regenerate.output`; the summary it prints.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash.data.conversations import BadSample, SkipCounter, render_chat
-from dflash.data.regenerate.config import RegenerateConfig
-from dflash.data.regenerate.engines import Generation, load_backend, load_tokenizer
-from dflash.data.regenerate.output import dump_line, resume_output, sort_output, write_all
 from dflash.data.sources import Source, open_source
 from dflash.errors import UserError, disk_full, os_reason
 from dflash.partial import OutputLock
+from dflash.regenerate.config import RegenerateConfig
+from dflash.regenerate.engines import Generation, load_backend, load_tokenizer
+from dflash.regenerate.output import dump_line, resume_output, sort_output, write_all
 
 THINK_CLOSE = "</think>"
 

@@ -1,8 +1,10 @@
 """Loading a frozen target to run: its tokenizer, the Hugging Face model and the `TargetModel` feature
 extractor tapped at the drafter's layers, with the DFlash mask token, checked before any weight loads;
-what training, decoding (`launch/speculate.py`) and the tools share (`load_target`)."""
+what training, decoding (`launch/speculate.py`) and the tools share (`load_target`). It composes the
+folder checks, the ZeRO-3 partition and captured features, so it sits above them, in `training`."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 from dflash.errors import UserError
@@ -38,7 +40,7 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
     from dflash.data.tokenizing import check_tokenizer_files
     from dflash.data.vocab import MASK_TOKEN, check_mask_token, ensure_mask_token
     from dflash.folders import check_target_folder
-    from dflash.models import TargetModel, load_language_model
+    from dflash.target.model import TargetModel, load_language_model
     from dflash.target.random_weights import random_target
 
     mask_text = mask_text or MASK_TOKEN
@@ -65,9 +67,10 @@ def load_target(spec: TargetSpec, device, dtype, *, target_layer_ids=None, num_f
             from dflash.features import load_captured
 
             taps = list(target_layer_ids) if target_layer_ids else spec.default_layer_ids(num_features)
-            loaded = load_captured(features[0], spec, TokenStore(features[1]), device, dtype, taps, tokenizer)
-            mask_id = ensure_mask_token(tokenizer, loaded.model.num_embedding_rows, mask_text) if mask_token else None
-            return loaded._replace(mask_id=mask_id)
+            model = load_captured(features[0], spec, TokenStore(features[1]), device, dtype, taps)
+            mask_id = ensure_mask_token(tokenizer, model.num_embedding_rows, mask_text) if mask_token else None
+            # `hf` carries the config only: nothing of the target runs
+            return LoadedTarget(tokenizer, SimpleNamespace(config=spec.config), model, mask_id, spec)
         if partition == "zero3":
             from dflash.distributed import partition as zero3
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.data.conversations import parse_conversation
-from dflash.data.regenerate.config import SETTINGS, RegenerateConfig
 from dflash.data.sources import Source
 from dflash.errors import UserError, os_reason
 from dflash.partial import replace_file
+from dflash.regenerate.config import SETTINGS, RegenerateConfig
 
 
 def conversation_key(messages: list[dict], raw: dict) -> str:

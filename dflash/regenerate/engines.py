@@ -1,16 +1,16 @@
 """The generation engines: a batch of token-id prompts in, one `Generation` per prompt out (Hugging
 Face `generate`, vLLM or SGLang offline engines), and the tokenizer they are fed through.
 
-They run the target, so they load it through `dflash.models` (imported on first use; the one
-place the data side reaches into the models package: regeneration comes before the token store).
+They run the target, loaded through `dflash.target` on first use (regeneration sits above the target
+room for that, and comes before the token store).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dflash.data.generation import stop_ids
-from dflash.data.regenerate.config import RegenerateConfig
 from dflash.errors import UserError
+from dflash.regenerate.config import RegenerateConfig
 
 
 @dataclass

@@ -19,9 +19,9 @@ another input file, or with other settings, is refused.
 Modules: `config` (the options, checked first), `engines` (Hugging Face / vLLM / SGLang generation),
 `output` (the lock, the lines written, resume), `run` (turn-by-turn generation and the run itself).
 """
-from dflash.data.regenerate.config import BACKENDS, DTYPES, RegenerateConfig
-from dflash.data.regenerate.engines import Generation, HFBackend, load_backend, load_tokenizer
-from dflash.data.regenerate.run import regenerate, strip_thinking, summary
+from dflash.regenerate.config import BACKENDS, DTYPES, RegenerateConfig
+from dflash.regenerate.engines import Generation, HFBackend, load_backend, load_tokenizer
+from dflash.regenerate.run import regenerate, strip_thinking, summary
 
 __all__ = ["BACKENDS", "DTYPES", "RegenerateConfig", "Generation", "HFBackend", "load_backend", "load_tokenizer",
            "regenerate", "strip_thinking", "summary"]
