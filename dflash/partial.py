@@ -13,6 +13,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from dflash.errors import UserError
+
 OWNER = "dflash_partial.json"
 
 
@@ -120,13 +122,12 @@ class OutputLock:
         self._fd = None
 
     def _cannot_write(self, err: OSError):
-        from dflash.errors import UserError, os_reason
+        from dflash.errors import os_reason
 
         return UserError(f"{self.flag} {self.output}: cannot write in {self.path.parent} ({os_reason(err)}); "
                          f"choose another {self.flag}")
 
     def __enter__(self):
-        from dflash.errors import UserError
 
         while True:
             try:
@@ -155,3 +156,92 @@ class OutputLock:
         self.path.unlink(missing_ok=True)  # still locked: whoever opens it now fails, or finds it gone
         os.close(self._fd)
         self._fd = None
+
+
+# --- What a command writes: apart from what it reads, and deleted only where dflash wrote it ---
+
+WRITER_MARK = ".dflash_writer.json"  # {"writer": "launch/train.py"}: the folder was made by that command
+
+
+def _relation(output: Path, input_: Path) -> str | None:
+    """How `output` lies against `input_` (links resolved): "is", "lies inside", "holds", or None."""
+    output, input_ = output.resolve(), input_.resolve()
+    if output == input_:
+        return "is"
+    if input_ in output.parents:
+        return "lies inside"
+    if output in input_.parents:
+        return "holds"
+    return None
+
+
+def check_apart(output: str | Path, inputs: dict, flag: str) -> None:
+    """Refuse an output (`flag` names it) that is, holds or lies inside one of `inputs` (flag -> path;
+    None or "" skipped): a writer would replace or delete what it reads, or write into a model or data
+    folder that is not its own. Every writer calls this before any work."""
+    for in_flag, path in inputs.items():
+        if not path:
+            continue
+        relation = _relation(Path(output), Path(path))
+        if relation is not None:
+            raise UserError(f"{flag} {output}: {relation} {in_flag} {path}, which this command reads; what dflash "
+                            f"writes stays apart from what it reads: choose another {flag}")
+
+
+def written_by(folder: Path) -> str | None:
+    """The dflash command that marked `folder` as its output (`WRITER_MARK`), or None."""
+    try:
+        return json.loads((Path(folder) / WRITER_MARK).read_text()).get("writer")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def mark_folder(folder: Path, writer: str) -> None:
+    """Mark `folder` as `writer`'s output: what it deletes later (`--overwrite`) is only ever there."""
+    if written_by(folder) != writer:
+        write_json(Path(folder) / WRITER_MARK, {"writer": writer})
+
+
+def _bookkeeping(name: str) -> bool:
+    """dflash's own files in any output folder: the mark, a lock, a temporary `.NAME.partial-*`."""
+    return name == WRITER_MARK or name.endswith(".lock") or ".partial-" in name
+
+
+def folder_entries(folder: Path, owned) -> tuple[list[Path], list[Path]]:
+    """(the entries of `folder` its writer writes, the others), each sorted by name; `owned(name)`
+    says which names the writer writes. dflash's bookkeeping files are in neither."""
+    if not Path(folder).is_dir():
+        return [], []
+    entries = sorted((p for p in Path(folder).iterdir() if not _bookkeeping(p.name)), key=lambda p: p.name)
+    return [p for p in entries if owned(p.name)], [p for p in entries if not owned(p.name)]
+
+
+def _names(paths) -> str:
+    paths = list(paths)
+    return ", ".join(p.name for p in paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+
+
+def check_own_folder(folder: Path, *, writer: str, owned, flag: str) -> list[Path]:
+    """The entries of `writer` already in `folder` (a previous output), once `folder` is known to hold
+    none that another wrote under those names: a folder not marked by `writer` that holds them
+    (the user's own `config.json`, a model's) is refused naming them, whatever the options."""
+    ours, _ = folder_entries(folder, owned)
+    if ours and written_by(folder) != writer:
+        raise UserError(f"{flag} {folder}: holds {_names(ours)}, which {writer} did not write (the folder has no "
+                        f"{WRITER_MARK} of it); dflash replaces and deletes only what it wrote: move them away, "
+                        f"or choose another {flag}")
+    return ours
+
+
+def delete_own(folder: Path, ours: list[Path], owned, flag: str) -> None:
+    """`--overwrite`: delete `ours` (from `check_own_folder`), but only in a folder that holds nothing
+    else: anything another wrote there is named and nothing is deleted."""
+    _, others = folder_entries(folder, owned)
+    if others:
+        raise UserError(f"{flag} {folder}: --overwrite deletes only what dflash wrote, and the folder also holds "
+                        f"{_names(others)}: move those away (or choose another {flag}); nothing was deleted")
+    for p in ours:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()

@@ -59,8 +59,7 @@ def main(argv=None):
         raise UserError(f"--target-layer-ids: comma-separated integers, got {args.target_layer_ids!r}") from None
     if args.output.exists() and not args.output.is_dir():
         raise UserError(f"--output {args.output}: not a folder")
-    from dflash.folders import check_apart
-    from dflash.partial import OutputLock
+    from dflash.partial import OutputLock, check_apart
 
     check_apart(args.output, {"--data": args.data, "--target": args.target if Path(args.target).exists() else None},
                 "--output")
@@ -73,7 +72,7 @@ def capture_into(args, taps):
     """`main`'s work, under the store's lock: the store's folder marked as a capture's first (a
     folder of others' files under a store's names is refused), then the target loaded and run."""
     from dflash.data.sources import is_token_store
-    from dflash.folders import check_own_folder, mark_folder
+    from dflash.partial import check_own_folder, mark_folder
     from dflash.target.spec import load_target_spec
 
     check_own_folder(args.output, writer=WRITER, owned=store_entry, flag="--output")

@@ -23,8 +23,7 @@ from dflash.data.token_store import (
 )
 from dflash.data.tokenizing import load_tokenizer, tokenized
 from dflash.errors import UserError, disk_full, free_space, os_reason
-from dflash.folders import check_apart, folder_entries
-from dflash.partial import OutputLock, partial_folder
+from dflash.partial import OutputLock, check_apart, folder_entries, partial_folder
 
 OVERLONG = ("truncate", "drop", "error")
 

@@ -3,7 +3,7 @@
 Rank 0 holds an exclusive lock on `<output_dir>/.dflash.lock` (`dflash.partial.OutputLock`, the
 lock of every writer) for the life of the run, so a second run into the same folder stops at
 once instead of overwriting the first one's files. The first run in a folder marks it as a run
-folder (`dflash.folders.WRITER_MARK`; a run of an older dflash, unmarked, is known by its
+folder (`dflash.partial.WRITER_MARK`; a run of an older dflash, unmarked, is known by its
 checkpoints' `COMPLETE`). A fresh run into a folder that holds a previous run is
 refused unless told: `--resume` continues it, `--overwrite` first deletes what a run writes (the
 entries below) and nothing else, and only in a marked folder that holds nothing else. A folder
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.errors import UserError, os_reason
-from dflash.folders import check_apart, check_own_folder, delete_own, mark_folder
-from dflash.partial import OutputLock
+from dflash.partial import OutputLock, check_apart, check_own_folder, delete_own, mark_folder
 
 SAMPLES = "samples.rank{}.jsonl"  # --sample-log, one per rank
 

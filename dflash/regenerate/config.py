@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash.data.sources import open_source
 from dflash.errors import UserError
-from dflash.folders import check_apart
+from dflash.partial import check_apart
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -108,12 +108,12 @@ def test_a_damaged_store_is_one_line_naming_the_file(captured, tmp_path, damage,
     meta = read_meta(folder)
     with pytest.raises(UserError, match=message) as err:
         load_captured(folder, load_target_spec(TARGET), TokenStore(captured / "tokens"), torch.device("cpu"),
-                      torch.float32, meta["target_layer_ids"], None)
+                      torch.float32, meta["target_layer_ids"])
     assert "\n" not in str(err.value)
 
 
 def test_capture_refuses_taps_the_target_cannot_give_before_its_weights_load(tmp_path, monkeypatch, capsys):
-    from dflash.target import load
+    from dflash.training import target as load
 
     def no_loading(*_, **__):
         raise AssertionError("the weights were loaded before the taps were checked")

@@ -154,7 +154,7 @@ def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
     from types import SimpleNamespace
 
     from dflash.distributed.run_folder import RunFolder
-    from dflash.folders import mark_folder
+    from dflash.partial import mark_folder
     from dflash.training.checkpoint import Checkpointer
     from dflash.training.trainer import Trainer
 
