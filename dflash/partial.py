@@ -203,8 +203,9 @@ def mark_folder(folder: Path, writer: str) -> None:
 
 
 def _bookkeeping(name: str) -> bool:
-    """dflash's own files in any output folder: the mark, a lock, a temporary `.NAME.partial-*`."""
-    return name == WRITER_MARK or name.endswith(".lock") or ".partial-" in name
+    """dflash's own files in any output folder: the mark, a lock, a probe (`.dflash*`), a temporary
+    `.NAME.partial-*`."""
+    return name.startswith(".dflash") or name.endswith(".lock") or ".partial-" in name
 
 
 def folder_entries(folder: Path, owned) -> tuple[list[Path], list[Path]]:

@@ -54,8 +54,9 @@ def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
             raise UserError(f"--recipes: {item!r} is not 'name: flags' (e.g. 'dpace: --loss ce=1,dpace=0.5')")
         if name in recipes:
             raise UserError(f"--recipes: {name} is given twice")
+        argv = split_flags(flags, f"--recipes {name}")
         try:
-            cfg = load_config([*base_argv, *split_flags(flags, f'--recipes {name}')])
+            cfg = load_config([*base_argv, *argv])
         except UserError as e:
             raise UserError(f"--recipes {name}: {e}") from None
         changed = [name for name in OPTIONS if name not in COMPARED and cfg.value(name) != base.value(name)]

@@ -127,8 +127,11 @@ def test_unknown_formats_and_missing_columns_are_one_line_naming_file_formats_an
     with pytest.raises(UserError) as err:
         prepare_jsonl(text, tokenizer, tmp_path / "s", messages_field="turns", progress=False)
     assert str(err.value) == f"{text}: no column 'turns' (--messages-field); columns: text, id"
-    # the command line: one line, status 2, before anything is tokenized
-    proc = preloaded.run(ROOT / "launch" / "prepare_data.py", ["--input", text, "--tokenizer", tmp_path, "--output",
+    # the command line: one line, status 2, before anything is tokenized (the tokenizer is not read yet;
+    # a folder apart from the output's: the output may not lie inside it)
+    from dflash.demo import TARGET
+
+    proc = preloaded.run(ROOT / "launch" / "prepare_data.py", ["--input", text, "--tokenizer", TARGET, "--output",
                                                                 tmp_path / "s"], timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr == (f"error: {text}: no 'messages' or 'conversations' column (columns: text, id); accepted "

@@ -171,11 +171,11 @@ def test_recipes_share_everything_but_the_recipe_options():
     for text, message in (("a: --num-anchors 8", "--recipes a: sets --num-anchors, which every recipe shares"),
                           ("a: --loss foo=1", "--recipes a: --loss: unknown part 'foo'"),
                           ("a: ; a: --lr 1e-3", "--recipes: a is given twice"),
-                          ("--lr 1e-3", "is not 'name: flags'"),
+                          ("--lr 1e-3", "--recipes: '--lr 1e-3' is not 'name: flags'"),
                           # an unclosed quote was shlex's "No closing quotation" traceback
                           ("a: --loss 'ce=1", "--recipes a: \"--loss 'ce=1\" cannot be split into flags (no closing "
                                               "quotation: a quote left open?)")):
-        with pytest.raises(UserError, match=re.escape(message)):
+        with pytest.raises(UserError, match="^" + re.escape(message)):
             parse_recipes(text, ["--data", "d.jsonl"])
 
 
