@@ -161,8 +161,8 @@ def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_by
         target_offload=dev.target_offload, activation_checkpointing=dev.activation_checkpointing,
         block_size=d.block_size, num_anchors=d.num_anchors, attention="reference" if reference else "kernel",
         **loss_setup(cfg, device))
-    extra = {} if kind_settings is None else drafter_kind(d.drafter_kind).memory_sizes(kind_settings, spec.config)
-    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, extra=extra)
+    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, kind=d.drafter_kind,
+                    kind_settings=kind_settings)
 
 
 def loss_setup(cfg: TrainConfig, device=None) -> dict:

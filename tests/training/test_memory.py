@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash.data.batch import PackedBatch
-from dflash.drafter.kinds import drafter_kind
 from dflash.drafter.network import drafter_class
 from dflash.errors import UserError
 from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
@@ -57,8 +56,8 @@ def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
     dcfg = DrafterConfig.from_target(config, mask_token_id=0, draft_layers=3, target_layer_ids=[0, 1, 2],
                                      **settings)
     drafter2 = drafter_class(dcfg)(dcfg)
-    sizes2 = DrafterSizes.from_target(config, layers=3, features=3, extra=drafter_kind("dflash2").memory_sizes(
-        settings["kind_settings"], config))
+    sizes2 = DrafterSizes.from_target(config, layers=3, features=3, kind="dflash2",
+                                      kind_settings=settings["kind_settings"])
     assert sizes2.params == sum(p.numel() for p in drafter2.parameters())  # convolutions and selector
     assert sizes2.layer_params == sum(p.numel() for p in drafter2.layers[0].parameters()) > sizes.layer_params
 
@@ -113,7 +112,7 @@ def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing
 
     measured, _ = measure_peak_tensor_bytes(step)
     plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(
-        config, layers=2, features=2, extra=drafter_kind(dcfg.kind).memory_sizes(dcfg.kind_settings, config)),
+        config, layers=2, features=2, kind=dcfg.kind, kind_settings=dcfg.kind_settings),
                       MemorySetup(dtype_bytes=dtype.itemsize, num_anchors=8, activation_checkpointing=checkpointing,
                                   **loss_setup(cfg)))
     assert plan.setup.vocab_buffers >= loss.vocab_buffers  # a DFlash2 drafter: a softcap counted, whether set or not
