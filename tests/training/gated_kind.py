@@ -1,7 +1,7 @@
 """A test-only drafter kind, written as a kind of one's own would be: the DFlash drafter whose layers
 scale their attention output by a learned gate per channel, with the gate's starting value in its
-config.json, an option (it joins the training options when this module is imported before
-`dflash.training`, as its script does), and a loss term of its own that reports a figure. Run as a
+config.json, an option (it joins the training options as the kind registers, whenever that is),
+and a loss term of its own that reports a figure. Run as a
 script it is `launch/train.py` with this kind known (`--drafter-kind gated`)."""
 from __future__ import annotations
 

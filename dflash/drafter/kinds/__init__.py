@@ -25,6 +25,7 @@ BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}
+_listeners: list = []  # what is told of every kind registered (the training options: its own options)
 
 
 class Option(NamedTuple):
@@ -58,8 +59,8 @@ class DrafterKind:
     network: type  # the module a config of this kind builds (`DFlashDrafter` or a subclass)
 
     def option(self, options, name: str):
-        """The value of the kind's own option `name` in a section (`options`), its default where the section
-        has none (a kind registered after the training options were built)."""
+        """The value of the kind's own option `name` in a section (`options`), its default where it has none
+        (a section made by hand, as tests do; the training options have every registered kind's)."""
         return getattr(options, name, self.options[name].default)
 
     def released_settings(self) -> Any:
@@ -129,8 +130,17 @@ def register(kind: DrafterKind) -> DrafterKind:
         if other is not kind and (other.name == kind.name or other.architecture == kind.architecture):
             raise ValueError(f"drafter kind {kind.name!r} ({kind.architecture}) clashes with {other.name!r} "
                              f"({other.architecture})")
+    if _registered.get(kind.name) is not kind:
+        for listener in _listeners:  # before it is known: a listener that refuses it (ValueError) keeps it out
+            listener(kind)
     _registered[kind.name] = kind
     return kind
+
+
+def on_register(listener) -> None:
+    """Call `listener(kind)` for every kind registered from now on, before it is known (a ValueError it raises
+    refuses the kind)."""
+    _listeners.append(listener)
 
 
 def drafter_kind(name: str) -> DrafterKind:
@@ -166,8 +176,3 @@ def kind_of_architectures(architectures_field) -> DrafterKind:
             return kind
     known = architectures()
     raise ValueError(f"architectures is {architectures_field}; this trains {' and '.join(known)} drafters only")
-
-
-def kind_options() -> dict[str, tuple[DrafterKind, Option]]:
-    """Every kind's own options by name."""
-    return {name: (kind, option) for kind in all_kinds() for name, option in kind.options.items()}
