@@ -85,6 +85,12 @@ class GatedKind(DrafterKind):
     def terms(self, drafter, loss_options) -> list:
         return [ScoredRows(0.0)] if self.option(loss_options, "count_scored_rows") else []
 
+    def layer_params(self, settings, d) -> int:
+        return d.hidden  # the gate
+
+    def layer_row_bytes(self, settings, d, setup) -> int:
+        return setup.dtype_bytes * d.hidden  # the attention output, which the gate's product saves
+
 
 KIND = register(GatedKind())
 

@@ -67,6 +67,12 @@ class DrafterKind:
         """`DrafterConfig.kind_settings` of a new drafter of this kind (None: none)."""
         return None
 
+    def small_settings(self, hidden_size: int, vocab_size: int) -> Any:
+        """The settings of a small drafter of this kind on a target of these sizes (hidden sizes of 32 and
+        more, a vocabulary of 4 and more): what the conformance suite (tests/models/test_kind_conformance.py)
+        builds every kind with. Default: the released settings."""
+        return self.released_settings()
+
     def read_settings(self, d: dict) -> Any:
         """The kind's settings from a config.json (raises ValueError naming a missing key)."""
         return None

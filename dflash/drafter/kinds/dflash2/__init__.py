@@ -144,6 +144,14 @@ class DFlash2Kind(DrafterKind):
     def released_settings(self) -> DFlash2Settings:
         return released_settings()
 
+    def small_settings(self, hidden_size: int, vocab_size: int) -> DFlash2Settings:
+        """Kernel 2, groups of 16 channels, a selector of rank 8 over half the vocabulary's tokens (at most
+        8): candidates often miss the gold token, so the residual and the selector's misses are exercised;
+        logits scaled and softcapped, the noise embedding scaled, as a released drafter may have them."""
+        return DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                               selector_top_k=min(8, vocab_size // 2), output_multiplier=0.7,
+                               final_logit_softcapping=4.0, input_embedding_scale=1.5)
+
     def read_settings(self, d: dict) -> DFlash2Settings:
         return DFlash2Settings.from_json_dict(d)
 
