@@ -43,6 +43,7 @@ from dflash.testing import tiny_qwen3_config, train_in_process
 from dflash.training.config import load_config
 from dflash.training.models import training_loss
 
+from ..conftest import launch_script
 from ..training import gated_kind  # noqa: F401 - a kind of one's own, registered by its module
 from ..training.conftest import make_conversations, make_tiny_target, read_metrics, tiny_train_args
 from ..training.micro_step import planned_and_measured_micro_step
@@ -249,6 +250,34 @@ def test_the_memory_plan_bounds_a_measured_micro_step(kind):
                                                                      settings)
     assert plan.setup.vocab_buffers >= loss.vocab_buffers  # a softcap the kind may have counted, set or not
     assert -0.02 <= estimate / measured - 1 <= PLAN_BAND.get(kind.name, 0.10), (estimate, measured)
+
+
+def test_plan_memory_plans_it_with_its_costs(kind, capsys, monkeypatch):
+    """`launch/plan_memory.py --drafter-kind K` (Qwen3-8B, 8 x 80 GiB): the kind's drafter and settings
+    planned, its parts' parameters counted, an anchor ceiling at every length that falls with the length
+    and lies at or below the DFlash drafter's."""
+    monkeypatch.undo()  # torch.empty unpoisoned: the target is counted on the meta device, not built in memory
+    plan_memory = launch_script("plan_memory")
+
+    def planned(name):
+        plan_memory.main(["--model", "qwen3-8b", "--drafter-kind", name, "--json"])
+        return json.loads(capsys.readouterr().out)
+
+    ours, plain = planned(kind.name), planned(DEFAULT)
+    drafter = ours["plan"]["drafter"]
+    assert drafter["kind"] == kind.name and drafter["kind_settings"] == to_jsonable(kind.released_settings())
+    sizes = DrafterSizes(**{**drafter, "kind_settings": kind.released_settings()})
+    own = sizes.layers * kind.layer_params(sizes.kind_settings, sizes) + kind.head_params(sizes.kind_settings, sizes)
+    assert sizes.params == DrafterSizes(**{**plain["plan"]["drafter"]}).params + own
+    ceiling, dflash = ours["replicated"]["anchor_ceiling"], plain["replicated"]["anchor_ceiling"]
+    assert list(ceiling.values()) == sorted(ceiling.values(), reverse=True) and min(ceiling.values()) > 0
+    assert all(ceiling[n] <= dflash[n] for n in ceiling)
+
+
+def to_jsonable(settings):
+    import dataclasses
+
+    return dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings
 
 
 # ---- decoding -----------------------------------------------------------------------------------------
