@@ -44,6 +44,9 @@ def test_a_kind_registered_after_the_options_are_built_has_its_own_option_and_a_
         register(taken())
     with pytest.raises(ValueError, match="unknown drafter kind 'taken'"):
         drafter_kind("taken")
+    taken.options = {"taken_option": Option("losses", 1.0, "no such section")}
+    with pytest.raises(ValueError, match="its option 'taken_option' is in section 'losses'; the sections are inputs"):
+        register(taken())
 
 
 @pytest.mark.slow

@@ -77,7 +77,7 @@ def _kinds_help() -> str:
     return f"{', '.join(k.name for k in kinds)}: {others}"
 
 
-@dataclass(frozen=True)
+@_with_added_options("inputs")
 class Inputs:
     """What to train on: the target, the data, how samples are cut and held out."""
 
@@ -112,7 +112,7 @@ class Inputs:
     )
 
 
-@dataclass(frozen=True)
+@_with_added_options("batches")
 class Batches:
     """How samples become micro-batches and optimizer steps: order, layout, budgets, dealing."""
 
@@ -150,7 +150,7 @@ class Batches:
     num_workers: int = _opt(1, "data-loader worker processes collating micro-batches ahead of compute")
 
 
-@dataclass(frozen=True)
+@_with_added_options("drafter")
 class Drafter:
     """The drafter's shape and its blocks: kind, layers, block size, anchors, taps, mask token."""
 
@@ -204,7 +204,7 @@ class Loss:
     )
 
 
-@dataclass(frozen=True)
+@_with_added_options("optim")
 class Optim:
     """The optimizer and its schedule over the run's epochs or steps."""
 
@@ -225,7 +225,7 @@ class Optim:
     max_steps: int = _opt(0, "train this many optimizer steps in all (0: all epochs); the schedule spans them")
 
 
-@dataclass(frozen=True)
+@_with_added_options("eval")
 class Eval:
     """The held-out evaluation walk and the end-of-run speculative decoding."""
 
@@ -257,7 +257,7 @@ class Eval:
     )
 
 
-@dataclass(frozen=True)
+@_with_added_options("device")
 class Device:
     """Where and how the models run: precision, kernels, the target's partition, memory, DeepSpeed."""
 
@@ -287,7 +287,7 @@ class Device:
     deepspeed_config: str = _opt("ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these options")
 
 
-@dataclass(frozen=True)
+@_with_added_options("run")
 class Run:
     """The run folder and its control: seed, resume, checkpoints, logs, export, timing."""
 
@@ -342,7 +342,10 @@ def _gather_kind_options(kind) -> None:
     is known: a name another option has refuses the kind). The dicts above change in place, so that what
     imported them sees the new options; a section's dataclass is built again with them."""
     mine = {name: option for name, option in kind.options.items() if KIND_OPTIONS.get(name, (None,))[0] is not kind}
-    for name in mine:
+    for name, option in mine.items():
+        if option.section not in SECTIONS:
+            raise ValueError(f"drafter kind {kind.name!r}: its option {name!r} is in section {option.section!r}; the "
+                             f"sections are {', '.join(SECTIONS)}")
         if name in OPTIONS:
             raise ValueError(f"drafter kind {kind.name!r}: its option {name!r} is already an option"
                              f"{f' of the {KIND_OPTIONS[name][0].name} kind' if name in KIND_OPTIONS else ''}")
