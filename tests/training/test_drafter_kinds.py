@@ -15,6 +15,7 @@ from dflash.models import DFlashDrafter, TargetModel
 from dflash.testing import train_in_process
 from dflash.training.config import TrainConfig, build_parser, load_config
 
+from ..conftest import launch_script
 from . import gated_kind  # after the training options are built: its own joins them as it registers
 from .conftest import read_metrics, tiny_train_args
 
@@ -36,6 +37,12 @@ def test_a_kind_registered_after_the_options_are_built_has_its_own_option_and_a_
     assert "--count-scored-rows" in help_text and "a learned gate on every layer" in help_text
     with pytest.raises(Exception, match="applies to a gated DFlash drafter: give --drafter-kind gated"):
         load_config(["--data", "d.jsonl", "--no-count-scored-rows"])
+    # the planning script's and the recipe comparison's options too, made as they are used
+    assert launch_script("plan_batches").parse_args(["--drafter-kind", "gated", "--no-count-scored-rows"]) \
+        .count_scored_rows is False
+    from dflash.tools.recipes import compared
+
+    assert "count_scored_rows" in compared()
     from dflash.drafter.kinds import Option, register
 
     taken = type("Taken", (gated_kind.GatedKind,), {"name": "taken", "architecture": "TakenDraftModel",
