@@ -61,10 +61,16 @@ from dflash.target.taps import default_target_layer_ids
 from dflash.training.config.load import PLANNING_DEFAULTS, add_options, options_of
 from dflash.training.config.sections import KIND_OPTIONS
 
-# train.py's options, by name: the same flags, defaults and checks (but the planning target and budgets)
+# train.py's options, by name: the same flags, defaults and checks (but the planning target and budgets);
+# with the drafter kinds' own (`planned`)
 PLANNED = ("target", "token_budget", "seed", "packing_window", "draft_layers", "block_size", "num_anchors",
-           "row_budget", "drafter_kind", *KIND_OPTIONS)
+           "row_budget", "drafter_kind")
 DEFAULT_ROW_BUDGET = 327_680  # 20 x 16,384: caps the seed-like worst case (553K) at 0.6x for < 3% more micro-batches
+
+
+def planned() -> tuple[str, ...]:
+    """`PLANNED` and every registered kind's own options, as the parser is built."""
+    return (*PLANNED, *KIND_OPTIONS)
 
 
 def parse_args(argv=None):
@@ -72,7 +78,8 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help=".npy file of sample lengths")
     src.add_argument("--data", help="token store folder (from launch/prepare_data.py)")
-    add_options(p, PLANNED, {**PLANNING_DEFAULTS, "token_budget": SEED_TOKEN_BUDGET, "row_budget": DEFAULT_ROW_BUDGET},
+    defaults = {**PLANNING_DEFAULTS, "token_budget": SEED_TOKEN_BUDGET, "row_budget": DEFAULT_ROW_BUDGET}
+    add_options(p, planned(), defaults,
                 aliases={"target": ["--model"], "num_anchors": ["--anchors"], "packing_window": ["--window"]},
                 helps={"target": f"target for the cost model: a preset ({', '.join(PRESETS)}) or a config.json (or its "
                                  "folder) of a dense, MoE, hybrid Gated DeltaNet, sliding-window or MLA target",
@@ -167,7 +174,7 @@ def save_plans(path: str, plans: dict) -> None:
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
-    cfg = options_of(args, (*PLANNED, "buckets"))
+    cfg = options_of(args, (*planned(), "buckets"))
     lengths, supervised, candidates, source = load_data(args)
     lengths = check_lengths(lengths, args.token_budget)
     target = load_target_config(args.target)

@@ -23,7 +23,6 @@ import json
 import os
 import sys
 
-from dflash.drafter.kinds import drafter_kind
 from dflash.errors import UserError, exit_on_user_error
 from dflash.options import given_as, number
 from dflash.sizing.fit import accelerator_memory
@@ -38,7 +37,7 @@ from dflash.sizing.memory import (
 )
 from dflash.target.spec import PRESETS, load_target_spec
 from dflash.training.config.load import PLANNING_DEFAULTS, add_options, options_of
-from dflash.training.plan import loss_setup
+from dflash.training.plan import kind_settings, loss_setup
 
 CEILING_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # sample lengths of the anchor ceiling
 VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_partition="zero3"),
@@ -153,11 +152,10 @@ def main(argv=None):
                 activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
                 num_anchors=args.num_anchors)
     base.update(loss_setup(cfg, "cuda"))  # the objective's share, as train.py plans it on a GPU
-    kind = drafter_kind(cfg.drafter.drafter_kind)
-    settings = kind.released_settings()
-    extra = {} if settings is None else kind.memory_sizes(settings, spec.config)
+    settings = kind_settings(cfg, spec)  # the kind's released settings, checked against the target as train.py does
     plans = {name: plan_for(spec, MemorySetup.from_ds_config(ds_config, **base, **variant),
-                            draft_layers=args.draft_layers, features=args.num_target_features, extra=extra)
+                            draft_layers=args.draft_layers, features=args.num_target_features,
+                            kind=cfg.drafter.drafter_kind, kind_settings=settings)
              for name, variant in VARIANTS.items()}
     rows = max(args.row_budget, args.block_size * args.num_anchors)
     results = {name: summarize(plan, memory, args.token_budget, rows) for name, plan in plans.items()}

@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
+from dflash.drafter.kinds import DEFAULT, drafter_kind
 from dflash.errors import UserError
 from dflash.objective.anchors import DEFAULT_NUM_ANCHORS
 from dflash.objective.loss import DEFAULT_CHUNK_ROWS
@@ -99,43 +101,42 @@ class DrafterSizes:
     head_dim: int
     layers: int
     features: int  # tapped target layers
-    # a drafter kind's own parts (`DrafterKind.memory_sizes`; 0: none): block convolutions' taps and
-    # channels per dynamic weight, a candidate selector's rank and candidates, the vocabulary its codebooks cover
-    conv_kernel: int = 0
-    conv_group: int = 1
-    selector_rank: int = 0
-    selector_top_k: int = 0
-    vocab: int = 0
+    vocab: int = 0  # the target's vocabulary (the drafter's logits; a kind's parts over it, `head_params`)
+    # the drafter's kind (`--drafter-kind`) and its settings (`DrafterConfig.kind_settings`): what the kind's
+    # own parts add, it prices (`DrafterKind`'s costs)
+    kind: str = DEFAULT
+    kind_settings: Any = None
 
     @classmethod
-    def from_target(cls, config, *, layers: int, features: int, extra: dict | None = None) -> DrafterSizes:
+    def from_target(cls, config, *, layers: int, features: int, kind: str = DEFAULT,
+                    kind_settings: Any = None) -> DrafterSizes:
         """The drafter DFlash builds for `config` (its hidden size, heads and MLP width; an MoE
-        target without a dense width: its routed experts' width per token); `extra`: the sizes of a
-        drafter kind's own parts (`DrafterKind.memory_sizes`)."""
+        target without a dense width: its routed experts' width per token), of the drafter kind
+        `kind` with its settings `kind_settings`."""
         heads = int(config.num_attention_heads)
         width = getattr(config, "intermediate_size", None) or \
             int(config.num_experts_per_tok) * int(config.moe_intermediate_size)
         return cls(hidden=int(config.hidden_size), intermediate=int(width), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-                   layers=layers, features=features, **(extra or {}))
+                   layers=layers, features=features, vocab=int(config.vocab_size), kind=kind,
+                   kind_settings=kind_settings)
 
     @property
-    def conv_params(self) -> int:
-        """One block-convolution pair (before and after a sublayer): base kernels and the projection."""
-        H, K = self.hidden, self.conv_kernel
-        return 2 * K * H + H * 2 * K * (H // self.conv_group) if K else 0
+    def drafter_kind(self):
+        """The `DrafterKind` that prices its own parts."""
+        return drafter_kind(self.kind)
 
     @property
     def layer_params(self) -> int:
         H, D = self.hidden, self.head_dim
         return (2 * H * self.heads * D + 2 * H * self.kv_heads * D + 3 * H * self.intermediate + 2 * H + 2 * D
-                + 2 * self.conv_params)
+                + self.drafter_kind.layer_params(self.kind_settings, self))
 
     @property
     def params(self) -> int:
-        selector = (2 * self.vocab + self.hidden) * self.selector_rank
-        return self.features * self.hidden * self.hidden + self.layers * self.layer_params + 2 * self.hidden + selector
+        return (self.features * self.hidden * self.hidden + self.layers * self.layer_params + 2 * self.hidden
+                + self.drafter_kind.head_params(self.kind_settings, self))
 
 
 @dataclass(frozen=True)
@@ -265,43 +266,13 @@ class MemoryPlan:
         """What one drafter layer saves for backward per block row: two RMSNorms feeding
         projections (fp32 input, normed, output), queries and block keys (projection, norm, RoPE),
         block values, the attention output and its log-sum-exp, and the MLP's gate, activation, up
-        and product."""
+        and product; and what the kind's own parts of a layer save (`DrafterKind.layer_row_bytes`)."""
         d, b = self.drafter, self.setup.dtype_bytes
         q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
         norms = 2 * ((4 + 2 * b) * d.hidden + 4)
         attention = (4 + 3 * b) * q + 8 * d.heads + (4 + 3 * b) * kv + 4 * d.kv_heads
-        return norms + attention + 4 * b * d.intermediate + self.conv_per_row()
-
-    def conv_per_row(self) -> int:
-        """A convolution layer's four block convolutions, per block row (`dflash.ops.block_conv` keeps only its
-        inputs): the two after a sublayer keep its output (no other op saves it); the two before keep the
-        normed input the kernel projection keeps too, their outputs remade in backward
-        (`RecomputedConvOutputs`: the projections keep no copy); and the two kernel projections' outputs
-        (the dynamic weights of both convolutions around a sublayer)."""
-        d, b = self.drafter, self.setup.dtype_bytes
-        K = d.conv_kernel
-        return b * (2 * d.hidden + 2 * 2 * K * (d.hidden // d.conv_group)) if K else 0
-
-    def conv_backward_per_row(self) -> int:
-        """A block convolution's backward, per row, one at a time: the Triton kernels' remade output and
-        input gradient; the CPU's recomputing reference (CPU runs use the reference attention too) holds
-        its whole graph a while, a factor and a shifted input per tap, and the output and gradients."""
-        d, s = self.drafter, self.setup
-        if not d.conv_kernel:
-            return 0
-        tensors = 2 * d.conv_kernel + 3 if s.attention == "reference" else 2
-        return tensors * d.hidden * s.dtype_bytes
-
-    def selector_per_row(self) -> int:
-        """A candidate selector's loss per block row (its B - 1 scored rows): the successor codebook's rows of
-        the K candidates (saved, and their gradient in the backward, with every layer's activations
-        still held), the predecessor's row, the hidden projection and their product, the top-K's
-        values, ids and scores."""
-        d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
-        if not d.selector_rank:
-            return 0
-        K, R = d.selector_top_k, d.selector_rank
-        return int((s.block_size - 1) / s.block_size * (b * (2 * K * R + 3 * R) + K * (4 + 8 + 4)))
+        own = d.drafter_kind.layer_row_bytes(d.kind_settings, d, self.setup)
+        return norms + attention + 4 * b * d.intermediate + own
 
     def per_row(self) -> int:
         """Drafter phase, per block row: every layer's saved activations (only its input with
@@ -317,8 +288,9 @@ class MemoryPlan:
 
     def transient(self, tokens: int, rows: int, row_keys: int | None = None) -> int:
         """At the end of the forward, in the loss: the final states and their scored rows, one
-        lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), a candidate selector's
-        loss and its backward; the backward frees saved activations as fast as it makes gradients, but
+        lm_head chunk (logits, their fp32 softmax, the chunk's input gradient), the kind's own loss
+        (`DrafterKind.loss_row_bytes`) and what a layer's backward of the kind holds per row beside
+        (`DrafterKind.backward_row_bytes`); the backward frees saved activations as fast as it makes gradients, but
         the reference attention's backward (`reference_attention.backward_per_layer`) needs more than the
         layer freed before it (its MLP and second norm). With activation checkpointing, the backward's
         recomputed layer and its gradients instead, when larger. The chunked reference attention's chunk
@@ -326,14 +298,15 @@ class MemoryPlan:
         d, s, b = self.drafter, self.setup, self.setup.dtype_bytes
         chunk = min(s.chunk_rows, rows)
         scored = rows * (s.block_size - 1) // s.block_size
-        # the selector's loss is freed before the backward reaches the layers; its backward runs
-        # first, before any layer's gradient exists (ZeRO 0-2: in the place of the full gradients and
-        # buckets that the layers' backward then fills, `drafter_items`), so only its excess over them counts
-        selector = max(0, rows * self.selector_per_row() - self.backward_gradients())
-        loss = (rows + scored + chunk) * d.hidden * b + selector \
+        # the kind's own loss is freed before the backward reaches the layers; its backward runs first,
+        # before any layer's gradient exists (ZeRO 0-2: in the place of the full gradients and buckets that
+        # the layers' backward then fills, `drafter_items`), so only its excess over them counts
+        own = max(0, rows * d.drafter_kind.loss_row_bytes(d.kind_settings, d, s) - self.backward_gradients())
+        loss = (rows + scored + chunk) * d.hidden * b + own \
             + chunk * self.target.vocab * max(4 * s.vocab_buffers + (b if b < 4 else 0), b)  # (0: the logits alone)
         row_keys = rows * tokens if row_keys is None else row_keys
-        in_flight = reference_attention.chunk_in_flight(d, s, row_keys) + rows * self.conv_backward_per_row()
+        in_flight = reference_attention.chunk_in_flight(d, s, row_keys) \
+            + rows * d.drafter_kind.backward_row_bytes(d.kind_settings, d, s)
         # what a layer's backward frees before it reaches the attention: its MLP's and second norm's saved
         # tensors (and, recomputed, its MLP's gradients)
         freed = rows * (4 * b * d.intermediate + (4 + 2 * b) * d.hidden + 4)
@@ -430,11 +403,12 @@ class MemoryPlan:
         return MemoryPlan(self.target, self.drafter, replace(self.setup, target_partition="zero3"))
 
 
-def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, features: int,
-             extra: dict | None = None) -> MemoryPlan:
-    """`extra`: the sizes of a drafter kind's own parts (`DrafterKind.memory_sizes`)."""
+def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, features: int, kind: str = DEFAULT,
+             kind_settings: Any = None) -> MemoryPlan:
+    """The plan of a drafter of `kind` (its settings `kind_settings`) on the target `spec`."""
     config = spec.config
-    drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, extra=extra)
+    drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, kind=kind,
+                                       kind_settings=kind_settings)
     return MemoryPlan(target_sizes(config), drafter, setup)
 
 

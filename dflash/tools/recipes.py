@@ -6,9 +6,9 @@ the expected acceptance of speculative sampling at T) against steps and training
 One process loads the target once; for each seed every recipe gets a `Trainer` whose drafter starts
 from that seed, and the recipes take their steps round-robin (step i of every recipe, then i + 1),
 so drift of the machine hits them alike. Only recipe options (`RECIPE_FIELDS`) and the drafter's
-kind (`DRAFTER_FIELDS`: the kind, its own options and its layers; a kind whose new parts start as
-identities starts from the seed's DFlash drafter) may differ between recipes: the data, the batching,
-the schedule length and the drafter's sizes are the same.
+kind (`DRAFTER_FIELDS` and the kinds' own options: the kind, its options and its layers; a kind whose
+new parts start as identities starts from the seed's DFlash drafter) may differ between recipes: the
+data, the batching, the schedule length and the drafter's sizes are the same.
 """
 from __future__ import annotations
 
@@ -27,9 +27,15 @@ from dflash.training.trainer import Trainer
 # what a recipe may set: the objective, the optimizer's settings and its schedule's shape, the noise
 RECIPE_FIELDS = ("loss", *TERM_OPTIONS, "optimizer", "lr", "muon_lr", "muon_momentum",
                  "weight_decay", "warmup_ratio", "schedule", "grad_clip", "gamma", "feature_noise")
-# drafter kinds against each other: the kind, its own options, and the layers a kind may bring as released
-DRAFTER_FIELDS = ("drafter_kind", *KIND_OPTIONS, "drafter_layer_types", "sliding_window")
-COMPARED = RECIPE_FIELDS + DRAFTER_FIELDS
+# drafter kinds against each other: the kind, its own options (`compared`), and the layers a kind may bring
+# as released
+DRAFTER_FIELDS = ("drafter_kind", "drafter_layer_types", "sliding_window")
+
+
+def compared() -> tuple[str, ...]:
+    """What a recipe may set: `RECIPE_FIELDS`, `DRAFTER_FIELDS` and every registered kind's own options."""
+    return (*RECIPE_FIELDS, *DRAFTER_FIELDS, *KIND_OPTIONS)
+
 # each recipe whole, as the demo's own default is speculators' recipe at a constant rate: the
 # cross-entropy with AdamW, one change at a time, speculators' recipe, and it at a constant rate
 DEFAULT_RECIPES = ("ce: --loss ce=1 --feature-noise 0 --optimizer adamw --schedule cosine ; "
@@ -44,7 +50,7 @@ DEFAULT_RECIPES = ("ce: --loss ce=1 --feature-noise 0 --optimizer adamw --schedu
 
 def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
     """`name: flags ; name: flags ...` -> {name: the base options with the recipe's flags on top}.
-    A recipe that sets anything but COMPARED, or a bad flag, is refused naming the recipe."""
+    A recipe that sets anything but `compared()`, or a bad flag, is refused naming the recipe."""
     base = load_config(base_argv)
     recipes: dict[str, TrainConfig] = {}
     for item in filter(None, (s.strip() for s in text.split(";"))):
@@ -59,11 +65,12 @@ def parse_recipes(text: str, base_argv: list[str]) -> dict[str, TrainConfig]:
             cfg = load_config([*base_argv, *argv])
         except UserError as e:
             raise UserError(f"--recipes {name}: {e}") from None
-        changed = [name for name in OPTIONS if name not in COMPARED and cfg.value(name) != base.value(name)]
+        allowed = compared()
+        changed = [name for name in OPTIONS if name not in allowed and cfg.value(name) != base.value(name)]
         if changed:
             raise UserError(f"--recipes {name}: sets {', '.join('--' + c.replace('_', '-') for c in changed)}, "
                             f"which every recipe shares (give it once, outside --recipes); a recipe sets only "
-                            f"{', '.join('--' + c.replace('_', '-') for c in COMPARED)}")
+                            f"{', '.join('--' + c.replace('_', '-') for c in allowed)}")
         recipes[name] = cfg
     if len(recipes) < 1:
         raise UserError("--recipes: no recipe given")

@@ -162,8 +162,8 @@ def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_by
         target_offload=dev.target_offload, activation_checkpointing=dev.activation_checkpointing,
         block_size=d.block_size, num_anchors=d.num_anchors, attention="reference" if reference else "kernel",
         **loss_setup(cfg, device))
-    extra = {} if kind_settings is None else drafter_kind(d.drafter_kind).memory_sizes(kind_settings, spec.config)
-    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, extra=extra)
+    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, kind=d.drafter_kind,
+                    kind_settings=kind_settings)
 
 
 def loss_setup(cfg: TrainConfig, device=None) -> dict:
@@ -209,9 +209,9 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
                 "--sliding-window": cfg.drafter.sliding_window, "--feature-noise": cfg.loss.feature_noise}
     kind = drafter_kind(cfg.drafter.drafter_kind)
     # the options of the parts the objective has: its terms' and the kind's
-    parts = [option for name in recipe for option in getattr(TERMS.get(name), "options", {}).items()]
-    for name, option in [*parts, *kind.options.items()]:
-        settings[f"--{name.replace('_', '-')}"] = getattr(getattr(cfg, option.section), name, option.default)
+    parts = [name for term in recipe for name in getattr(TERMS.get(term), "options", {})]
+    for name in [*parts, *kind.options]:
+        settings[f"--{name.replace('_', '-')}"] = cfg.value(name)
     if not cfg.drafter.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
         settings["--mask-token"] = cfg.drafter.mask_token or MASK_TOKEN
     taps = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids else None

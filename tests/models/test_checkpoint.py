@@ -61,19 +61,6 @@ def test_config_reads_back_as_the_same_qwen3_config(tmp_path):
     assert hf.dflash_config["target_layer_ids"] == [1, 3, 6]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_save_load_round_trip_is_exact(tmp_path, dtype):
-    drafter = make_drafter(dtype=dtype)
-    drafter.save_pretrained(tmp_path)
-    loaded = DFlashDrafter.from_pretrained(tmp_path)
-    assert loaded.config.dtype == str(dtype).removeprefix("torch.")  # the dtype written is the weights'
-    assert dataclasses.replace(loaded.config, dtype=drafter.config.dtype) == drafter.config
-    a, b = drafter.state_dict(), loaded.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype == dtype and torch.equal(a[k], b[k]), k
-
-
 def test_scaled_rope_round_trips(tmp_path):
     llama = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=8,
                         num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=4096,
@@ -122,20 +109,6 @@ def test_loads_a_checkpoint_written_by_others(tmp_path):
     state = drafter.state_dict()
     for k, v in tensors.items():
         assert torch.equal(state[k], v), k
-
-
-@pytest.mark.parametrize("change", ["unknown", "missing"])
-def test_tensor_set_mismatch_is_an_error(tmp_path, change):
-    drafter = make_drafter(num_layers=1)
-    drafter.save_pretrained(tmp_path)
-    tensors = dict(drafter.state_dict())
-    if change == "unknown":
-        tensors["layers.0.self_attn.q_proj.bias"] = torch.zeros(HEADS * HEAD_DIM)
-    else:
-        del tensors["hidden_norm.weight"]
-    save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=change):
-        DFlashDrafter.from_pretrained(tmp_path)
 
 
 # What vLLM's and SGLang's DFlash loaders read from config.json, with where they read it

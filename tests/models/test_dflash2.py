@@ -1,5 +1,6 @@
-"""The DFlash2 drafter: its block-local convolution and selector against plain references, decoding
-against training, its start as a DFlash drafter, its objective's gradients, and its checkpoint format."""
+"""The DFlash2 drafter: its block-local convolution and selector against plain references, its start as a
+DFlash drafter, its objective's gradients, and its checkpoint format (what every kind passes, decoding
+against training among it: tests/models/test_kind_conformance.py)."""
 from __future__ import annotations
 
 import json
@@ -18,11 +19,11 @@ from dflash.drafter.kinds.dflash2 import (
     selector_figures,
     unary_logits,
 )
-from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterCache, DrafterConfig, draw_blocks, slot_weights
+from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterConfig, draw_blocks, slot_weights
 from dflash.objective.anchors import to_packed
 from dflash.objective.blocks import Blocks, block_scorer
 
-from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
+from .drafter_helpers import MASK_ID, TAPS, B, make_batch, tiny_target
 
 SETTINGS = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=5,
                            output_multiplier=0.7, final_logit_softcapping=4.0, input_embedding_scale=1.5)
@@ -142,29 +143,6 @@ def test_the_outputs_of_the_convolutions_before_the_sublayers_are_remade_not_kep
         torch.testing.assert_close(grads[name], kept_grads[name], msg=name)
 
 
-def test_decoding_block_by_block_equals_the_packed_training_forward():
-    """`draft` (context in a cache, one block at a time) gives the training forward's block states,
-    convolutions, embedding scale and non-causal sliding layers included."""
-    target = tiny_target(3)
-    drafter = tiny_dflash2(target, seed=3)
-    lengths = [9, 14]
-    batch = make_batch(lengths, seed=3)
-    feats = target.features(batch)
-    cu = batch.cu_seqlens.tolist()
-    seq = [s for s, n in enumerate(lengths) for _ in range(n)]
-    anchor = [a for n in lengths for a in range(n)]
-    anchors = Anchors(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
-    with torch.no_grad():
-        training = run_blocks(drafter, batch, feats, anchors)[:, 1:]
-        for s, n in enumerate(lengths):
-            cache = DrafterCache(drafter, capacity=n)
-            for a in range(n):
-                new = feats[cu[s] + cache.length:cu[s] + a]
-                got = drafter.draft_hidden(cache, new, int(batch.input_ids[cu[s] + a]))
-                # states reach about 3; the two paths sum in different orders (fp32): ~4e-6 of that apart
-                torch.testing.assert_close(got, training[cu[s] + a], rtol=1e-5, atol=4e-5)
-
-
 def test_a_new_dflash2_drafter_computes_what_the_dflash_drafter_of_its_seed_does():
     target = tiny_target(4)
     config = tiny_config(target, DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
@@ -266,12 +244,13 @@ def test_selector_term_is_the_dense_objective_with_its_gradients(monkeypatch, st
     assert head == "off" or int((blocks.weights > 0).sum()) < blocks.weights.numel()  # some rows were left out
 
 
-@pytest.mark.parametrize("stop_grad", [False, True])
-def test_the_flop_model_prices_the_convolutions_and_the_selector_as_a_flop_counter_counts_a_step(stop_grad):
+def test_the_flop_model_prices_the_convolutions_and_the_selector_with_stop_grad_as_a_flop_counter_counts_a_step():
     """A training step (forward, loss, backward) of a DFlash2 drafter minus the same step of the DFlash
     drafter of its sizes, under FlopCounterMode, is exactly the DFlash2 cost model's per_row minus the
     DFlash one's, times the block rows (convolution projections in every layer, the selector on the
-    scored rows; the taps' element-wise products are no matmuls, uncounted on both sides)."""
+    scored rows; the taps' element-wise products are no matmuls, uncounted on both sides). With
+    --selector-stop-grad (its default, every kind's: tests/models/test_kind_conformance.py)."""
+    stop_grad = True
     import dataclasses
 
     from dflash.sizing.flops import flop_cost_model, measure_flops

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,6 @@ from dflash.models import (
     Anchors,
     BlockLoss,
     DFlashDrafter,
-    DrafterCache,
     DrafterConfig,
     draw_blocks,
     slot_weights,
@@ -100,32 +98,6 @@ def test_packed_forward_matches_inference_formula_block_by_block(layer_types, wi
         for j, (s, a) in enumerate(zip(seq, anchor, strict=True)):
             ref = inference_block(drafter, feats[cu[s]:cu[s + 1]], batch.input_ids[cu[s]:cu[s + 1]], a)
             torch.testing.assert_close(got[j], ref, rtol=1e-5, atol=1e-5)
-
-
-def test_cached_block_by_block_forward_equals_the_training_forward():
-    """Decoding's forward (`draft`: context rows appended to a cache, one block at a time, any jump
-    between anchors) is the training forward: every block of a packed batch, fp32."""
-    target = tiny_target(2)
-    drafter = tiny_drafter(target, seed=2)
-    lengths = [13, 1, 24, 7]
-    batch = make_batch(lengths, seed=2)
-    feats = target.features(batch)
-    cu = batch.cu_seqlens.tolist()
-    seq = [s for s, n in enumerate(lengths) for _ in range(n)]  # a block at every position, the last included
-    anchor = [a for n in lengths for a in range(n)]
-    anchors = Anchors(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
-    lm_head = target.shared_weights().lm_head
-    rng = np.random.default_rng(0)
-    with torch.no_grad():
-        training = run_blocks(drafter, batch, feats, anchors)[:, 1:] @ lm_head.t()
-        for s, n in enumerate(lengths):
-            for visit in range(2):  # every anchor in turn, then decoding's jumps of 1..B positions
-                cache, a = DrafterCache(drafter, capacity=n), 0
-                while a < n:
-                    got = drafter.draft(cache, feats[cu[s] + cache.length:cu[s] + a], int(batch.input_ids[cu[s] + a]))
-                    torch.testing.assert_close(got, training[cu[s] + a], rtol=1e-6, atol=1e-6)
-                    assert torch.equal(got.argmax(-1), training[cu[s] + a].argmax(-1))
-                    a += 1 if visit == 0 else int(rng.integers(1, B + 1))
 
 
 def test_loss_and_metrics_match_direct_computation():

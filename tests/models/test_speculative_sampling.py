@@ -11,10 +11,11 @@ with probability 1e-3 over the choice of seeds (the seeds here are fixed, so the
 Power: the same test on a deliberately wrong rule (rejected slots resampled from p instead of
 max(0, p - q)) gives p ~ 1e-15 with the same N (1e-10 with another seed); it must be < 1e-8.
 
+Every drafter kind's output is held to the target's law by this test in tests/models/test_kind_conformance.py.
 A DFlash2 drafter (`tiny2`: its selector keeps K = 2 of the 4 tokens, so q is 0 outside the candidates
 and the residual carries the rest) drafts along its selector's path, each slot's q over its candidates
-given the drafts before it; the same test holds its output to the target's law, and detects the
-mistake of verifying those drafts with the backbone's own softmax instead of the selector's q (p ~ 1e-38).
+given the drafts before it; the test detects the mistake of verifying those drafts with the backbone's
+own softmax instead of the selector's q (p ~ 1e-38).
 """
 from __future__ import annotations
 
@@ -129,22 +130,9 @@ def decode_and_count(hf, drafter, monkeypatch, sampling, seed):
     return proposals
 
 
-@pytest.mark.parametrize(
-    "sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, top_p=0.9, drafts="argmax")], ids=str)
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(1.0, top_p=0.9, drafts="argmax")], ids=str)
 def test_speculative_sampling_is_lossless_in_distribution(tiny, monkeypatch, sampling):
     decode_and_count(*tiny, monkeypatch, sampling, seed=2)
-
-
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, drafts="argmax")],
-                         ids=str)
-def test_dflash2_speculative_sampling_is_lossless_in_distribution(tiny2, monkeypatch, sampling):
-    """Drafts along the selector's path, verified with its q over the K candidates (0 elsewhere) and the
-    residual max(0, p - q) over the whole vocabulary."""
-    hf, drafter = tiny2
-    q = torch.cat(decode_and_count(hf, drafter, monkeypatch, sampling, seed=4))
-    # q: a distribution over at most K tokens per slot (one-hot on the greedy path for argmax drafts)
-    torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[0]))
-    assert int((q > 0).sum(-1).max()) <= drafter.candidate_selector.top_k
 
 
 def test_the_test_detects_dflash2_drafts_verified_with_the_backbones_softmax(tiny2, monkeypatch):

@@ -1,7 +1,7 @@
 """A test-only drafter kind, written as a kind of one's own would be: the DFlash drafter whose layers
 scale their attention output by a learned gate per channel, with the gate's starting value in its
-config.json, an option (it joins the training options when this module is imported before
-`dflash.training`, as its script does), and a loss term of its own that reports a figure. Run as a
+config.json, an option (it joins the training options as the kind registers, whenever that is),
+and a loss term of its own that reports a figure. Run as a
 script it is `launch/train.py` with this kind known (`--drafter-kind gated`)."""
 from __future__ import annotations
 
@@ -84,6 +84,12 @@ class GatedKind(DrafterKind):
 
     def terms(self, drafter, loss_options) -> list:
         return [ScoredRows(0.0)] if self.option(loss_options, "count_scored_rows") else []
+
+    def layer_params(self, settings, d) -> int:
+        return d.hidden  # the gate
+
+    def layer_row_bytes(self, settings, d, setup) -> int:
+        return setup.dtype_bytes * d.hidden  # the attention output, which the gate's product saves
 
 
 KIND = register(GatedKind())

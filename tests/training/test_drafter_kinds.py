@@ -13,8 +13,10 @@ from dflash.decoding.speculate import greedy_decode, speculative_decode
 from dflash.drafter.kinds import architectures, drafter_kind
 from dflash.models import DFlashDrafter, TargetModel
 from dflash.testing import train_in_process
+from dflash.training.config import TrainConfig, build_parser, load_config
 
-from . import gated_kind
+from ..conftest import launch_script
+from . import gated_kind  # after the training options are built: its own joins them as it registers
 from .conftest import read_metrics, tiny_train_args
 
 
@@ -26,6 +28,32 @@ def test_a_registered_kind_is_found_by_name_and_architecture_and_clashes_are_ref
         register(type("Again", (gated_kind.GatedKind,), {})())
     with pytest.raises(ValueError, match=r"unknown drafter kind 'nope' \(known: dflash, dflash2, gated"):
         drafter_kind("nope")
+
+
+def test_a_kind_registered_after_the_options_are_built_has_its_own_option_and_a_taken_name_is_refused():
+    cfg = load_config(["--data", "d.jsonl", "--drafter-kind", "gated", "--no-count-scored-rows"])
+    assert cfg.value("count_scored_rows") is False and TrainConfig().loss.count_scored_rows is True
+    help_text = " ".join(build_parser("train").format_help().split())
+    assert "--count-scored-rows" in help_text and "a learned gate on every layer" in help_text
+    with pytest.raises(Exception, match="applies to a gated DFlash drafter: give --drafter-kind gated"):
+        load_config(["--data", "d.jsonl", "--no-count-scored-rows"])
+    # the planning script's and the recipe comparison's options too, made as they are used
+    assert launch_script("plan_batches").parse_args(["--drafter-kind", "gated", "--no-count-scored-rows"]) \
+        .count_scored_rows is False
+    from dflash.tools.recipes import compared
+
+    assert "count_scored_rows" in compared()
+    from dflash.drafter.kinds import Option, register
+
+    taken = type("Taken", (gated_kind.GatedKind,), {"name": "taken", "architecture": "TakenDraftModel",
+                                                    "options": {"lr": Option("optim", 1.0, "clashes")}})
+    with pytest.raises(ValueError, match="drafter kind 'taken': its option 'lr' is already an option"):
+        register(taken())
+    with pytest.raises(ValueError, match="unknown drafter kind 'taken'"):
+        drafter_kind("taken")
+    taken.options = {"taken_option": Option("losses", 1.0, "no such section")}
+    with pytest.raises(ValueError, match="its option 'taken_option' is in section 'losses'; the sections are inputs"):
+        register(taken())
 
 
 @pytest.mark.slow

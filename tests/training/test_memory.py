@@ -8,31 +8,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.data.batch import PackedBatch
-from dflash.drafter.kinds import drafter_kind
-from dflash.drafter.network import drafter_class
 from dflash.errors import UserError
-from dflash.models import DFlashDrafter, DrafterConfig, TargetModel, draw_blocks, slot_weights
-from dflash.objective.terms import needs_target_states, target_context
 from dflash.sizing.fit import size_run
 from dflash.sizing.memory import (
     GIB,
-    DrafterSizes,
     MemoryPlan,
     MemorySetup,
     plan_for,
     target_sizes,
 )
-from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 from dflash.target.spec import load_target_spec
-from dflash.testing import tiny_qwen3_config, train_in_process
+from dflash.testing import train_in_process
 from dflash.training.config import load_config
-from dflash.training.models import drafter_kind_settings, training_loss
 from dflash.training.plan import loss_setup
 
 from .. import preloaded
 from ..conftest import ROOT, launch_script
 from .conftest import make_tiny_target, run_deepspeed, tiny_train_args, train_one_rank
+from .micro_step import planned_and_measured_micro_step
 
 
 def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
@@ -46,79 +39,25 @@ def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
     assert sizes.small == sum(p.numel() for p in hf.parameters() if p.numel() <= hf.config.hidden_size)
 
 
-def test_drafter_sizes_count_the_drafter(tiny_run_inputs):
-    config = load_target_spec(tiny_run_inputs[0], bare_presets=True).config
-    drafter = DFlashDrafter(DrafterConfig.from_target(config, mask_token_id=0, draft_layers=3,
-                                                      target_layer_ids=[0, 1, 2]))
-    sizes = DrafterSizes.from_target(config, layers=3, features=3)
-    assert sizes.params == sum(p.numel() for p in drafter.parameters())
-    assert sizes.layer_params == sum(p.numel() for p in drafter.layers[0].parameters())
-    settings = drafter_kind_settings("dflash2")
-    dcfg = DrafterConfig.from_target(config, mask_token_id=0, draft_layers=3, target_layer_ids=[0, 1, 2],
-                                     **settings)
-    drafter2 = drafter_class(dcfg)(dcfg)
-    sizes2 = DrafterSizes.from_target(config, layers=3, features=3, extra=drafter_kind("dflash2").memory_sizes(
-        settings["kind_settings"], config))
-    assert sizes2.params == sum(p.numel() for p in drafter2.parameters())  # convolutions and selector
-    assert sizes2.layer_params == sum(p.numel() for p in drafter2.layers[0].parameters()) > sizes.layer_params
-
-
 def test_presets_have_their_public_sizes():
     billions = {name: target_sizes(load_target_spec(name, bare_presets=True).config).params / 1e9
                 for name in ("qwen3-8b", "qwen3.5-27b", "qwen3.5-122b-a10b")}
     assert billions == pytest.approx({"qwen3-8b": 8.19, "qwen3.5-27b": 26.90, "qwen3.5-122b-a10b": 122.11}, abs=0.01)
 
 
-# (dtype, checkpointing, --loss, --drafter-kind, the band the estimate must fall in against the measured peak)
-MICRO_STEPS = [(torch.bfloat16, False, "ce=1", "dflash", 0.06), (torch.float32, True, "ce=1", "dflash", 0.06),
+# (dtype, checkpointing, --loss, the band the estimate must fall in against the measured peak), of a DFlash
+# drafter; bf16 with the cross-entropy, of every drafter kind: tests/models/test_kind_conformance.py
+MICRO_STEPS = [(torch.float32, True, "ce=1", 0.06),
                # KL and LK hold the target's probabilities once per label position, counted as once per row
-               (torch.bfloat16, False, "ce=1,dpace=0.5,kl=1,lk=0.2", "dflash", 0.10),
-               # DFlash2: +6.6% (+16% before its convolutions kept only their inputs and its selector's
-               # backward was counted in the place of the gradients that come after it)
-               (torch.bfloat16, False, "ce=1", "dflash2", 0.10)]
+               (torch.bfloat16, False, "ce=1,dpace=0.5,kl=1,lk=0.2", 0.10)]
 
 
-@pytest.mark.parametrize("dtype,checkpointing,recipe,kind,band", MICRO_STEPS)
-def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing, recipe, kind, band):
+@pytest.mark.parametrize("dtype,checkpointing,recipe,band", MICRO_STEPS)
+def test_estimate_matches_the_measured_peak_of_a_micro_step(dtype, checkpointing, recipe, band):
     """Features, drafter forward and backward through the Triton kernels (the GPU's path; here in
     the interpreter), with the objective of `recipe` (its terms' vocabulary buffers, the target's
-    final states for KL and LK) and a DFlash or DFlash2 drafter (its convolutions and selector): the
-    plan's bytes against every tensor storage alive after each op."""
-    torch.manual_seed(0)
-    config = tiny_qwen3_config(vocab_size=512, intermediate_size=192, num_hidden_layers=3, max_position_embeddings=1024)
-    target = TargetModel(AutoModelForCausalLM.from_config(config).to(dtype), [0, 1], attention_backend="triton")
-    dcfg = DrafterConfig.from_target(config, mask_token_id=511, draft_layers=2, target_layer_ids=[0, 1],
-                                     **drafter_kind_settings(kind))
-    drafter = drafter_class(dcfg)(dcfg, target.shared_weights(), attention_backend="triton",
-                                  activation_checkpointing=checkpointing).to(dtype)
-    lengths = [150, 100]
-    cu = torch.tensor([0, 150, 250], dtype=torch.int32)
-    batch = PackedBatch(input_ids=torch.randint(0, 500, (250,)), loss_mask=torch.ones(250, dtype=torch.bool),
-                        position_ids=torch.cat([torch.arange(n) for n in lengths]), cu_seqlens=cu,
-                        cu_seqlens_cpu=cu.clone(), max_seqlen=150, sample_ids=torch.arange(2))
-    blocks = draw_blocks(batch, block_size=16, num_anchors=8, mask_token_id=511, slot_weights=slot_weights(16, 7.0),
-                         seed=0, epoch=0)
-
-    cfg = load_config(["--data", "d.jsonl", "--loss", recipe, "--block-size", "16", "--drafter-kind", kind])
-    loss = training_loss(cfg.loss, cfg.drafter.block_size, drafter)
-
-    def step():
-        context = None
-        if needs_target_states(loss):
-            features, states = target.features(batch, with_output=True)
-            context = target_context(states, batch)
-        else:
-            features = target.features(batch)
-        loss(drafter(batch, features, blocks), blocks, drafter.lm_head, context=context).loss_sum.backward()
-
-    measured, _ = measure_peak_tensor_bytes(step)
-    plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(
-        config, layers=2, features=2, extra=drafter_kind(dcfg.kind).memory_sizes(dcfg.kind_settings, config)),
-                      MemorySetup(dtype_bytes=dtype.itemsize, num_anchors=8, activation_checkpointing=checkpointing,
-                                  **loss_setup(cfg)))
-    assert plan.setup.vocab_buffers >= loss.vocab_buffers  # a DFlash2 drafter: a softcap counted, whether set or not
-    tokens, rows = 250, blocks.num_blocks * 16
-    estimate = max(plan.target_phase(tokens), plan.drafter_phase(tokens, rows))
+    final states for KL and LK): the plan's bytes against every tensor storage alive after each op."""
+    estimate, measured, _, _ = planned_and_measured_micro_step(dtype, checkpointing, recipe, "dflash")
     assert -0.02 <= estimate / measured - 1 <= band, (estimate, measured)
 
 
@@ -196,7 +135,7 @@ def test_a_dflash2_drafter_fits_within_ten_percent_of_dflash_s_anchors_on_qwen3_
     anchors against 2,895 / 6,356 (1,736 / 3,866 before the convolution op, the remade outputs and the fused
     head); on CUDA the fused head holds a chunk's bf16 logits alone."""
     from dflash.training.ds_config import load_ds_config
-    from dflash.training.plan import kind_settings, loss_setup, memory_plan
+    from dflash.training.plan import kind_settings, memory_plan
 
     spec = load_target_spec("qwen3-8b", bare_presets=True)
     ds = load_ds_config("ds_configs/zero2.json", world_size=8, grad_clip=1.0, bf16=True)

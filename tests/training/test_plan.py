@@ -37,8 +37,9 @@ def test_plan_run_takes_the_released_dflash2_sizes_for_the_memory_and_the_cost_m
     plain = plan_run(load_config(args), spec, device=torch.device("cpu"), world_size=8)
     plan = plan_run(load_config([*args, "--drafter-kind", "dflash2"]), spec, device=torch.device("cpu"), world_size=8)
     assert plain.kind_settings is None and plan.kind_settings == released_settings()
-    assert plan.memory.drafter.conv_kernel == plan.kind_settings.conv_kernel_size
-    assert plain.memory.drafter.conv_kernel == 0
+    assert (plan.memory.drafter.kind, plan.memory.drafter.kind_settings) == ("dflash2", plan.kind_settings)
+    assert (plain.memory.drafter.kind, plain.memory.drafter.kind_settings) == ("dflash", None)
+    assert plan.memory.drafter.params > plain.memory.drafter.params  # the convolutions and the selector priced
 
 
 def test_plan_run_refuses_a_run_that_cannot_fit_naming_the_memory():

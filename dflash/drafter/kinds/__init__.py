@@ -5,7 +5,8 @@ A kind is a `DrafterKind` declaring everything that makes it differ from the oth
 architecture, its options (config keys, released defaults, checks), the settings its `config.json`
 carries, its network (an `nn.Module` with the DFlash drafter's forward, `DFlashDrafter` or a subclass:
 its `propose` drafts a block at decoding, its `export_tensors` is what the export writes), its extra
-loss terms and logit map, and what it adds per block row to the memory plan and the FLOP cost. Its
+loss terms and logit map, and its costs: the parameters, bytes and FLOPs its own parts add to the DFlash
+drafter's, which the memory plan and the FLOP cost model ask it for (`layer_params` ... `row_flops`). Its
 terms name and reduce its figures (`LogitTerm.figures`). The config, the plan, the trainer, the
 evaluator, sizing, decoding and the planning scripts ask this registry; none of them names a kind.
 
@@ -26,6 +27,7 @@ BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}
+_listeners: list = []  # what is told of every kind registered (the training options: its own options)
 
 
 class DrafterKind:
@@ -49,13 +51,19 @@ class DrafterKind:
     network: type  # the module a config of this kind builds (`DFlashDrafter` or a subclass)
 
     def option(self, options, name: str):
-        """The value of the kind's own option `name` in a section (`options`), its default where the section
-        has none (a kind registered after the training options were built)."""
+        """The value of the kind's own option `name` in a section (`options`), its default where it has none
+        (a section made by hand, as tests do; the training options have every registered kind's)."""
         return getattr(options, name, self.options[name].default)
 
     def released_settings(self) -> Any:
         """`DrafterConfig.kind_settings` of a new drafter of this kind (None: none)."""
         return None
+
+    def small_settings(self, hidden_size: int, vocab_size: int) -> Any:
+        """The settings of a small drafter of this kind on a target of these sizes (hidden sizes of 32 and
+        more, a vocabulary of 4 and more): what the conformance suite (tests/models/test_kind_conformance.py)
+        builds every kind with. Default: the released settings."""
+        return self.released_settings()
 
     def read_settings(self, d: dict) -> Any:
         """The kind's settings from a config.json (raises ValueError naming a missing key)."""
@@ -80,13 +88,38 @@ class DrafterKind:
         """(scale, softcap) of the drafter's logits: softcap tanh(scale raw / softcap)."""
         return 1.0, None
 
-    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
-        """FLOPs per block row in training it adds to the DFlash drafter's, forward and backward."""
-        return 0.0
+    # ---- costs: what the kind's own parts add to the DFlash drafter's, for the memory plan
+    # (`dflash.sizing.memory`) and the FLOP cost model (`dflash.sizing.flops`), which price the DFlash
+    # drafter alone and ask the kind for the rest. `settings`: the drafter's `kind_settings`; `d`: its
+    # `DrafterSizes` (the DFlash drafter's sizes: hidden, heads, head_dim, intermediate, layers, vocab);
+    # `setup`: the run's `MemorySetup` (dtype_bytes, block_size, attention). Bytes and FLOPs count what
+    # the kind's code saves and multiplies; the conformance suite checks them against a measured step.
 
-    def memory_sizes(self, settings, target_config) -> dict:
-        """`DrafterSizes` fields the memory plan prices beside the DFlash drafter's."""
-        return {}
+    def layer_params(self, settings, d) -> int:
+        """Parameters it adds to every drafter layer."""
+        return 0
+
+    def head_params(self, settings, d) -> int:
+        """Parameters it adds outside the layers (heads over the hidden states or the vocabulary)."""
+        return 0
+
+    def layer_row_bytes(self, settings, d, setup) -> int:
+        """Bytes one layer's own parts save for backward, per block row."""
+        return 0
+
+    def backward_row_bytes(self, settings, d, setup) -> int:
+        """Bytes per block row its parts hold for a while in a layer's backward (one layer at a time)."""
+        return 0
+
+    def loss_row_bytes(self, settings, d, setup) -> int:
+        """Bytes per block row its own loss terms hold at the end of the forward (with their backward's),
+        beside the lm_head chunk the objective holds."""
+        return 0
+
+    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
+        """FLOPs per block row in training it adds to the DFlash drafter's, forward and backward
+        (`loss_options`: the run's loss section, its own options read with `option`)."""
+        return 0.0
 
 
 def register(kind: DrafterKind) -> DrafterKind:
@@ -95,8 +128,17 @@ def register(kind: DrafterKind) -> DrafterKind:
         if other is not kind and (other.name == kind.name or other.architecture == kind.architecture):
             raise ValueError(f"drafter kind {kind.name!r} ({kind.architecture}) clashes with {other.name!r} "
                              f"({other.architecture})")
+    if _registered.get(kind.name) is not kind:
+        for listener in _listeners:  # before it is known: a listener that refuses it (ValueError) keeps it out
+            listener(kind)
     _registered[kind.name] = kind
     return kind
+
+
+def on_register(listener) -> None:
+    """Call `listener(kind)` for every kind registered from now on, before it is known (a ValueError it raises
+    refuses the kind)."""
+    _listeners.append(listener)
 
 
 def drafter_kind(name: str) -> DrafterKind:
@@ -132,8 +174,3 @@ def kind_of_architectures(architectures_field) -> DrafterKind:
             return kind
     known = architectures()
     raise ValueError(f"architectures is {architectures_field}; this trains {' and '.join(known)} drafters only")
-
-
-def kind_options() -> dict[str, tuple[DrafterKind, Option]]:
-    """Every kind's own options by name."""
-    return {name: (kind, option) for kind in all_kinds() for name, option in kind.options.items()}

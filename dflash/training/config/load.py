@@ -79,7 +79,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 def _add_option(parser, name: str, default, aliases=(), help_default=None, help_text=None) -> None:
     f = OPTIONS[name]
     shown = f.default if help_default is None else help_default
-    kwargs = {"dest": f.name, "default": default, "help": f"{help_text or f.metadata['help']} (default: {shown!r})"}
+    text = help_text or f.metadata["help"]
+    text = text() if callable(text) else text  # made now: what is registered when the parser is built
+    kwargs = {"dest": f.name, "default": default, "help": f"{text} (default: {shown!r})"}
     kind = _kind(f)
     if kind == "bool":
         kwargs["action"] = argparse.BooleanOptionalAction

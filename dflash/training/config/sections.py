@@ -14,7 +14,7 @@ from dflash import demo
 from dflash.data.planner import DEFAULT_WINDOW, LAYOUTS, ORDERS
 from dflash.data.vocab import MASK_TOKEN
 from dflash.drafter.config_format import FULL, LAYER_TYPES, SLIDING
-from dflash.drafter.kinds import DEFAULT, all_kinds, kind_options
+from dflash.drafter.kinds import DEFAULT, all_kinds, on_register
 from dflash.objective.anchors import DEFAULT_NUM_ANCHORS
 from dflash.objective.terms import term_options
 from dflash.ops import ATTENTION_BACKENDS
@@ -35,39 +35,49 @@ def layer_type(name: str) -> str:
 layer_type.expected = "sliding or full"
 
 
-def _opt(default, help: str, list_options: dict | None = None):
-    """An option: its default, its `--help` text and, for a comma-separated list, how to check it."""
+def _opt(default, help, list_options: dict | None = None):
+    """An option: its default, its `--help` text (or the function that makes it when a parser is built)
+    and, for a comma-separated list, how to check it."""
     return field(default=default, metadata={"help": help, **({"list": list_options} if list_options else {})})
 
 
 # the loss terms' options (`LogitTerm.options`) and the drafter kinds' own (`DrafterKind.options`) by name:
-# (term or kind, option). A kind registered after this module is imported has none among the training
-# options: its module is imported first (its script's)
+# (term or kind, option). The kinds' are gathered from the registry as kinds register (`_gather_kind_options`),
+# so that a kind registered after this module is imported has its options too
 TERM_OPTIONS = term_options()
-KIND_OPTIONS = kind_options()
+KIND_OPTIONS: dict = {}
+_OWN: dict = {}  # section -> its dataclass without the options the terms and kinds add
 
 
-def _with_kind_options(section: str):
+def _with_added_options(section: str):
     """The section's dataclass with the options the loss terms and the drafter kinds add to it
-    (`TERM_OPTIONS`, `KIND_OPTIONS`), after its own."""
+    (`TERM_OPTIONS`, `KIND_OPTIONS`), after its own; built again when a kind adds one."""
     def build(cls):
-        cls = dataclass(frozen=True)(cls)
-        extra = [(name, type(o.default), _opt(o.default, o.help))
-                 for name, (_, o) in {**TERM_OPTIONS, **KIND_OPTIONS}.items() if o.section == section]
-        if not extra:
-            return cls
-        built = dataclasses.make_dataclass(cls.__name__, extra, bases=(cls,), frozen=True)
-        built.__doc__, built.__module__ = cls.__doc__, cls.__module__
-        return built
+        _OWN[section] = dataclass(frozen=True)(cls)
+        return _added(section)
 
     return build
 
 
+def _added(section: str):
+    cls = _OWN[section]
+    extra = [(name, type(o.default), _opt(o.default, o.help))
+             for name, (_, o) in {**TERM_OPTIONS, **KIND_OPTIONS}.items() if o.section == section]
+    if not extra:
+        return cls
+    built = dataclasses.make_dataclass(cls.__name__, extra, bases=(cls,), frozen=True)
+    built.__doc__, built.__module__, built.__qualname__ = cls.__doc__, cls.__module__, cls.__qualname__
+    return built
+
+
 def _kinds_help() -> str:
-    return "; ".join(f"{k.name}: {k.summary}" for k in all_kinds() if k.name != DEFAULT) or "the DFlash drafter"
+    """--drafter-kind's help, from the kinds registered when the parser is built."""
+    kinds = all_kinds()
+    others = "; ".join(f"{k.name}: {k.summary}" for k in kinds if k.name != DEFAULT) or "the DFlash drafter"
+    return f"{', '.join(k.name for k in kinds)}: {others}"
 
 
-@dataclass(frozen=True)
+@_with_added_options("inputs")
 class Inputs:
     """What to train on: the target, the data, how samples are cut and held out."""
 
@@ -102,7 +112,7 @@ class Inputs:
     )
 
 
-@dataclass(frozen=True)
+@_with_added_options("batches")
 class Batches:
     """How samples become micro-batches and optimizer steps: order, layout, budgets, dealing."""
 
@@ -140,11 +150,11 @@ class Batches:
     num_workers: int = _opt(1, "data-loader worker processes collating micro-batches ahead of compute")
 
 
-@dataclass(frozen=True)
+@_with_added_options("drafter")
 class Drafter:
     """The drafter's shape and its blocks: kind, layers, block size, anchors, taps, mask token."""
 
-    drafter_kind: str = _opt(DEFAULT, f"{', '.join(k.name for k in all_kinds())}: {_kinds_help()}")
+    drafter_kind: str = _opt(DEFAULT, _kinds_help)
     draft_layers: int = _opt(5, "drafter decoder layers")
     block_size: int = _opt(16, "drafted tokens per block, anchor slot included")
     num_anchors: int = _opt(DEFAULT_NUM_ANCHORS, "anchors drawn per sample (fewer if it has fewer candidates)")
@@ -175,7 +185,7 @@ class Drafter:
     )
 
 
-@_with_kind_options("loss")
+@_with_added_options("loss")
 class Loss:
     """The objective: its terms and weights, their settings, the noise on the features."""
 
@@ -194,7 +204,7 @@ class Loss:
     )
 
 
-@dataclass(frozen=True)
+@_with_added_options("optim")
 class Optim:
     """The optimizer and its schedule over the run's epochs or steps."""
 
@@ -215,7 +225,7 @@ class Optim:
     max_steps: int = _opt(0, "train this many optimizer steps in all (0: all epochs); the schedule spans them")
 
 
-@dataclass(frozen=True)
+@_with_added_options("eval")
 class Eval:
     """The held-out evaluation walk and the end-of-run speculative decoding."""
 
@@ -248,7 +258,7 @@ class Eval:
     )
 
 
-@dataclass(frozen=True)
+@_with_added_options("device")
 class Device:
     """Where and how the models run: precision, kernels, the target's partition, memory, DeepSpeed."""
 
@@ -278,7 +288,7 @@ class Device:
     deepspeed_config: str = _opt("ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these options")
 
 
-@dataclass(frozen=True)
+@_with_added_options("run")
 class Run:
     """The run folder and its control: seed, resume, checkpoints, logs, export, timing."""
 
@@ -328,19 +338,50 @@ SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in data
 OPTIONS = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}  # name -> its field
 
 
+def _gather_kind_options(kind) -> None:
+    """Add `kind`'s own options to their sections (the registry calls this as it registers a kind, before it
+    is known: a name another option has refuses the kind). The dicts above change in place, so that what
+    imported them sees the new options; a section's dataclass is built again with them."""
+    mine = {name: option for name, option in kind.options.items() if KIND_OPTIONS.get(name, (None,))[0] is not kind}
+    for name, option in mine.items():
+        if option.section not in SECTIONS:
+            raise ValueError(f"drafter kind {kind.name!r}: its option {name!r} is in section {option.section!r}; the "
+                             f"sections are {', '.join(SECTIONS)}")
+        if name in OPTIONS:
+            raise ValueError(f"drafter kind {kind.name!r}: its option {name!r} is already an option"
+                             f"{f' of the {KIND_OPTIONS[name][0].name} kind' if name in KIND_OPTIONS else ''}")
+    if not mine:
+        return
+    KIND_OPTIONS.update({name: (kind, option) for name, option in mine.items()})
+    for section in {option.section for option in mine.values()}:
+        cls = _added(section)
+        SECTIONS[section] = globals()[cls.__name__] = cls
+        for f in dataclasses.fields(cls):
+            SECTION_OF[f.name], OPTIONS[f.name] = section, f
+
+
+def _current(section: str, values):
+    """A section's values as the section is now: one made before a kind added its options gets them at their
+    defaults."""
+    cls = SECTIONS[section]
+    if type(values) is cls:
+        return values
+    return cls(**{f.name: getattr(values, f.name) for f in dataclasses.fields(values)})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """A run's options, by section. Build it from option names (`TrainConfig.of(lr=3e-3)`), change it by
     option names (`cfg.replace(row_budget=...)`), read it by section (`cfg.optim.lr`)."""
 
-    inputs: Inputs = field(default_factory=Inputs)
-    batches: Batches = field(default_factory=Batches)
-    drafter: Drafter = field(default_factory=Drafter)
-    loss: Loss = field(default_factory=Loss)
-    optim: Optim = field(default_factory=Optim)
-    eval: Eval = field(default_factory=Eval)
-    device: Device = field(default_factory=Device)
-    run: Run = field(default_factory=Run)
+    inputs: Inputs = field(default_factory=lambda: SECTIONS["inputs"]())
+    batches: Batches = field(default_factory=lambda: SECTIONS["batches"]())
+    drafter: Drafter = field(default_factory=lambda: SECTIONS["drafter"]())
+    loss: Loss = field(default_factory=lambda: SECTIONS["loss"]())
+    optim: Optim = field(default_factory=lambda: SECTIONS["optim"]())
+    eval: Eval = field(default_factory=lambda: SECTIONS["eval"]())
+    device: Device = field(default_factory=lambda: SECTIONS["device"]())
+    run: Run = field(default_factory=lambda: SECTIONS["run"]())
 
     @classmethod
     def of(cls, **options) -> TrainConfig:
@@ -354,11 +395,13 @@ class TrainConfig:
         changed = {}
         for name, value in options.items():
             changed.setdefault(SECTION_OF[name], {})[name] = value
-        return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **v) for s, v in changed.items()})
+        return dataclasses.replace(self, **{s: dataclasses.replace(_current(s, getattr(self, s)), **v)
+                                            for s, v in changed.items()})
 
     def value(self, name: str):
         """The value of the option `name`."""
-        return getattr(getattr(self, SECTION_OF[name]), name)
+        section = SECTION_OF[name]
+        return getattr(_current(section, getattr(self, section)), name)
 
     def options(self) -> dict:
         """Every option by name: the run's config.json, which `--config` reads back."""
@@ -380,3 +423,9 @@ def speculate_turns(c: TrainConfig, total_steps: int) -> int:
     the run, at most SPECULATE_TURNS_MAX (a 4-step run decodes 4 turns, not 100)."""
     turns = c.eval.speculate_turns
     return turns if turns >= 0 else min(total_steps, SPECULATE_TURNS_MAX)
+
+
+# the kinds' own options: the built-in kinds' now, a kind's registered later as it registers
+on_register(_gather_kind_options)
+for _kind in all_kinds():
+    _gather_kind_options(_kind)

@@ -145,6 +145,14 @@ class DFlash2Kind(DrafterKind):
     def released_settings(self) -> DFlash2Settings:
         return released_settings()
 
+    def small_settings(self, hidden_size: int, vocab_size: int) -> DFlash2Settings:
+        """Kernel 2, groups of 16 channels, a selector of rank 8 over half the vocabulary's tokens (at most
+        8): candidates often miss the gold token, so the residual and the selector's misses are exercised;
+        logits scaled and softcapped, the noise embedding scaled, as a released drafter may have them."""
+        return DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                               selector_top_k=min(8, vocab_size // 2), output_multiplier=0.7,
+                               final_logit_softcapping=4.0, input_embedding_scale=1.5)
+
     def read_settings(self, d: dict) -> DFlash2Settings:
         return DFlash2Settings.from_json_dict(d)
 
@@ -176,10 +184,38 @@ class DFlash2Kind(DrafterKind):
     def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
         return row_flops(hidden, layers, block_size, settings, self.option(loss_options, "selector_stop_grad"))
 
-    def memory_sizes(self, settings, target_config) -> dict:
-        return dict(conv_kernel=settings.conv_kernel_size, conv_group=settings.conv_group_size,
-                    selector_rank=settings.selector_rank, selector_top_k=settings.selector_top_k,
-                    vocab=int(target_config.vocab_size))
+    def layer_params(self, settings, d) -> int:
+        """Two block-convolution pairs (before and after each sublayer), each its base kernels and the kernel
+        projection."""
+        H, K = d.hidden, settings.conv_kernel_size
+        return 2 * (2 * K * H + H * 2 * K * (H // settings.conv_group_size))
+
+    def head_params(self, settings, d) -> int:
+        """The selector's two codebooks over the vocabulary and its hidden projection."""
+        return (2 * d.vocab + d.hidden) * settings.selector_rank
+
+    def layer_row_bytes(self, settings, d, setup) -> int:
+        """A layer's four block convolutions, per block row (`dflash.ops.block_conv` keeps only its inputs):
+        the two after a sublayer keep its output (no other op saves it); the two before keep the normed
+        input the kernel projection keeps too, their outputs remade in backward (`RecomputedConvOutputs`:
+        the projections keep no copy); and the two kernel projections' outputs (the dynamic weights of both
+        convolutions around a sublayer)."""
+        K = settings.conv_kernel_size
+        return setup.dtype_bytes * (2 * d.hidden + 2 * 2 * K * (d.hidden // settings.conv_group_size))
+
+    def backward_row_bytes(self, settings, d, setup) -> int:
+        """A block convolution's backward, one at a time: the Triton kernels' remade output and input
+        gradient; the CPU's recomputing reference (CPU runs use the reference attention too) holds its whole
+        graph a while, a factor and a shifted input per tap, and the output and gradients."""
+        tensors = 2 * settings.conv_kernel_size + 3 if setup.attention == "reference" else 2
+        return tensors * d.hidden * setup.dtype_bytes
+
+    def loss_row_bytes(self, settings, d, setup) -> int:
+        """The selector's loss (its B - 1 scored rows): the successor codebook's rows of the K candidates
+        (saved, and their gradient in the backward, with every layer's activations still held), the
+        predecessor's row, the hidden projection and their product, the top-K's values, ids and scores."""
+        b, K, R = setup.dtype_bytes, settings.selector_top_k, settings.selector_rank
+        return int((setup.block_size - 1) / setup.block_size * (b * (2 * K * R + 3 * R) + K * (4 + 8 + 4)))
 
 
 KIND = DFlash2Kind()
