@@ -111,7 +111,8 @@ def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_
                                        longest=longest_sample(cfg))
     cfg = cfg.replace(row_budget=row_budget)
     extra_flops = drafter_kind(cfg.drafter.drafter_kind).row_flops(
-        spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size, settings, cfg.loss)
+        spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size, settings, cfg.loss,
+        vocab=int(spec.config.vocab_size))
     resumed = {**drafter_settings(cfg, spec.num_layers), "--target": spec.fingerprint()}
     return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings, extra_flops, resumed)
 

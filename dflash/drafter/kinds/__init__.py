@@ -20,7 +20,8 @@ import importlib
 from typing import Any, NamedTuple
 
 # name -> the module that defines it (its `KIND`): the registry's table
-BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2"}
+BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2",
+            "dspark": "dflash.drafter.kinds.dspark"}
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}
@@ -72,6 +73,11 @@ class DrafterKind:
     def write_config(self, config, out: dict) -> None:
         """Add the kind's settings to the config.json `out` of `config` (in place)."""
 
+    def read_block_size(self, written: int) -> int:
+        """The block size (the anchor and the drafted slots, `DrafterConfig.block_size`) of a config.json
+        whose `block_size` is `written` (a kind whose engines count the block otherwise maps it back)."""
+        return written
+
     def check_sizes(self, settings, hidden_size: int, vocab_size: int) -> None:
         """Raise ValueError naming the setting of `settings` that a target of these sizes cannot take."""
 
@@ -88,8 +94,9 @@ class DrafterKind:
         """(scale, softcap) of the drafter's logits: softcap tanh(scale raw / softcap)."""
         return 1.0, None
 
-    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
-        """FLOPs per block row in training it adds to the DFlash drafter's, forward and backward."""
+    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options, vocab: int = 0) -> float:
+        """FLOPs per block row in training it adds to the DFlash drafter's, forward and backward (`vocab`:
+        the target's vocabulary, for parts as wide as it)."""
         return 0.0
 
     def memory_sizes(self, settings, target_config) -> dict:
