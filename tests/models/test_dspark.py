@@ -242,7 +242,7 @@ def small_dspark(hf, shared, block_size, seed, markov):
     drafter = DSparkDrafter(config, shared, attention_backend="torch").eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in drafter.markov_head.named_parameters():
+        for p in drafter.markov_head.parameters():
             p.copy_(markov * torch.randn(p.shape, generator=g))
     return drafter
 
