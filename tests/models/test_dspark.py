@@ -156,6 +156,17 @@ def test_the_markov_and_confidence_terms_are_the_dense_objective_with_its_gradie
     assert "argmax_tau_sum" in out.metrics
     figures = loss.figures({k: v for k, v in out.metrics.items()}, out.num_blocks)
     assert 0 <= figures["markov_tv"] <= 1 and 0 <= figures["confidence_mean"] <= 1
+    # the walk at temperature reads the Markov path's q of each label (teacher forced)
+    with torch.no_grad():
+        hidden = drafter(batch, feats, blocks)
+        walked = loss(hidden, blocks, drafter.lm_head, temperatures=(0.7,))
+        h = hidden.view(-1, B, 64)[:, 1:].reshape(-1, 64)
+        anchors = blocks.input_ids.view(-1, B)[:, :1]
+        prev = torch.cat([anchors, blocks.labels[:, :-1]], 1).reshape(-1)
+        z = h @ drafter.lm_head.t() + drafter.markov_head.markov_w1.weight[prev] @ drafter.markov_head.markov_w2.weight.t()
+        want = torch.log_softmax(z / 0.7, -1).gather(1, blocks.labels.reshape(-1, 1)).view(-1, B - 1)
+    valid = blocks.valid[:walked.num_blocks]
+    torch.testing.assert_close(walked.label_logq[..., 0][valid], want[:walked.num_blocks][valid].float())
 
 
 # vLLM 0.32 Qwen3DSparkForCausalLM: the checkpoint names its load_weights maps (all but lm_head get "model."),

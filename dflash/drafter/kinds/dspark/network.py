@@ -44,7 +44,7 @@ from dflash.drafter.config import DrafterConfig
 from dflash.drafter.network import DFlashDrafter, DrafterCache
 from dflash.objective.anchors import Anchors, to_packed
 from dflash.objective.blocks import Blocks
-from dflash.objective.loss import Finished, LogitTerm
+from dflash.objective.loss import DEFAULT_CHUNK_ROWS, Finished, LogitTerm
 from dflash.objective.terms import CU_SEQLENS, TARGET_STATES, _TargetDistributionTerm
 from dflash.target.model import SharedWeights
 
@@ -277,8 +277,24 @@ class MarkovTerm(_TargetDistributionTerm):
         scored = blocks.valid.reshape(-1)
         metrics = {"markov_rows": scored.sum().float(), "markov_correct": (self.correct & scored).sum().float(),
                    "markov_ce": (self.ce * scored).sum(), "markov_tv": (self.tv * scored).sum()}
+        logq = self.label_logq(hidden, temperatures) if temperatures else None
         self.states = self.embed_grad = self.w2_grad = self.w2 = None
-        return Finished(loss, metrics, self.correct)
+        return Finished(loss, metrics, self.correct, logq)
+
+    @torch.no_grad()
+    def label_logq(self, hidden: torch.Tensor, temperatures: tuple[float, ...]) -> torch.Tensor:
+        """(rows, len(temperatures)) log softmax(Markov-biased logits / t)[label]: the walk at temperature
+        reads the Markov path's q. The chunks saw no temperatures, so this runs the lm_head again, in
+        chunks of the pass's size (only the evaluation asks for it)."""
+        out = hidden.new_empty(hidden.shape[0], len(temperatures), dtype=torch.float32)
+        for lo in range(0, hidden.shape[0], DEFAULT_CHUNK_ROWS):
+            hi = min(lo + DEFAULT_CHUNK_ROWS, hidden.shape[0])
+            z = (hidden[lo:hi].to(self.lm_head.dtype) @ self.lm_head.t()).float()
+            z.addmm_(self.embed[lo:hi], self.w2.t())
+            gold = z.gather(1, self.labels[lo:hi, None]).squeeze(1)
+            for i, t in enumerate(temperatures):
+                out[lo:hi, i] = gold / t - torch.logsumexp(z / t, dim=-1)
+        return out
 
     def figures(self, sums: dict, blocks: float) -> dict:
         return markov_figures(sums, blocks)
