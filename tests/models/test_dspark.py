@@ -163,7 +163,8 @@ def test_the_markov_and_confidence_terms_are_the_dense_objective_with_its_gradie
         h = hidden.view(-1, B, 64)[:, 1:].reshape(-1, 64)
         anchors = blocks.input_ids.view(-1, B)[:, :1]
         prev = torch.cat([anchors, blocks.labels[:, :-1]], 1).reshape(-1)
-        z = h @ drafter.lm_head.t() + drafter.markov_head.markov_w1.weight[prev] @ drafter.markov_head.markov_w2.weight.t()
+        head = drafter.markov_head
+        z = h @ drafter.lm_head.t() + head.markov_w1.weight[prev] @ head.markov_w2.weight.t()
         want = torch.log_softmax(z / 0.7, -1).gather(1, blocks.labels.reshape(-1, 1)).view(-1, B - 1)
     valid = blocks.valid[:walked.num_blocks]
     torch.testing.assert_close(walked.label_logq[..., 0][valid], want[:walked.num_blocks][valid].float())

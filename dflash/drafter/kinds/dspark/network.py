@@ -99,8 +99,9 @@ class DSparkDrafter(DFlashDrafter):
     """The DSpark drafter (a config of kind dspark): the DFlash drafter's modules, built and initialised
     first exactly as a DFlash drafter's, then the Markov head and, if enabled, the confidence head."""
 
-    # Under --optimizer muon the embedding table stays on AdamW (a lookup table, as embeddings are).
-    adamw_parameters = ("markov_head.markov_w1.weight",)
+    # Under --optimizer muon these stay on AdamW: the Markov embedding is a lookup table (as embeddings are),
+    # the confidence projection a single row (no matrix to orthogonalise).
+    adamw_parameters = ("markov_head.markov_w1.weight", "confidence_head.proj.weight")
     chooses_drafts = True  # the Markov head's left-to-right path (`propose`)
 
     def __init__(self, config: DrafterConfig, shared: SharedWeights | None = None, **kwargs) -> None:
