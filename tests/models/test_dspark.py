@@ -338,3 +338,19 @@ def test_the_test_detects_dspark_drafts_verified_without_the_markov_bias(tiny_ds
     got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=6))
     assert len(got) == RUNS and len(PROMPT) == 3
     assert chi_square_p_value(got, exact_law(hf, sampling)) < 1e-8
+
+
+@pytest.mark.parametrize("tv,buffers", [(0.9, 1 + 4), (0.0, 1 + 2)])
+def test_the_memory_plan_counts_the_markov_terms_buffers_and_the_targets_states(tv, buffers):
+    """The plan is made before the drafter exists: the kind's `term_costs` give the Markov term's chunk x
+    vocab buffers (beside the pass's logits) and, with TV, the target's final states; the term built later
+    holds what the plan counted."""
+    from dflash.training.config import load_config
+    from dflash.training.plan import loss_setup
+
+    cfg = load_config(["--data", "d.jsonl", "--drafter-kind", "dspark", "--dspark-tv-weight", str(tv)])
+    setup = loss_setup(cfg, "cpu")
+    assert (setup["vocab_buffers"], setup["target_states"]) == (buffers, tv > 0)
+    target = tiny_target(0)
+    terms = drafter_kind("dspark").terms(tiny_dspark(target), cfg.loss)
+    assert BlockLoss(terms=terms).vocab_buffers == buffers

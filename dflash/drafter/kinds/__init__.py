@@ -90,6 +90,12 @@ class DrafterKind:
         """The kind's own `LogitTerm`s for `drafter` (`loss_options`: the run's loss section)."""
         return []
 
+    def term_costs(self, loss_options) -> tuple[list[int], bool]:
+        """What its own terms cost the memory plan, from the options alone (the plan is made before the
+        drafter exists): each term's (chunk x vocab) float32 buffers (`LogitTerm.vocab_buffers`), and
+        whether one reads the target's final states (`needs_target_states`)."""
+        return [], False
+
     def logit_map(self, config) -> tuple[float, float | None]:
         """(scale, softcap) of the drafter's logits: softcap tanh(scale raw / softcap)."""
         return 1.0, None

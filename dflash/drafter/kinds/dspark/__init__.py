@@ -23,6 +23,7 @@ from dflash.drafter.kinds.dspark.network import (
     DSparkDrafter,
     MarkovHead,
     MarkovTerm,
+    markov_buffers,
     markov_figures,
     markov_logits,
     previous_tokens,
@@ -143,6 +144,10 @@ class DSparkKind(DrafterKind):
             return [markov]
         return [markov, ConfidenceTerm(drafter.confidence_head, markov, weight)]
 
+    def term_costs(self, loss_options) -> tuple[list[int], bool]:
+        tv = self.option(loss_options, "dspark_tv_weight") > 0
+        return [markov_buffers(tv)], tv
+
     def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options, vocab: int = 0) -> float:
         return row_flops(vocab, hidden, block_size, settings)
 
@@ -154,5 +159,5 @@ class DSparkKind(DrafterKind):
 
 KIND = DSparkKind()
 __all__ = ["ARCHITECTURE", "KIND", "ConfidenceHead", "ConfidenceTerm", "DSparkDrafter", "DSparkKind",
-           "DSparkSettings", "MarkovHead", "MarkovTerm", "markov_figures", "markov_logits", "previous_tokens",
-           "released_settings", "row_flops"]
+           "DSparkSettings", "MarkovHead", "MarkovTerm", "markov_buffers", "markov_figures", "markov_logits",
+           "previous_tokens", "released_settings", "row_flops"]

@@ -198,6 +198,11 @@ def markov_figures(sums: dict, blocks: float) -> dict:
             "argmax_anchor_tau": float(sums["argmax_tau_sum"]) / blocks if blocks else 0.0}
 
 
+def markov_buffers(tv: bool) -> int:
+    """The (chunk x vocab) float32 buffers `MarkovTerm` holds at once, with or without its TV part."""
+    return 4 if tv else 2
+
+
 class MarkovTerm(_TargetDistributionTerm):
     """The Markov-biased objective in the loss room: per scored row, w x (ce_weight x CE + tv_weight x TV)
     of the logits base + bias(prev), prev the data's token before the label (see the module docstring).
@@ -210,7 +215,9 @@ class MarkovTerm(_TargetDistributionTerm):
     """
 
     name = "markov"
-    vocab_buffers = 3  # the biased logits (then their softmax), the target's probabilities, the gradient
+    # the biased logits (then their softmax) and the gradient; with TV, the target's probabilities of the
+    # chunk's positions and of its rows, at once
+    vocab_buffers = 4
     metric_names = ("markov_rows", "markov_correct", "markov_ce", "markov_tv")
 
     def __init__(self, head: MarkovHead, weight: float = 1.0, *, ce_weight: float = 0.1, tv_weight: float = 0.9,
@@ -218,6 +225,7 @@ class MarkovTerm(_TargetDistributionTerm):
         super().__init__(weight, 1.0, lm_head=lm_head)
         self.head, self.ce_weight, self.tv_weight = head, float(ce_weight), float(tv_weight)
         self.needs_target_states = self.tv_weight > 0
+        self.vocab_buffers = markov_buffers(self.needs_target_states)
 
     def start(self, blocks: Blocks, context: dict) -> None:
         self.targets = self.tv_weight > 0 and TARGET_STATES in context and CU_SEQLENS in context
