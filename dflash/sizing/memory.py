@@ -106,6 +106,10 @@ class DrafterSizes:
     selector_rank: int = 0
     selector_top_k: int = 0
     vocab: int = 0
+    # what a kind's own loss terms hold in the drafter phase besides the objective's chunk buffers: bytes
+    # per micro-batch whatever its rows (copies and gradient accumulators of its own weights), and per row
+    term_bytes: int = 0
+    term_row_bytes: int = 0
 
     @classmethod
     def from_target(cls, config, *, layers: int, features: int, extra: dict | None = None) -> DrafterSizes:
@@ -364,8 +368,9 @@ class MemoryPlan:
         layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
         # KL and LK read the target's final states of every token (kept from its forward)
         states = tokens * self.target.hidden * self.setup.dtype_bytes if self.setup.target_states else 0
+        terms = self.drafter.term_bytes + rows * self.drafter.term_row_bytes
         return (tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows, row_keys)
-                + layers * reference + states)
+                + layers * reference + states + terms)
 
     def peak(self, tokens: int, rows: int, row_keys: int | None = None) -> dict:
         """Bytes at the peak of a micro-batch, by item; "total" sums them. `row_keys`: see drafter_phase."""

@@ -75,7 +75,8 @@ MICRO_STEPS = [(torch.bfloat16, False, "ce=1", "dflash", 0.06), (torch.float32, 
                (torch.bfloat16, False, "ce=1,dpace=0.5,kl=1,lk=0.2", "dflash", 0.10),
                # DFlash2: +6.6% (+16% before its convolutions kept only their inputs and its selector's
                # backward was counted in the place of the gradients that come after it)
-               (torch.bfloat16, False, "ce=1", "dflash2", 0.10)]
+               (torch.bfloat16, False, "ce=1", "dflash2", 0.10),
+               (torch.bfloat16, False, "ce=1", "dspark", 0.10)]
 
 
 @pytest.mark.parametrize("dtype,checkpointing,recipe,kind,band", MICRO_STEPS)

@@ -152,9 +152,12 @@ class DSparkKind(DrafterKind):
         return row_flops(vocab, hidden, block_size, settings)
 
     def memory_sizes(self, settings, target_config) -> dict:
-        # Today's plan prices a low-rank pair of V x r tables with a rank (`selector_rank`, no candidates):
-        # 2 V r parameters plus H r, which bounds the confidence head's H + r + 1.
-        return dict(selector_rank=settings.markov_rank, vocab=int(target_config.vocab_size))
+        # The plan prices a low-rank pair of V x r tables by a rank (`selector_rank`, no candidates): 2 V r
+        # parameters plus H r, which bounds the confidence head's H + r + 1, and 3 r per row. The Markov term
+        # holds markov_w2's float32 copy and its gradient's accumulator (2 V r x 4 bytes), and per scored
+        # row the embedding and its gradient (2 r x 4) and its CE, TV and hit (12 bytes).
+        V, r = int(target_config.vocab_size), settings.markov_rank
+        return dict(selector_rank=r, vocab=V, term_bytes=2 * V * r * 4, term_row_bytes=2 * r * 4 + 12)
 
 
 KIND = DSparkKind()
