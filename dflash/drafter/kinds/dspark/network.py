@@ -190,12 +190,15 @@ def previous_tokens(blocks: Blocks) -> torch.Tensor:
 
 def markov_figures(sums: dict, blocks: float) -> dict:
     """The Markov term's figures from its sums over `blocks` blocks: the teacher-forced accuracy of the
-    Markov path, its mean CE and TV per scored row, and `argmax_anchor_tau`, the acceptance the backbone's
-    own argmax reaches on the same blocks (`anchor_tau` is the Markov path's)."""
+    Markov path, its mean CE per scored row and TV per row that had the target's distribution, and
+    `argmax_anchor_tau`, the acceptance the backbone's own argmax reaches on the same blocks (`anchor_tau`
+    is the Markov path's)."""
     rows = max(float(sums["markov_rows"]), 1.0)
-    return {"markov_accuracy": float(sums["markov_correct"]) / rows, "markov_ce": float(sums["markov_ce"]) / rows,
-            "markov_tv": float(sums["markov_tv"]) / rows,
-            "argmax_anchor_tau": float(sums["argmax_tau_sum"]) / blocks if blocks else 0.0}
+    out = {"markov_accuracy": float(sums["markov_correct"]) / rows, "markov_ce": float(sums["markov_ce"]) / rows,
+           "argmax_anchor_tau": float(sums["argmax_tau_sum"]) / blocks if blocks else 0.0}
+    if float(sums["markov_tv_rows"]):  # TV only where the target's distribution was there (training steps)
+        out["markov_tv"] = float(sums["markov_tv"]) / float(sums["markov_tv_rows"])
+    return out
 
 
 def markov_buffers(tv: bool) -> int:
@@ -211,14 +214,15 @@ class MarkovTerm(_TargetDistributionTerm):
     respect to the base logits (the backbone's); the head's own gradients are accumulated per chunk
     (d embedding (rows, r), d markov_w2 (V, r), float32) and put on its weights in `finish` through the
     head's forward. The TV part needs the target's final states (`needs_target_states`); without them it
-    is left out. Metrics: markov_rows, markov_correct (the Markov argmax is the label), markov_ce, markov_tv.
+    is left out. Metrics: markov_rows, markov_correct (the Markov argmax is the label), markov_ce, markov_tv and
+    markov_tv_rows (the rows it was computed on).
     """
 
     name = "markov"
     # the biased logits (then their softmax) and the gradient; with TV, the target's probabilities of the
     # chunk's positions and of its rows, at once
     vocab_buffers = 4
-    metric_names = ("markov_rows", "markov_correct", "markov_ce", "markov_tv")
+    metric_names = ("markov_rows", "markov_correct", "markov_ce", "markov_tv", "markov_tv_rows")
 
     def __init__(self, head: MarkovHead, weight: float = 1.0, *, ce_weight: float = 0.1, tv_weight: float = 0.9,
                  lm_head: torch.Tensor | None = None):
@@ -285,7 +289,8 @@ class MarkovTerm(_TargetDistributionTerm):
             loss = surrogate - surrogate.detach()  # no value (the chunks counted it), the head's gradient
         scored = blocks.valid.reshape(-1)
         metrics = {"markov_rows": scored.sum().float(), "markov_correct": (self.correct & scored).sum().float(),
-                   "markov_ce": (self.ce * scored).sum(), "markov_tv": (self.tv * scored).sum()}
+                   "markov_ce": (self.ce * scored).sum(), "markov_tv": (self.tv * scored).sum(),
+                   "markov_tv_rows": scored.sum().float() * self.targets}
         logq = self.label_logq(hidden, temperatures) if temperatures else None
         self.states = self.embed_grad = self.w2_grad = self.w2 = None
         return Finished(loss, metrics, self.correct, logq)
@@ -311,8 +316,9 @@ class MarkovTerm(_TargetDistributionTerm):
     def words(self, record: dict) -> str:
         if "markov_accuracy" not in record:
             return ""
+        tv = f", TV {record['markov_tv']:.3f}" if "markov_tv" in record else ""
         return (f", the backbone's argmax alone tau {record['argmax_anchor_tau']:.3f}, Markov accuracy "
-                f"{record['markov_accuracy']:.3f}, TV {record['markov_tv']:.3f}")
+                f"{record['markov_accuracy']:.3f}{tv}")
 
 
 class ConfidenceTerm(LogitTerm):
