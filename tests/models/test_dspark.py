@@ -245,6 +245,27 @@ def test_the_export_has_vllms_names_and_keys_and_reloads_strictly(tmp_path):
         DFlashDrafter.from_pretrained(tmp_path / "ds", target.shared_weights())
 
 
+def vllm_dspark_reads(c: dict) -> tuple:
+    """What vLLM 0.32 takes from a Qwen3DSparkModel config.json (written from its code): the drafts per block
+    (`num_speculative_tokens` defaults to `block_size`, `config/speculative.py`), the layout
+    (`sample_from_anchor`, default true in the speculator), the target layers it taps (eagle3_utils: the
+    first of dflash_config.target_layer_ids and the top-level target_layer_ids, + 1), the mask token
+    (`get_parallel_drafting_token_id`: dflash_config first), the Markov rank and the confidence head's
+    switches (`Qwen3DSparkModel`, both default false)."""
+    dflash = c.get("dflash_config") or {}
+    layers = dflash.get("target_layer_ids") or c.get("target_layer_ids")
+    return (c.get("block_size"), c.get("sample_from_anchor", True), [i + 1 for i in layers],
+            dflash.get("mask_token_id", c.get("mask_token_id")), c["markov_rank"],
+            c.get("enable_confidence_head", False), c.get("confidence_head_with_markov", False))
+
+
+def test_vllm_reads_from_the_export_what_the_drafter_computes():
+    drafter = tiny_dspark(tiny_target(0))
+    c = drafter.config.to_json_dict()
+    assert vllm_dspark_reads(c) == (drafter.queries, True, [i + 1 for i in TAPS], MASK_ID, 8, True, True)
+    assert drafter.queries == B - 1 == drafter.block_size - 1
+
+
 @pytest.mark.parametrize("change,key", [({"sample_from_anchor": False}, "sample_from_anchor"),
                                         ({"markov_rank": None}, "markov_rank"),
                                         ({"markov_head_type": "rnn"}, "markov_head_type")])
