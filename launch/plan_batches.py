@@ -180,7 +180,8 @@ def main(argv=None):
     target = load_target_config(args.target)
     layers = args.target_layers or max(default_target_layer_ids(target.num_hidden_layers)) + 1
     kind = drafter_kind(cfg.drafter.drafter_kind)
-    extra = kind.row_flops(target.hidden_size, args.draft_layers, args.block_size, kind.released_settings(), cfg.loss)
+    extra = kind.row_flops(target.hidden_size, args.draft_layers, args.block_size, kind.released_settings(), cfg.loss,
+                           vocab=int(target.vocab_size))
     model = flop_cost_model(target, num_target_layers=layers, draft_layers=args.draft_layers,
                             block_size=args.block_size, extra_row_flops=extra)
     rows = drafter_rows(candidates, supervised, args.block_size, args.num_anchors)

@@ -232,14 +232,22 @@ def load_models(drafter_dir: Path, spec, dtype_option: str):
 
 def eval_walk(drafter, target, samples, device, *, limit: int, stops, sampling) -> dict:
     """The eval walk on the decoded turns' data: greedy tau, anchor tau and, when sampling, tau@T."""
+    from types import SimpleNamespace
+
     from dflash.decoding.acceptance import walk_samples
     from dflash.decoding.walk_stats import tau_key
+    from dflash.drafter.kinds import drafter_kind
     from dflash.models import BlockLoss, default_gamma, slot_weights
     from dflash.objective.blocks import block_scorer
 
     temperatures = (0.0,) if sampling.greedy else (0.0, sampling.temperature)
     B = drafter.block_size
-    score = block_scorer(drafter, BlockLoss(), drafter.lm_head, mask_token_id=drafter.config.mask_token_id,
+    # the kind's own terms (at their defaults) and logit map, as the trainer's evaluation: a network that
+    # chooses its drafts is walked along its own path (`Finished.correct`, `label_logq`)
+    kind = drafter_kind(drafter.config.kind)
+    scale, softcap = kind.logit_map(drafter.config)
+    loss = BlockLoss(terms=kind.terms(drafter, SimpleNamespace()), logit_scale=scale, softcap=softcap)
+    score = block_scorer(drafter, loss, drafter.lm_head, mask_token_id=drafter.config.mask_token_id,
                          slot_weights=slot_weights(B, default_gamma(B)))
     walk = walk_samples(score, target.model, samples,
                         block_size=drafter.block_size, max_turn_tokens=limit, stop_ids=stops,

@@ -254,7 +254,7 @@ class DrafterConfig:
             num_target_layers=num_target_layers,
             target_layer_ids=list(layer_ids),
             mask_token_id=int(mask_id),
-            block_size=int(block_size),
+            block_size=kind.read_block_size(int(block_size)),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_parameters=dict(rope),
             max_position_embeddings=d.get("max_position_embeddings", 40960),

@@ -337,8 +337,11 @@ class MemoryPlan:
         layers = 1 if self.setup.activation_checkpointing else self.drafter.layers
         # KL and LK read the target's final states of every token (kept from its forward)
         states = tokens * self.target.hidden * self.setup.dtype_bytes if self.setup.target_states else 0
+        d = self.drafter
+        terms = (d.drafter_kind.term_bytes(d.kind_settings, d, self.setup)
+                 + rows * d.drafter_kind.term_row_bytes(d.kind_settings, d, self.setup))
         return (tokens * self.per_token() + rows * self.per_row() + self.transient(tokens, rows, row_keys)
-                + layers * reference + states)
+                + layers * reference + states + terms)
 
     def peak(self, tokens: int, rows: int, row_keys: int | None = None) -> dict:
         """Bytes at the peak of a micro-batch, by item; "total" sums them. `row_keys`: see drafter_phase."""

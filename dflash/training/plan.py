@@ -112,7 +112,8 @@ def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_
                                        longest=longest_sample(cfg))
     cfg = cfg.replace(row_budget=row_budget)
     extra_flops = drafter_kind(cfg.drafter.drafter_kind).row_flops(
-        spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size, settings, cfg.loss)
+        spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size, settings, cfg.loss,
+        vocab=int(spec.config.vocab_size))
     return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings, extra_flops,
                    drafter_settings(cfg, spec.num_layers))
 
@@ -181,9 +182,11 @@ def loss_setup(cfg: TrainConfig, device=None) -> dict:
     terms = [TERMS[name] for name, weight in weights.items() if name != "ce" and weight]
     kind = drafter_kind(cfg.drafter.drafter_kind)
     fused = kind.fused_head and not terms and device is not None and torch.device(device).type == "cuda" and HAS_TRITON
-    return {"vocab_buffers": 0 if fused else chunk_vocab_buffers([t.vocab_buffers for t in terms], kind.may_softcap),
+    kind_buffers, kind_states = kind.term_costs(cfg.loss)
+    return {"vocab_buffers": 0 if fused else chunk_vocab_buffers([t.vocab_buffers for t in terms] + kind_buffers,
+                                                                 kind.may_softcap),
             "chunk_rows": chunk_rows_for(weights, cfg.drafter.block_size),
-            "target_states": any(getattr(t, "needs_target_states", False) for t in terms)}
+            "target_states": kind_states or any(getattr(t, "needs_target_states", False) for t in terms)}
 
 
 def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:

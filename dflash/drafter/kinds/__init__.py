@@ -23,7 +23,8 @@ from typing import Any
 from dflash.options import Option  # a kind's options; importable from here for kinds of one's own
 
 # name -> the module that defines it (its `KIND`): the registry's table
-BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2"}
+BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2",
+            "dspark": "dflash.drafter.kinds.dspark"}
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}
@@ -72,6 +73,11 @@ class DrafterKind:
     def write_config(self, config, out: dict) -> None:
         """Add the kind's settings to the config.json `out` of `config` (in place)."""
 
+    def read_block_size(self, written: int) -> int:
+        """The block size (the anchor and the drafted slots, `DrafterConfig.block_size`) of a config.json
+        whose `block_size` is `written` (a kind whose engines count the block otherwise maps it back)."""
+        return written
+
     def check_sizes(self, settings, hidden_size: int, vocab_size: int) -> None:
         """Raise ValueError naming the setting of `settings` that a target of these sizes cannot take."""
 
@@ -83,6 +89,12 @@ class DrafterKind:
     def terms(self, drafter, loss_options) -> list:
         """The kind's own `LogitTerm`s for `drafter` (`loss_options`: the run's loss section)."""
         return []
+
+    def term_costs(self, loss_options) -> tuple[list[int], bool]:
+        """What its own terms cost the memory plan, from the options alone (the plan is made before the
+        drafter exists): each term's (chunk x vocab) float32 buffers (`LogitTerm.vocab_buffers`), and
+        whether one reads the target's final states (`needs_target_states`)."""
+        return [], False
 
     def logit_map(self, config) -> tuple[float, float | None]:
         """(scale, softcap) of the drafter's logits: softcap tanh(scale raw / softcap)."""
@@ -116,9 +128,20 @@ class DrafterKind:
         beside the lm_head chunk the objective holds."""
         return 0
 
-    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
+    def term_bytes(self, settings, d, setup) -> int:
+        """Bytes its own loss terms hold in the drafter phase whatever the micro-batch's rows (copies and
+        gradient accumulators of its own weights)."""
+        return 0
+
+    def term_row_bytes(self, settings, d, setup) -> int:
+        """Bytes per block row its own loss terms hold through the drafter phase, beside `loss_row_bytes`
+        (which the lm_head's gradient buffers absorb)."""
+        return 0
+
+    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options, vocab: int = 0) -> float:
         """FLOPs per block row in training it adds to the DFlash drafter's, forward and backward
-        (`loss_options`: the run's loss section, its own options read with `option`)."""
+        (`loss_options`: the run's loss section, its own options read with `option`; `vocab`: the target's
+        vocabulary, for parts as wide as it)."""
         return 0.0
 
 

@@ -181,7 +181,7 @@ class DFlash2Kind(DrafterKind):
         s = config.kind_settings
         return s.output_multiplier, s.final_logit_softcapping
 
-    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
+    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options, vocab: int = 0) -> float:
         return row_flops(hidden, layers, block_size, settings, self.option(loss_options, "selector_stop_grad"))
 
     def layer_params(self, settings, d) -> int:
