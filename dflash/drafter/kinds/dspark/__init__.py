@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.drafter.kinds import DrafterKind, Option
+from dflash.drafter.kinds import DrafterKind
 from dflash.drafter.kinds.dspark.network import (
     ConfidenceHead,
     ConfidenceTerm,
@@ -28,6 +28,7 @@ from dflash.drafter.kinds.dspark.network import (
     markov_logits,
     previous_tokens,
 )
+from dflash.options import Option
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla",)  # vLLM 0.32's Qwen3 DSpark serves the vanilla head only
