@@ -32,14 +32,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
-if "RANK" not in os.environ:  # plain `python`, no launcher: one rank of its own
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
+from dflash.distributed.ranks import single_process_env  # noqa: E402
 from dflash.errors import UserError, exit_on_user_error  # noqa: E402
 from dflash.options import number, parse_list  # noqa: E402
 from dflash.training.config import build_parser  # noqa: E402
@@ -63,6 +57,8 @@ def add_recipe_args(p):
 
 @exit_on_user_error
 def main(argv=None):
+    # plain `python`, no launcher: one rank of its own, on the first GPU if any
+    single_process_env(os.environ, min(torch.cuda.device_count(), 1))
     argv = list(sys.argv[1:] if argv is None else argv)
     add_recipe_args(build_parser(__doc__)).parse_args(argv)  # --help and bad flags, with every option
     own = add_recipe_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))

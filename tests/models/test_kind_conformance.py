@@ -40,10 +40,10 @@ from dflash.objective.blocks import block_scorer
 from dflash.sizing.flops import flop_cost_model, measure_flops
 from dflash.sizing.memory import DrafterSizes
 from dflash.testing import tiny_qwen3_config, train_in_process
+from dflash.tools import plan_memory
 from dflash.training.config import load_config
 from dflash.training.models import training_loss
 
-from ..conftest import launch_script
 from ..training import gated_kind  # noqa: F401 - a kind of one's own, registered by its module
 from ..training.conftest import make_conversations, make_tiny_target, read_metrics, tiny_train_args
 from ..training.micro_step import planned_and_measured_micro_step
@@ -257,7 +257,6 @@ def test_plan_memory_plans_it_with_its_costs(kind, capsys, monkeypatch):
     planned, its parts' parameters counted, an anchor ceiling at every length that falls with the length
     and lies at or below the DFlash drafter's."""
     monkeypatch.undo()  # torch.empty unpoisoned: the target is counted on the meta device, not built in memory
-    plan_memory = launch_script("plan_memory")
 
     def planned(name):
         plan_memory.main(["--model", "qwen3-8b", "--drafter-kind", name, "--json"])

@@ -13,9 +13,9 @@ from dflash.decoding.speculate import greedy_decode, speculative_decode
 from dflash.drafter.kinds import architectures, drafter_kind
 from dflash.models import DFlashDrafter, TargetModel
 from dflash.testing import train_in_process
+from dflash.tools import plan_batches
 from dflash.training.config import TrainConfig, build_parser, load_config
 
-from ..conftest import launch_script
 from . import gated_kind  # after the training options are built: its own joins them as it registers
 from .conftest import read_metrics, tiny_train_args
 
@@ -38,7 +38,7 @@ def test_a_kind_registered_after_the_options_are_built_has_its_own_option_and_a_
     with pytest.raises(Exception, match="applies to a gated DFlash drafter: give --drafter-kind gated"):
         load_config(["--data", "d.jsonl", "--no-count-scored-rows"])
     # the planning script's and the recipe comparison's options too, made as they are used
-    assert launch_script("plan_batches").parse_args(["--drafter-kind", "gated", "--no-count-scored-rows"]) \
+    assert plan_batches.parse_args(["--drafter-kind", "gated", "--no-count-scored-rows"]) \
         .count_scored_rows is False
     from dflash.tools.recipes import compared
 

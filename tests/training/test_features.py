@@ -10,8 +10,8 @@ import torch
 from dflash.demo import DATA, TARGET
 from dflash.errors import UserError
 from dflash.testing import train_in_process
+from dflash.tools import capture_features
 
-from ..conftest import launch_script
 from .conftest import tiny_train_args, without_timings
 
 # the walk on the held-out turns as they are (sampling turns at T needs the target to decode)
@@ -25,7 +25,7 @@ def captured(tmp_path_factory):
     data = tmp / "data.jsonl"
     data.write_text("".join(DATA.read_text(encoding="utf-8").splitlines(keepends=True)[:40]), encoding="utf-8")
     torch.set_num_threads(1)
-    launch_script("capture_features").main(["--target", str(TARGET), "--data", str(data), "--output",
+    capture_features.main(["--target", str(TARGET), "--data", str(data), "--output",
                                             str(tmp / "features"), "--num-target-features", "2", "--dtype", "fp32"])
     return tmp / "features"
 
@@ -120,7 +120,7 @@ def test_capture_refuses_taps_the_target_cannot_give_before_its_weights_load(tmp
 
     monkeypatch.setattr(load, "load_target", no_loading)
     with pytest.raises(SystemExit):
-        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(DATA), "--output",
+        capture_features.main(["--target", str(TARGET), "--data", str(DATA), "--output",
                                                 str(tmp_path / "features"), "--target-layer-ids", "1,5"])
     assert capsys.readouterr().err == (f"error: --target-layer-ids with --target {TARGET}: target layer id 5 is out "
                                        "of range: the target has 6 layers and ids must lie in [0, 4] (hidden_states[L] "
@@ -130,7 +130,7 @@ def test_capture_refuses_taps_the_target_cannot_give_before_its_weights_load(tmp
     bad = tmp_path / "bad.jsonl"  # the data are tokenized before the weights load too: a bad line is named first
     bad.write_text(DATA.read_text(encoding="utf-8").splitlines()[0] + '\n{"messages": []}\n', encoding="utf-8")
     with pytest.raises(SystemExit):
-        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(bad), "--output",
+        capture_features.main(["--target", str(TARGET), "--data", str(bad), "--output",
                                                 str(tmp_path / "features")])
     assert capsys.readouterr().err.endswith(f"\nerror: {bad}:2: the conversation has no turns\n")
 
@@ -173,18 +173,18 @@ def test_a_second_capture_into_one_output_stops_at_once_and_others_files_are_ref
     args = ["--target", str(TARGET), "--data", str(DATA), "--output", str(out)]
     with OutputLock(out, what="capture"):  # as the first capture holds it, from its start
         with pytest.raises(SystemExit):
-            launch_script("capture_features").main(args)
+            capture_features.main(args)
     assert capsys.readouterr().err.startswith(f"error: --output {out}: another capture is writing it (process ")
     assert not out.exists(), "refused before any work"
     out.mkdir()
     (out / "features.bin").write_bytes(b"mine")
     with pytest.raises(SystemExit):
-        launch_script("capture_features").main(args)
+        capture_features.main(args)
     assert capsys.readouterr().err == (f"error: --output {out}: holds features.bin, which launch/capture_features.py "
                                        "did not write (the folder has no .dflash_writer.json of it); dflash replaces "
                                        "and deletes only what it wrote: move them away, or choose another --output\n")
     assert (out / "features.bin").read_bytes() == b"mine"
     with pytest.raises(SystemExit):  # the output inside the data's folder, or holding it
-        launch_script("capture_features").main(["--target", str(TARGET), "--data", str(DATA), "--output",
+        capture_features.main(["--target", str(TARGET), "--data", str(DATA), "--output",
                                                 str(TARGET / "features")])
     assert f"lies inside --target {TARGET}" in capsys.readouterr().err

@@ -19,11 +19,12 @@ from dflash.sizing.memory import (
 )
 from dflash.target.spec import load_target_spec
 from dflash.testing import train_in_process
+from dflash.tools import plan_memory
 from dflash.training.config import load_config
 from dflash.training.plan import loss_setup
 
 from .. import preloaded
-from ..conftest import ROOT, launch_script
+from ..conftest import ROOT
 from .conftest import make_tiny_target, run_deepspeed, tiny_train_args, train_one_rank
 from .micro_step import planned_and_measured_micro_step
 
@@ -182,7 +183,6 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading_anything(tiny_run_in
 
 
 def test_plan_memory_compares_the_target_replicated_and_partitioned(capsys):
-    plan_memory = launch_script("plan_memory")
     plan_memory.main(["--model", "qwen3.5-122b-a10b", "--world-size", "8", "--gpu-memory-gib", "80", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert not result["replicated"]["fits"] and result["zero3"]["fits"] and result["zero3+offload"]["fits"]

@@ -12,10 +12,9 @@ from dflash.demo import TARGET
 from dflash.errors import UserError
 from dflash.sizing.memory import MemorySetup, plan_for
 from dflash.target.spec import load_target_spec
+from dflash.tools import plan_memory
 from dflash.training.config import load_config
 from dflash.training.plan import plan_run
-
-from ..conftest import launch_script
 
 # a large target, and the demo's tiny one whose drafter the CPU trains (with the reference attention)
 SPECS = {"qwen3-8b": load_target_spec("qwen3-8b", bare_presets=True), "demo": load_target_spec(str(TARGET))}
@@ -104,7 +103,6 @@ def test_a_refusal_that_no_one_flag_answers_lists_two_that_do():
 
 
 def test_plan_memory_refuses_huge_memory_and_keeps_its_columns_apart(capsys):
-    plan_memory = launch_script("plan_memory")
     with pytest.raises(SystemExit) as e:
         plan_memory.main(["--gpu-memory-gib", "1e300"])
     assert e.value.code == 2
@@ -125,7 +123,6 @@ def test_plan_memory_names_the_option_as_typed_and_means_by_0_what_train_does(ca
     """`--gpu-memory-gib -1` used to be refused naming --memory-gib, a name not typed; 0 was allowed by
     the range ("0: the GPU's own") and refused by the script ("must be positive"). 36 layers hold no
     100 taps: planned all the same."""
-    plan_memory = launch_script("plan_memory")
     cases = {("--gpu-memory-gib", "-1"): "--gpu-memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got -1.0",
              ("--memory-gib", "-1"): "--memory-gib: must be in [0, 65536] GiB (0: the GPU's own), got -1.0",
              ("--gpu-memory-gib", "0"): "--gpu-memory-gib 0: 0 is the GPU's own memory, and this machine has no GPU; "
