@@ -1,4 +1,6 @@
-"""A tiny random Qwen3 target with a chat tokenizer and a small conversation file, built offline."""
+"""Helpers of the tests that train: a tiny random Qwen3 target with a chat tokenizer and a small
+conversation file, built offline (the session fixtures `tiny_run_inputs` and `tiny_store` in
+tests/conftest.py), DeepSpeed CPU ranks, and the run's metrics."""
 import json
 import os
 import random
@@ -7,12 +9,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
 from dflash.distributed.ranks import free_port
 
-from .. import preloaded
-from ..conftest import ROOT, make_bpe_chat_tokenizer, make_chat_tokenizer
+from . import preloaded
+from .conftest import ROOT, make_bpe_chat_tokenizer, make_chat_tokenizer
 
 WORDS = [f"w{i}" for i in range(50)] + ["hello", "world", "the", "answer", "is"]
 
@@ -100,23 +100,6 @@ def released_drafter(folder, **change):
     d.update(change)
     (folder / "config.json").write_text(json.dumps(d))
     return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_run_inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return make_tiny_target(root / "target"), make_conversations(root / "data.jsonl")
-
-
-@pytest.fixture(scope="session")
-def tiny_store(tiny_run_inputs, tmp_path_factory):
-    """The tiny conversations prepared into a token store with the tiny target's tokenizer."""
-    from dflash.data import prepare_jsonl
-
-    target, data = tiny_run_inputs
-    out = tmp_path_factory.mktemp("store") / "store"
-    prepare_jsonl(data, str(target), out, progress=False)
-    return out
 
 
 def run_deepspeed(args, num_ranks=2, timeout=600, script=None, env=None):

@@ -35,7 +35,7 @@ from dflash.models import (
 )
 
 from ..demo_turns import LIMIT, fit, score
-from .official import official_dflash
+from ..drafter.official import official_dflash
 
 
 def make_drafter(demo, seed=0, layers=2, layer_types=None, sliding_window=None):

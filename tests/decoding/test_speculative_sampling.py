@@ -11,7 +11,7 @@ with probability 1e-3 over the choice of seeds (the seeds here are fixed, so the
 Power: the same test on a deliberately wrong rule (rejected slots resampled from p instead of
 max(0, p - q)) gives p ~ 1e-15 with the same N (1e-10 with another seed); it must be < 1e-8.
 
-Every drafter kind's output is held to the target's law by this test in tests/models/test_kind_conformance.py.
+Every drafter kind's output is held to the target's law by this test in tests/drafter/test_kind_conformance.py.
 A DFlash2 drafter (`tiny2`: its selector keeps K = 2 of the 4 tokens, so q is 0 outside the candidates
 and the residual carries the rest) drafts along its selector's path, each slot's q over its candidates
 given the drafts before it; the test detects the mistake of verifying those drafts with the backbone's

@@ -25,7 +25,7 @@ from dflash.distributed.shared_fs import PROBE, check_shared_paths
 from dflash.errors import UserError
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args, with_turn_limit, without_timings
+from ..runs import read_metrics, run_deepspeed, tiny_train_args, with_turn_limit, without_timings
 
 # ZeRO-3, micro-batches dealt by cost (the default): 3 steps in epoch 0; the multi-node run stops after
 # step 2 (inside epoch 0) and resumes

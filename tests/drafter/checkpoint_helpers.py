@@ -1,5 +1,5 @@
 """A small drafter and the official format's tensor names, shared by the checkpoint tests
-(tests/models/test_checkpoint.py) and the training safety tests (tests/training/test_safety.py)."""
+(tests/drafter/test_checkpoint.py) and the training safety tests (tests/training/test_safety.py)."""
 import dataclasses
 
 import torch

@@ -1,6 +1,6 @@
 """The DFlash2 drafter: its block-local convolution and selector against plain references, its start as a
 DFlash drafter, its objective's gradients, and its checkpoint format (what every kind passes, decoding
-against training among it: tests/models/test_kind_conformance.py)."""
+against training among it: tests/drafter/test_kind_conformance.py)."""
 from __future__ import annotations
 
 import json
@@ -249,7 +249,7 @@ def test_the_flop_model_prices_the_convolutions_and_the_selector_with_stop_grad_
     drafter of its sizes, under FlopCounterMode, is exactly the DFlash2 cost model's per_row minus the
     DFlash one's, times the block rows (convolution projections in every layer, the selector on the
     scored rows; the taps' element-wise products are no matmuls, uncounted on both sides). With
-    --selector-stop-grad (its default, every kind's: tests/models/test_kind_conformance.py)."""
+    --selector-stop-grad (its default, every kind's: tests/drafter/test_kind_conformance.py)."""
     stop_grad = True
     import dataclasses
 

@@ -16,8 +16,8 @@ from dflash.testing import train_in_process
 from dflash.tools import plan_batches
 from dflash.training.config import TrainConfig, build_parser, load_config
 
+from ..runs import read_metrics, tiny_train_args
 from . import gated_kind  # after the training options are built: its own joins them as it registers
-from .conftest import read_metrics, tiny_train_args
 
 
 def test_a_registered_kind_is_found_by_name_and_architecture_and_clashes_are_refused():

@@ -1,5 +1,5 @@
 """One suite every registered drafter kind passes: a kind is covered by registering it (`register`, or a
-line of `BUILT_IN`), as the test-only kind of one's own (tests/training/gated_kind.py) is here.
+line of `BUILT_IN`), as the test-only kind of one's own (tests/drafter/gated_kind.py) is here.
 
 Each kind is built small (`DrafterKind.small_settings`, its released layers with a short window) with every
 parameter away from its start, and must: read back its config.json, export and reload strictly, train
@@ -44,13 +44,13 @@ from dflash.tools import plan_memory
 from dflash.training.config import load_config
 from dflash.training.models import training_loss
 
-from ..training import gated_kind  # noqa: F401 - a kind of one's own, registered by its module
-from ..training.conftest import make_conversations, make_tiny_target, read_metrics, tiny_train_args
+from ..decoding.test_speculative_sampling import decode_and_count
+from ..runs import make_conversations, make_tiny_target, read_metrics, tiny_train_args
 from ..training.micro_step import planned_and_measured_micro_step
+from . import gated_kind  # noqa: F401 - a kind of one's own, registered by its module
 from .checkpoint_helpers import target_config
 from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
 from .test_serving import DEFAULTS, HOSTILE, sglang_layer, vllm_layer
-from .test_speculative_sampling import decode_and_count
 
 KINDS = kind_names()  # every kind registered when the tests are collected
 WINDOW = 6  # a sliding layer's window here: shorter than the contexts, so that it cuts
@@ -243,7 +243,7 @@ PLAN_BAND = {DEFAULT: 0.06}
 
 def test_the_memory_plan_bounds_a_measured_micro_step(kind):
     """bf16, the cross-entropy and the kind's own terms: the plan at most 2% below the measured peak and
-    `PLAN_BAND` above (tests/training/test_memory.py checks the rest of the plan on the DFlash drafter)."""
+    `PLAN_BAND` above (tests/sizing/test_memory.py checks the rest of the plan on the DFlash drafter)."""
     target_config = tiny_qwen3_config(vocab_size=512, intermediate_size=192, num_hidden_layers=3)
     settings = kind.small_settings(target_config.hidden_size, target_config.vocab_size)
     estimate, measured, plan, loss = planned_and_measured_micro_step(torch.bfloat16, False, "ce=1", kind.name,
@@ -328,7 +328,7 @@ def test_greedy_decoding_is_the_targets_and_accepts_what_the_eval_walk_says(kind
 
 def test_speculative_sampling_draws_from_the_targets_law(kind, tiny_hf, monkeypatch):
     """The first 4 tokens of speculative sampling at T 0.7 and top-p 0.8 against the target's own law
-    (chi-square, p > 1e-3; tests/models/test_speculative_sampling.py shows it fails wrong verification
+    (chi-square, p > 1e-3; tests/decoding/test_speculative_sampling.py shows it fails wrong verification
     rules), every verify branch taken: rejections at each slot and full blocks with their bonus token. The
     drafts' q is a distribution per slot."""
     sampling = Sampling(0.7, top_p=0.8)
@@ -381,7 +381,7 @@ LAYOUTS = [  # layer types, window, is_causal override (None, None: the kind's r
 def test_the_export_states_every_layers_attention_as_the_engines_read_it(kind, layer_types, window, is_causal,
                                                                           defaults):
     """vLLM's and SGLang's resolution of each layer's window, causality, RoPE style and sink
-    (tests/models/test_serving.py) give what the drafter computes, whatever their defaults."""
+    (tests/drafter/test_serving.py) give what the drafter computes, whatever their defaults."""
     config = kind_config(kind, target_config(), layers=3, taps=(1, 3, 6), block_size=16, layer_types=layer_types,
                          window=window, is_causal=is_causal)
     exported = json.loads(json.dumps(config.to_json_dict()))

@@ -67,7 +67,7 @@ S, F = SLIDING, FULL
 
 @pytest.mark.parametrize("defaults", [DEFAULTS, HOSTILE], ids=["engine defaults", "every default against us"])
 def test_a_dflash2_export_states_the_settings_the_official_class_reads(defaults):
-    """Every layer's attention as the engines read it, of every drafter kind: tests/models/test_kind_conformance.py;
+    """Every layer's attention as the engines read it, of every drafter kind: tests/drafter/test_kind_conformance.py;
     here DFlash2's own settings, as released (all sliding, not causal) and away from the defaults."""
     config = DrafterConfig.from_target(target_config(), mask_token_id=MASK_ID, block_size=16, draft_layers=3,
                                        target_layer_ids=[1, 3, 6], layer_types=[S, S, S], sliding_window=2048,

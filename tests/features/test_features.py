@@ -12,7 +12,7 @@ from dflash.errors import UserError
 from dflash.testing import train_in_process
 from dflash.tools import capture_features
 
-from .conftest import tiny_train_args, without_timings
+from ..runs import tiny_train_args, without_timings
 
 # the walk on the held-out turns as they are (sampling turns at T needs the target to decode)
 ARGS = ("--max-steps", 3, "--eval-every", 3, "--num-target-features", 2, "--eval-sample-turns", 0)

@@ -13,7 +13,7 @@ from dflash.errors import UserError
 from dflash.training.config import load_config
 
 from ..conftest import launch_script
-from .conftest import released_drafter
+from ..runs import released_drafter
 
 
 def lose(folder):

@@ -14,7 +14,7 @@ from dflash.errors import UserError
 from dflash.training.config import OPTIONS, flag, load_config
 from dflash.training.config.load import _kind
 
-from .conftest import ROOT, launch_script
+from ..conftest import ROOT, launch_script
 
 COMMANDS = sorted(p.stem for p in (ROOT / "launch").glob("*.py"))
 TRAIN_FLAGS = {flag(name) for name in OPTIONS} | {"--deepspeed_config"}

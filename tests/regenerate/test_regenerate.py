@@ -19,8 +19,8 @@ from dflash.errors import UserError
 from dflash.regenerate import Generation, HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.target.spec import load_target_spec
 
-from . import preloaded
-from .conftest import greedy_reference, launch_script, read_jsonl
+from .. import preloaded
+from ..conftest import greedy_reference, launch_script, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "launch" / "regenerate.py"
@@ -292,7 +292,7 @@ def test_user_mistakes_are_reported_without_traceback(tmp_path):
 
 
 def test_template_and_encoding_faults_are_named_by_line_also_when_skipped(tmp_path):
-    from .conftest import make_chat_tokenizer
+    from ..conftest import make_chat_tokenizer
 
     tok = make_chat_tokenizer()
     tok.chat_template = ("{% for m in messages %}{% if m['content'] == 'w13' %}{{ raise_exception('no w13') }}"

@@ -12,7 +12,7 @@ from dflash.demo.families import CONFIGS
 from dflash.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate, strip_thinking
 from dflash.target.spec import load_target_spec
 
-from .conftest import greedy_reference, read_jsonl
+from ..conftest import greedy_reference, read_jsonl
 
 
 @pytest.mark.parametrize("family", [f for f in CONFIGS if f != "qwen3"])

@@ -25,8 +25,8 @@ from dflash.training.plan import loss_setup
 
 from .. import preloaded
 from ..conftest import ROOT
-from .conftest import make_tiny_target, run_deepspeed, tiny_train_args, train_one_rank
-from .micro_step import planned_and_measured_micro_step
+from ..runs import make_tiny_target, run_deepspeed, tiny_train_args, train_one_rank
+from ..training.micro_step import planned_and_measured_micro_step
 
 
 def test_target_sizes_count_the_loaded_model(tiny_run_inputs):
@@ -47,7 +47,7 @@ def test_presets_have_their_public_sizes():
 
 
 # (dtype, checkpointing, --loss, the band the estimate must fall in against the measured peak), of a DFlash
-# drafter; bf16 with the cross-entropy, of every drafter kind: tests/models/test_kind_conformance.py
+# drafter; bf16 with the cross-entropy, of every drafter kind: tests/drafter/test_kind_conformance.py
 MICRO_STEPS = [(torch.float32, True, "ce=1", 0.06),
                # KL and LK hold the target's probabilities once per label position, counted as once per row
                (torch.bfloat16, False, "ce=1,dpace=0.5,kl=1,lk=0.2", 0.10)]

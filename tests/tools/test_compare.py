@@ -14,7 +14,7 @@ from dflash.training.steps import step_ranges
 
 from .. import preloaded
 from ..conftest import ROOT
-from .conftest import run_deepspeed
+from ..runs import run_deepspeed
 
 BUDGET, STEP_TOKENS, WARMUP, STEPS = 512, 512, 1, 2
 

@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 
 def _env():

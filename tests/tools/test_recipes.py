@@ -18,7 +18,7 @@ from dflash.training.noise import FeatureNoise
 
 from .. import preloaded
 from ..conftest import ROOT
-from .conftest import run_deepspeed, tiny_train_args, without_timings
+from ..runs import run_deepspeed, tiny_train_args, without_timings
 
 
 def packed(lengths, sample_ids):
