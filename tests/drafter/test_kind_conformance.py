@@ -23,7 +23,6 @@ from dflash.data.collate import collate_packed
 from dflash.decoding.acceptance import walk_tau
 from dflash.decoding.sampling import Sampler, Sampling
 from dflash.decoding.speculate import draft_block, greedy_decode, speculative_decode
-from dflash.distributed.run_folder import LOCK
 from dflash.drafter.config_format import SLIDING
 from dflash.drafter.kinds import DEFAULT, drafter_kind, kind_names, kind_of_architectures
 from dflash.models import (
@@ -37,6 +36,7 @@ from dflash.models import (
     slot_weights,
 )
 from dflash.objective.blocks import block_scorer
+from dflash.partial import OutputLock
 from dflash.sizing.flops import flop_cost_model, measure_flops
 from dflash.sizing.memory import DrafterSizes
 from dflash.testing import tiny_qwen3_config, train_in_process
@@ -353,7 +353,8 @@ def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(kind, run_inputs
     train_in_process(tiny_train_args(target, data, tmp_path / "whole", *args))
     train_in_process(tiny_train_args(target, data, tmp_path / "stopped", *args, "--stop-at-step", 1))
     # resumed in a copy: this process keeps the stopped run's folder locked (a run's lock lasts its process)
-    shutil.copytree(tmp_path / "stopped", tmp_path / "resumed", ignore=shutil.ignore_patterns(LOCK))
+    lock = OutputLock(tmp_path / "stopped", inside=True).path.name  # its name only: no lock taken
+    shutil.copytree(tmp_path / "stopped", tmp_path / "resumed", ignore=shutil.ignore_patterns(lock))
     train_in_process(tiny_train_args(target, data, tmp_path / "resumed", *args, "--resume"))
     whole, resumed = (load_file(tmp_path / run / "drafter" / "model.safetensors") for run in ("whole", "resumed"))
     assert whole.keys() == resumed.keys()
