@@ -39,7 +39,7 @@ if [ "${1:-}" = test ] || [ "${1:-}" = real ]; then
 fi
 if [ "${1:-}" = test ]; then
   # The official DFlash class (PyPI `dflash` 0.1.0; its package name clashes with ours), kept as a
-  # wheel that tests/models/official.py loads by path for the round-trip tests, never installed.
+  # wheel that tests/drafter/official.py loads by path for the round-trip tests, never installed.
   wheel="$venv/official/dflash-0.1.0-py3-none-any.whl"
   [ -f "$wheel" ] || "$py" -m pip download -q --no-deps "dflash==0.1.0" -d "$venv/official"
 fi

@@ -13,7 +13,7 @@ verify DFlash blocks: every slot's draft is drawn from the drafter's softmax at 
 probabilistic drafts; --drafts argmax: its argmax, as SGLang's DFlash and vLLM's default), accepted
 with probability min(1, p/q), the first rejected slot resampled from max(0, p - q) renormalised, a
 bonus token from p after a fully accepted block; p is the target's distribution at T cut to its
-top-p nucleus. The output is distributed as the target's own sampling (tests/models/
+top-p nucleus. The output is distributed as the target's own sampling (tests/decoding/
 test_speculative_sampling.py shows it), so the two runs' outputs differ; the acceptance length
 comes with its standard error.
 
@@ -281,7 +281,7 @@ def describe(result: dict, *, limit: int, where: str) -> None:
     print(f"target alone {result['target_tokens_per_s']:.1f} tokens/s, speculative "
           f"{result['speculative_tokens_per_s']:.1f} tokens/s, speedup {result['speedup']:.2f}x")
     if sampled:
-        print("lossless in distribution (tests/models/test_speculative_sampling.py); the two runs' outputs differ")
+        print("lossless in distribution (tests/decoding/test_speculative_sampling.py); the two runs' outputs differ")
     else:
         print("lossless: every output equals the target's greedy output" if result["lossless"] else
               f"NOT LOSSLESS: turns {result['mismatched_turns']} differ from the target's greedy output")

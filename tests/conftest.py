@@ -137,3 +137,46 @@ def chat_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
     make_chat_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run_inputs(tmp_path_factory):
+    """A tiny random Qwen3 target and a small conversation file (tests/runs.py), for every room's runs."""
+    from .runs import make_conversations, make_tiny_target
+
+    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny_target(root / "target"), make_conversations(root / "data.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tiny_run_inputs, tmp_path_factory):
+    """The tiny conversations prepared into a token store with the tiny target's tokenizer."""
+    from dflash.data import prepare_jsonl
+
+    target, data = tiny_run_inputs
+    out = tmp_path_factory.mktemp("store") / "store"
+    prepare_jsonl(data, str(target), out, progress=False)
+    return out
+
+
+# The model rooms' tests (once tests/models) run one intra-op thread per module and with torch.empty
+# NaN-poisoned, so that a read of memory never written shows; tests/ops has its own poisoning.
+MODEL_ROOMS = {"models", "drafter", "target", "objective", "decoding"}
+
+
+def _in_model_room(request) -> bool:
+    path = Path(request.path).resolve()
+    return path.parent.parent == ROOT / "tests" and path.parent.name in MODEL_ROOMS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def model_room_one_thread(request):
+    if _in_model_room(request):
+        request.getfixturevalue("one_thread")
+    yield
+
+
+@pytest.fixture(autouse=True)
+def nan_poisoned_empty(request, monkeypatch):
+    if _in_model_room(request):
+        poison_empty(monkeypatch)

@@ -1,4 +1,4 @@
-"""The demo target and its greedy turns, shared by the decoding tests (tests/models/test_speculate.py)
+"""The demo target and its greedy turns, shared by the decoding tests (tests/decoding/test_speculate.py)
 and the evaluator tests (tests/training/test_evaluator.py) through the session fixture `demo`
 (tests/conftest.py), and the fitting of a drafter to those turns."""
 from __future__ import annotations

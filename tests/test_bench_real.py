@@ -77,10 +77,7 @@ def test_a_build_refuses_before_building_what_it_would_not_write(tmp_path, monke
     prompts.jsonl was replaced, and two builds into one folder both ran."""
     import dflash.bench_real.prompts as prompts_module
     from dflash.partial import OutputLock
-
-    from .conftest import launch_script
-
-    main = launch_script("build_real_bench").main
+    from dflash.tools.build_real_bench import main
 
     def built(seed):
         raise AssertionError("the prompts were built before the refusal")

@@ -239,8 +239,7 @@ def test_the_check_names_each_kind_of_problem(tmp_path, files, problem):
 
 
 # launch/ scripts still holding their own program, longer than a shim (to become shims over the package)
-LONG_SCRIPTS = {"build_real_bench", "capture_features", "compare_recipes", "plan_batches", "plan_memory",
-                "prepare_data", "regenerate", "speculate"}
+LONG_SCRIPTS = {"regenerate", "speculate"}
 
 
 def test_launch_scripts_are_shims_over_the_package():
@@ -254,3 +253,18 @@ def test_an_allowed_circle_grown_by_a_third_module_is_named():
     pair = [{"p", "q"}]
     assert circles({"p": {"q"}, "q": {"p"}}, allowed=pair) == []
     assert circles({"p": {"q"}, "q": {"p", "r"}, "r": {"p"}}, allowed=pair) == [["r", "p", "q", "r"]]
+
+
+# Rooms whose tests live elsewhere: the demo's and the real benchmark's assets (tests/test_demo_assets.py,
+# tests/test_bench_real.py).
+ROOMS_WITHOUT_TESTS = {"demo", "bench_real"}
+
+
+def test_every_room_has_its_tests_folder():
+    """tests/ mirrors dflash/: each room's tests in tests/<room>/, at least one test file there."""
+    rooms = {room(m) for m in modules()} - {"dflash"}
+    missing = sorted(r for r in rooms - ROOMS_WITHOUT_TESTS if not any((REPO / "tests" / r).glob("test_*.py")))
+    assert not missing, f"rooms of dflash/ with no tests/<room>/test_*.py: {missing}"
+    strays = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and (p / "__init__.py").exists()
+                    and p.name not in rooms)
+    assert not strays, f"test folders named for no room of dflash/: {strays}"

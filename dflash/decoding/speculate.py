@@ -185,7 +185,7 @@ class SpeculateReport:
             "target_tokens_per_s": target_tps,
             "speculative_tokens_per_s": spec_tps,
             "speedup": spec_tps / target_tps if target_tps else None,
-            # sampled: lossless in distribution, shown by tests (tests/models/test_speculative_sampling.py)
+            # sampled: lossless in distribution, shown by tests (tests/decoding/test_speculative_sampling.py)
             "lossless": not self.mismatches if self.reference and greedy else None,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,

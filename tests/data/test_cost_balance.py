@@ -16,8 +16,7 @@ from dflash.data.planner import LAYOUTS, ORDERS
 from dflash.data.supervision import ragged_candidates
 from dflash.errors import UserError
 from dflash.sizing.flops import flop_cost_model, load_target_config
-
-from ..conftest import launch_script
+from dflash.tools import plan_batches as plan_batches_cli
 
 MODES = [pytest.param(o, lay, id=f"{o}-{lay}") for o in ORDERS for lay in LAYOUTS]
 BLOCK, ANCHORS = 4, 8
@@ -228,7 +227,7 @@ def test_balanced_planner_resumes_exactly_and_fingerprints_its_settings(data):
 
 
 def _plan_cli():
-    return launch_script("plan_batches")
+    return plan_batches_cli
 
 
 def test_plan_batches_saves_every_mode_as_dealt(tmp_path, data, capsys):

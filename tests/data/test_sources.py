@@ -239,7 +239,7 @@ def test_train_py_trains_on_a_parquet_file_with_its_messages_field(tmp_path):
 
     from dflash.testing import train_in_process
 
-    from ..training.conftest import make_conversations, make_tiny_target
+    from ..runs import make_conversations, make_tiny_target
 
     target, data = make_tiny_target(tmp_path / "target"), make_conversations(tmp_path / "data.jsonl")
     rows = [json.loads(line) for line in data.read_text().splitlines()]

@@ -1,6 +1,6 @@
 """One training micro-step of a tiny target and drafter, its peak tensor bytes measured after every op and
 the memory plan's estimate of it: the plan's check against a measured peak, shared by the memory tests
-(tests/training/test_memory.py) and the drafter kinds' conformance suite (tests/models/test_kind_conformance.py)."""
+(tests/sizing/test_memory.py) and the drafter kinds' conformance suite (tests/drafter/test_kind_conformance.py)."""
 import torch
 from transformers import AutoModelForCausalLM
 

@@ -16,7 +16,7 @@ from dflash.models import DrafterConfig  # noqa: E402
 from dflash.training.config import load_config  # noqa: E402
 from dflash.training.ds_config import load_ds_config, with_optimizer  # noqa: E402
 from dflash.training.models import drafter_kind_settings, engine_for  # noqa: E402
-from tests.models.drafter_helpers import MASK_ID, TAPS, tiny_target  # noqa: E402  (PYTHONPATH: the repository)
+from tests.drafter.drafter_helpers import MASK_ID, TAPS, tiny_target  # noqa: E402  (PYTHONPATH: the repository)
 
 single_process_env(os.environ, num_gpus=0)
 init_distributed()

@@ -14,7 +14,7 @@ from dflash.models import DFlashDrafter, DrafterConfig
 from dflash.testing import train_in_process
 from dflash.training.config import load_config
 
-from .conftest import read_metrics, tiny_train_args
+from ..runs import read_metrics, tiny_train_args
 
 
 def released_dflash2(folder, hf: dict, **dflash_config):
@@ -56,7 +56,7 @@ def test_a_dflash2_run_from_scratch_trains_and_exports_the_released_format(tiny_
     train = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] for r in train)
-    # the selector's figures in the train and eval records (their numbers: tests/models/test_dflash2.py)
+    # the selector's figures in the train and eval records (their numbers: tests/drafter/test_dflash2.py)
     for r in train + read_metrics(out, "eval")[-1:]:
         assert 0 <= r["selector_accuracy"] <= r["selector_recall"] <= 1 and r["argmax_anchor_tau"] >= 1, r
     assert read_metrics(out, "eval")[-1]["argmax_tau"] >= 1

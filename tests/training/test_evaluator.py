@@ -5,7 +5,7 @@ where the walk along the data's greedy turns reads far too high. The sampled tur
 own samples (transformers' sampling with the same seed), the same at every evaluation, and a new
 evaluator of the same run reads them back from eval_turns.json.
 
-In-process on one gloo rank, with the demo target, its greedy turns (`tests/models/test_speculate.py`)
+In-process on one gloo rank, with the demo target, its greedy turns (`tests/decoding/test_speculate.py`)
 and a small drafter fitted to them; the two-rank walk runs in tests/training/test_training.py.
 """
 from __future__ import annotations

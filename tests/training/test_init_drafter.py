@@ -14,7 +14,7 @@ from dflash.models import DFlashDrafter, DrafterConfig
 from dflash.testing import train_in_process
 from dflash.training.config import load_config
 
-from .conftest import released_drafter
+from ..runs import released_drafter
 
 S, F = "sliding_attention", "full_attention"
 
@@ -78,7 +78,7 @@ def test_a_released_sliding_drafter_continues_training(tiny_run_inputs, tmp_path
     the export equal to them), its layer types, window, taps and mask token are the run's."""
     from safetensors.torch import load_file
 
-    from .conftest import read_metrics, run_deepspeed, tiny_train_args
+    from ..runs import read_metrics, run_deepspeed, tiny_train_args
 
     target, data = tiny_run_inputs
     hf = json.loads((target / "config.json").read_text())

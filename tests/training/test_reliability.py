@@ -21,7 +21,7 @@ from dflash.errors import UserError
 from dflash.training.ds_config import load_ds_config
 
 from ..conftest import ROOT
-from .conftest import read_metrics, run_deepspeed, tiny_train_args, train_one_rank, without_timings
+from ..runs import read_metrics, run_deepspeed, tiny_train_args, train_one_rank, without_timings
 
 pytestmark = pytest.mark.slow
 
@@ -234,7 +234,7 @@ def test_resume_with_other_world_size_or_step_size_is_refused_unless_forced(refe
 
 def test_a_resume_with_options_that_shape_another_drafter_is_refused_before_anything_loads(reference,
                                                                                           tiny_run_inputs, tmp_path):
-    from .conftest import make_tiny_target
+    from ..runs import make_tiny_target
 
     target, data = tiny_run_inputs
     other = make_tiny_target(tmp_path / "other", seed=1)  # the same architecture, other weights

@@ -16,7 +16,7 @@ from dflash.training.checkpoint import Checkpointer
 from dflash.training.ds_config import load_ds_config, precision
 
 from ..conftest import ROOT, launch_script
-from ..models.checkpoint_helpers import make_drafter
+from ..drafter.checkpoint_helpers import make_drafter
 
 
 @pytest.fixture(scope="module")
@@ -491,7 +491,7 @@ def test_a_second_training_on_a_taken_port_is_one_line_naming_master_port(tiny_r
     and the second ended in a DistNetworkError (EADDRINUSE) traceback."""
     import socket
 
-    from . import conftest
+    from .. import runs as conftest
 
     target, data = tiny_run_inputs
     with socket.socket() as taken:  # what the first run's rank 0 holds

@@ -17,7 +17,7 @@ from dflash.training.steps import step_ranges
 
 from .. import preloaded
 from ..conftest import ROOT
-from .conftest import TURN_LIMIT, make_family_target, read_metrics, run_deepspeed, tiny_train_args, with_turn_limit
+from ..runs import TURN_LIMIT, make_family_target, read_metrics, run_deepspeed, tiny_train_args, with_turn_limit
 
 
 def test_step_ranges_cover_every_micro_step_with_the_token_target():
@@ -80,7 +80,7 @@ def check_official_export(drafter_dir):
     from dflash.drafter.config_format import TARGET_KEY
     from dflash.models import CONFIG_KEYS, DFlashDrafter
 
-    from ..models.checkpoint_helpers import expected_names
+    from ..drafter.checkpoint_helpers import expected_names
 
     exported = json.loads((drafter_dir / "config.json").read_text())
     assert set(exported) - {"is_causal", TARGET_KEY} == CONFIG_KEYS

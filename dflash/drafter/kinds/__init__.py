@@ -62,7 +62,7 @@ class DrafterKind:
 
     def small_settings(self, hidden_size: int, vocab_size: int) -> Any:
         """The settings of a small drafter of this kind on a target of these sizes (hidden sizes of 32 and
-        more, a vocabulary of 4 and more): what the conformance suite (tests/models/test_kind_conformance.py)
+        more, a vocabulary of 4 and more): what the conformance suite (tests/drafter/test_kind_conformance.py)
         builds every kind with. Default: the released settings."""
         return self.released_settings()
 
