@@ -94,8 +94,11 @@ def training_loss(loss: Loss, block_size: int, drafter, *, recipe: bool = True, 
     from dflash.objective.loss import BlockLoss
     from dflash.objective.terms import build_terms, chunk_rows_for, parse_recipe
 
-    weights = ({"ce": 1.0} if not recipe else terms if terms is not None else parse_recipe(loss.loss))
-    kind = kind or drafter_kind(drafter.config.kind)
+    if not recipe:
+        weights = {"ce": 1.0}
+    else:
+        weights = parse_recipe(loss.loss) if terms is None else terms
+    kind = drafter_kind(drafter.config.kind) if kind is None else kind
     terms = build_terms(weights, loss, lm_head=drafter.lm_head)
     scale, softcap = kind.logit_map(drafter.config)
     return BlockLoss(chunk_rows_for(weights, block_size), ce_weight=weights.get("ce", 0.0),
