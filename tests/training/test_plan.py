@@ -229,3 +229,20 @@ def test_a_run_resolves_its_target_kind_and_loss_once(tiny_run_inputs, tmp_path,
                                      "--eval-sample-turns", 0))
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()  # the run went to its end
     assert Counter(calls) == {"load_target_spec": 1, "drafter_kind": 1, "parse_recipe": 1}
+
+
+def test_the_target_line_is_made_of_the_values_it_names():
+    """`target_summary` takes the four values it prints (no `TrainConfig` below training/)."""
+    from dflash.distributed.partition import target_summary
+
+    memory = {"full": 4 * 2**30, "resident": 2**30, "shared": 2**29, "gathered": 0}
+    line = target_summary(memory, 4, features=None, partition="zero3", offload=True, decodes=True)
+    assert line.startswith("target: ZeRO-3 partitioned over 4 rank(s), 1.00 GiB per rank in CPU memory "
+                           "(--target-offload) of 4.00 GiB, plus the embedding and lm_head replicated for the "
+                           "drafter (0.50 GiB)") and "Held-out decoding at the end is skipped" in line
+    assert "skipped" not in target_summary(memory, 4, features=None, partition="zero3", offload=False, decodes=False)
+    assert target_summary(memory, 1, features="runs/f", partition="none", offload=False, decodes=True) == (
+        "target: its features read from --features runs/f; in memory only the embedding and lm_head the drafter "
+        "borrows, 4.00 GiB")
+    assert target_summary(memory, 1, features=None, partition="none", offload=False, decodes=True) == (
+        "target: a full copy on every rank, 4.00 GiB")
