@@ -183,16 +183,18 @@ def target_bytes(model) -> dict:
     return {"full": full, "resident": full, "shared": 0, "gathered": 0}
 
 
-def target_summary(memory: dict, cfg, world_size: int) -> str:
-    """The run header's line on where the target lives."""
-    if cfg.inputs.features:
-        return (f"target: its features read from --features {cfg.inputs.features}; in memory only the embedding "
+def target_summary(memory: dict, world_size: int, *, features: str | None, partition: str, offload: bool,
+                   decodes: bool) -> str:
+    """The run header's line on where the target lives (`memory`: `target_bytes`), by the run's
+    --features, --target-partition, --target-offload and whether it decodes held-out turns at the end."""
+    if features:
+        return (f"target: its features read from --features {features}; in memory only the embedding "
                 f"and lm_head the drafter borrows, {gib(memory['full'])}")
-    if cfg.device.target_partition == "none":
+    if partition == "none":
         return f"target: a full copy on every rank, {gib(memory['full'])}"
-    where = "in CPU memory (--target-offload)" if cfg.device.target_offload else "on the device"
+    where = "in CPU memory (--target-offload)" if offload else "on the device"
     skipped = " Held-out decoding at the end is skipped (it needs the whole target on one device: run " \
-              "launch/speculate.py with the exported drafter)." if cfg.eval.speculate_turns else ""
+              "launch/speculate.py with the exported drafter)." if decodes else ""
     return (f"target: ZeRO-3 partitioned over {world_size} rank(s), {gib(memory['resident'])} per rank {where} of "
             f"{gib(memory['full'])}, plus the embedding and lm_head replicated for the drafter "
             f"({gib(memory['shared'])}); each layer is gathered as it runs.{skipped}")

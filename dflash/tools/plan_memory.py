@@ -37,7 +37,7 @@ from dflash.sizing.memory import (
 )
 from dflash.target.spec import PRESETS, load_target_spec
 from dflash.training.config.load import PLANNING_DEFAULTS, add_options, options_of
-from dflash.training.plan import kind_settings, loss_setup
+from dflash.training.plan import kind_settings, loss_setup, resolve_run
 
 CEILING_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # sample lengths of the anchor ceiling
 VARIANTS = {"replicated": dict(target_partition="none"), "zero3": dict(target_partition="zero3"),
@@ -151,8 +151,9 @@ def main(argv=None):
     base = dict(world_size=args.world_size, dtype_bytes=2 if args.dtype == "bf16" else 4,
                 activation_checkpointing=args.activation_checkpointing, block_size=args.block_size,
                 num_anchors=args.num_anchors)
-    base.update(loss_setup(cfg, "cuda"))  # the objective's share, as train.py plans it on a GPU
-    settings = kind_settings(cfg, spec)  # the kind's released settings, checked against the target as train.py does
+    run = resolve_run(cfg, spec)  # as train.py resolves its options
+    base.update(loss_setup(run, "cuda"))  # the objective's share, as train.py plans it on a GPU
+    settings = kind_settings(run)  # the kind's released settings, checked against the target as train.py does
     plans = {name: plan_for(spec, MemorySetup.from_ds_config(ds_config, **base, **variant),
                             draft_layers=args.draft_layers, features=args.num_target_features,
                             kind=cfg.drafter.drafter_kind, kind_settings=settings)

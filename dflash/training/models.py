@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dflash.distributed.ranks import on_rank0
-from dflash.drafter.kinds import drafter_kind
+from dflash.drafter.kinds import DrafterKind, drafter_kind
 from dflash.errors import NonFiniteWeights, UserError
 from dflash.target.spec import TargetSpec
 from dflash.training.config.sections import Device, Drafter, Loss, Optim
@@ -75,25 +75,31 @@ def init_drafter(folder: str, target: LoadedTarget, options: dict):
     return drafter
 
 
-def drafter_kind_settings(name: str, settings=None) -> dict:
-    """`DrafterConfig.from_target` arguments of a new drafter of kind `name` with its `settings`
-    (`RunPlan.kind_settings`; None: the kind's released ones), its layers' causality as released."""
-    kind = drafter_kind(name)
+def drafter_kind_settings(kind: str | DrafterKind, settings=None) -> dict:
+    """`DrafterConfig.from_target` arguments of a new drafter of `kind` (by name, or the run's
+    resolved kind) with its `settings` (`RunPlan.kind_settings`; None: the kind's released ones), its
+    layers' causality as released."""
+    kind = drafter_kind(kind) if isinstance(kind, str) else kind
     settings = kind.released_settings() if settings is None else settings
     return {"kind": kind.name, "kind_settings": settings, "is_causal": kind.released_is_causal}
 
 
-def training_loss(loss: Loss, block_size: int, drafter, *, recipe: bool = True):
+def training_loss(loss: Loss, block_size: int, drafter, *, recipe: bool = True, terms: dict | None = None,
+                  kind: DrafterKind | None = None):
     """The objective of `drafter`: with `recipe`, --loss's ce_weight x the cross-entropy plus its terms
     (dflash.objective.terms), else the cross-entropy alone (what held-out runs are compared by); and its
     kind's own terms and logit map (`DrafterKind.terms`, `logit_map`). Chunks of whole blocks when a
-    term weighs blocks (D-PACE)."""
+    term weighs blocks (D-PACE). A run passes its resolved `terms` and `kind` (`ResolvedRun`); a loss
+    built outside a run parses --loss and looks the drafter's kind up here."""
     from dflash.objective.loss import BlockLoss
     from dflash.objective.terms import build_terms, chunk_rows_for, parse_recipe
 
-    weights = parse_recipe(loss.loss) if recipe else {"ce": 1.0}
+    if not recipe:
+        weights = {"ce": 1.0}
+    else:
+        weights = parse_recipe(loss.loss) if terms is None else terms
+    kind = drafter_kind(drafter.config.kind) if kind is None else kind
     terms = build_terms(weights, loss, lm_head=drafter.lm_head)
-    kind = drafter_kind(drafter.config.kind)
     scale, softcap = kind.logit_map(drafter.config)
     return BlockLoss(chunk_rows_for(weights, block_size), ce_weight=weights.get("ce", 0.0),
                      terms=[*terms, *kind.terms(drafter, loss)], logit_scale=scale, softcap=softcap)
@@ -164,11 +170,11 @@ class Models:
                                              vocab_size=target.model.num_embedding_rows,
                                              layer_types=s.drafter_layer_types,
                                              sliding_window=s.sliding_window or None,
-                                             **drafter_kind_settings(s.drafter_kind, s.kind_settings))
+                                             **drafter_kind_settings(s.kind, s.kind_settings))
             self.drafter = drafter_class(dcfg)(dcfg, target.model.shared_weights(), **options)
         # the objective: hidden states + blocks -> loss sum and metrics; held out: what recipes are compared by
-        self.loss = training_loss(loss, s.block_size, self.drafter)
-        self.eval_loss = training_loss(loss, s.block_size, self.drafter, recipe=False)
+        self.loss = training_loss(loss, s.block_size, self.drafter, terms=s.terms, kind=s.kind)
+        self.eval_loss = training_loss(loss, s.block_size, self.drafter, recipe=False, kind=s.kind)
         self.zero_stage = zero_stage(ds_config)
         self.engine, self.optimizer, self.scheduler = engine_for(self.drafter, ds_config, optim, total_steps, device)
 

@@ -1,9 +1,9 @@
 """What a run decides before anything loads, from its options and its target's config alone:
-`plan_run` -> `RunPlan` (the DeepSpeed config, the precision, the memory plan and the row budget
-that fits, the drafter kind's settings and what they add per row, the drafter settings a resume must
-match). Pure: it reads
-the DeepSpeed JSON and an --init-drafter's config, loads no weights, talks to no rank; a run that
-cannot fit is refused here."""
+`resolve_run` -> `ResolvedRun` (the options resolved once: the target's spec, the drafter kind,
+the terms of --loss), then `plan_run` -> `RunPlan` (those, the DeepSpeed config, the precision, the
+memory plan and the row budget that fits, the drafter kind's settings and what they add per row, the
+drafter settings a resume must match). Pure: it reads the DeepSpeed JSON and an --init-drafter's
+config, loads no weights, talks to no rank; a run that cannot fit is refused here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,13 +12,33 @@ from typing import Any
 
 import torch
 
-from dflash.drafter.kinds import DEFAULT, drafter_kind
+from dflash.drafter.kinds import DEFAULT, DrafterKind, drafter_kind
 from dflash.errors import UserError
 from dflash.sizing.fit import accelerator_memory, size_run
 from dflash.sizing.memory import MemoryPlan, MemorySetup, plan_for
-from dflash.target.spec import TargetSpec
+from dflash.target.spec import TargetSpec, load_target_spec
 from dflash.training.config import TrainConfig, init_drafter_config
 from dflash.training.ds_config import training_ds_config, with_optimizer
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """The run's options resolved once, for the parts to take their piece of: the target's spec (its
+    config, before any weight loads), the drafter kind, and --loss parsed into term -> weight."""
+
+    cfg: TrainConfig
+    spec: TargetSpec
+    kind: DrafterKind
+    terms: dict[str, float]
+
+
+def resolve_run(cfg: TrainConfig, spec: TargetSpec | None = None) -> ResolvedRun:
+    """`cfg` (checked: `config.load_config`) resolved: its --target's spec (`spec` where the caller
+    has it already), its --drafter-kind and its --loss."""
+    from dflash.objective.terms import parse_recipe
+
+    return ResolvedRun(cfg, spec or load_target_spec(cfg.inputs.target), drafter_kind(cfg.drafter.drafter_kind),
+                       parse_recipe(cfg.loss.loss))
 
 
 @dataclass(frozen=True)
@@ -44,11 +64,12 @@ class ModelSettings:
     draft_layers: int
     drafter_layer_types: tuple[str, ...] | None
     sliding_window: int
-    drafter_kind: str
+    kind: DrafterKind
     kind_settings: Any  # the kind's own settings (an --init-drafter's, else as released; None: none)
     init_drafter: str
     attention_backend: str
     activation_checkpointing: bool
+    terms: dict[str, float]  # --loss parsed (`ResolvedRun.terms`)
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,9 @@ class EvalSettings:
 @dataclass(frozen=True)
 class RunPlan:
     cfg: TrainConfig  # with the row budget that fits filled in
+    spec: TargetSpec  # the resolved run's (`ResolvedRun`)
+    kind: DrafterKind
+    terms: dict[str, float]
     ds_config: dict  # the user's DeepSpeed JSON, "auto" values filled, the optimizer section of --optimizer
     dtype: torch.dtype
     memory: MemoryPlan
@@ -85,8 +109,8 @@ class RunPlan:
     def models(self) -> ModelSettings:
         d, dev = self.cfg.drafter, self.cfg.device
         return ModelSettings(self.cfg.run.seed, d.block_size, d.draft_layers, d.drafter_layer_types, d.sliding_window,
-                             d.drafter_kind, self.kind_settings, d.init_drafter, dev.attention_backend,
-                             dev.activation_checkpointing)
+                             self.kind, self.kind_settings, d.init_drafter, dev.attention_backend,
+                             dev.activation_checkpointing, self.terms)
 
     @property
     def evaluation(self) -> EvalSettings:
@@ -95,27 +119,27 @@ class RunPlan:
                             c.device.target_partition != "none", Path(c.run.output_dir), c.run.progress)
 
 
-def plan_run(cfg: TrainConfig, spec: TargetSpec, *, device: torch.device, world_size: int) -> RunPlan:
-    """The plan of the run `cfg` on `world_size` ranks of `device`s (raises UserError, naming the
+def plan_run(run: ResolvedRun, *, device: torch.device, world_size: int) -> RunPlan:
+    """The plan of the resolved run on `world_size` ranks of `device`s (raises UserError, naming the
     option, for a DeepSpeed config or a run that cannot be)."""
+    cfg, spec = run.cfg, run.spec
     spec.layer_ids(cfg.drafter.target_layer_ids, cfg.drafter.num_target_features)  # the taps the config allows
     ds_config, dtype = training_ds_config(cfg.device.deepspeed_config, cfg.device.dtype, device=device,
                                           world_size=world_size, grad_clip=cfg.optim.grad_clip)
     o = cfg.optim
     ds_config = with_optimizer(ds_config, o.optimizer, lr=o.lr, muon_lr=o.muon_lr, momentum=o.muon_momentum,
                                weight_decay=o.weight_decay, named=f"--deepspeed_config {cfg.device.deepspeed_config}")
-    settings = kind_settings(cfg, spec)
-    memory = memory_plan(cfg, spec, ds_config, dtype_bytes=dtype.itemsize, world_size=world_size, device=device,
+    settings = kind_settings(run)
+    memory = memory_plan(run, ds_config, dtype_bytes=dtype.itemsize, world_size=world_size, device=device,
                          kind_settings=settings)
     row_budget, memory_line = size_run(memory, accelerator_memory(device, cfg.device.memory_gib),
                                        token_budget=cfg.batches.token_budget, row_budget=cfg.batches.row_budget,
                                        longest=longest_sample(cfg))
     cfg = cfg.replace(row_budget=row_budget)
-    extra_flops = drafter_kind(cfg.drafter.drafter_kind).row_flops(
-        spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size, settings, cfg.loss,
-        vocab=int(spec.config.vocab_size))
-    return RunPlan(cfg, ds_config, dtype, memory, memory_line, settings, extra_flops,
-                   drafter_settings(cfg, spec.num_layers))
+    extra_flops = run.kind.row_flops(spec.config.hidden_size, cfg.drafter.draft_layers, cfg.drafter.block_size,
+                                     settings, cfg.loss, vocab=int(spec.config.vocab_size))
+    return RunPlan(cfg, spec, run.kind, run.terms, ds_config, dtype, memory, memory_line, settings, extra_flops,
+                   drafter_settings(run, spec.num_layers))
 
 
 def longest_sample(cfg: TrainConfig) -> int | None:
@@ -133,12 +157,12 @@ def longest_sample(cfg: TrainConfig) -> int | None:
     return stats.get("max")
 
 
-def kind_settings(cfg: TrainConfig, spec: TargetSpec) -> Any:
+def kind_settings(run: ResolvedRun) -> Any:
     """The drafter kind's settings of the drafter the run trains: an --init-drafter's own (sized as it
     was), else the kind's released ones."""
+    cfg, spec, kind = run.cfg, run.spec, run.kind
     if cfg.drafter.init_drafter:
         return init_drafter_config(cfg.drafter.init_drafter, spec).kind_settings
-    kind = drafter_kind(cfg.drafter.drafter_kind)
     settings = kind.released_settings()
     try:  # the released sizes against this target, before it loads (no flag sets them: the kind does)
         kind.check_sizes(settings, spec.hidden_size, spec.embedding_rows)
@@ -149,25 +173,25 @@ def kind_settings(cfg: TrainConfig, spec: TargetSpec) -> Any:
     return settings
 
 
-def memory_plan(cfg: TrainConfig, spec: TargetSpec, ds_config: dict, *, dtype_bytes: int, world_size: int,
+def memory_plan(run: ResolvedRun, ds_config: dict, *, dtype_bytes: int, world_size: int,
                 device, kind_settings: Any = None) -> MemoryPlan:
-    """The memory plan of the run `cfg` on the target `spec` and `device`, from its config alone
+    """The memory plan of the resolved run on its target and `device`, from its config alone
     (`kind_settings`: `kind_settings`)."""
     from dflash.ops.common.backend import resolve_backend
 
-    d, dev = cfg.drafter, cfg.device
+    d, dev = run.cfg.drafter, run.cfg.device
     features = len(d.target_layer_ids) if d.target_layer_ids else d.num_target_features
     reference = resolve_backend(dev.attention_backend, torch.device(device), op="block") == "torch"
     setup = MemorySetup.from_ds_config(
         ds_config, world_size=world_size, dtype_bytes=dtype_bytes, target_partition=dev.target_partition,
         target_offload=dev.target_offload, activation_checkpointing=dev.activation_checkpointing,
         block_size=d.block_size, num_anchors=d.num_anchors, attention="reference" if reference else "kernel",
-        **loss_setup(cfg, device))
-    return plan_for(spec, setup, draft_layers=d.draft_layers, features=features, kind=d.drafter_kind,
+        **loss_setup(run, device))
+    return plan_for(run.spec, setup, draft_layers=d.draft_layers, features=features, kind=run.kind.name,
                     kind_settings=kind_settings)
 
 
-def loss_setup(cfg: TrainConfig, device=None) -> dict:
+def loss_setup(run: ResolvedRun, device=None) -> dict:
     """The objective's share of the plan from the options alone (the run's `BlockLoss` is built later,
     with the drafter): `training_loss`'s chunk rows and vocab buffers (`chunk_vocab_buffers`), and
     whether a term reads the target's final states. A kind whose logits may pass a softcap is counted
@@ -175,32 +199,32 @@ def loss_setup(cfg: TrainConfig, device=None) -> dict:
     terms run the fused head (`DrafterKind.fused_head`) with no other term keeps the chunk's logits in
     the compute dtype alone (`loss.fused_head`)."""
     from dflash.objective.loss import chunk_vocab_buffers
-    from dflash.objective.terms import TERMS, chunk_rows_for, parse_recipe
+    from dflash.objective.terms import TERMS, chunk_rows_for
     from dflash.ops.common.backend import HAS_TRITON
 
-    weights = parse_recipe(cfg.loss.loss)
+    weights, kind = run.terms, run.kind
     terms = [TERMS[name] for name, weight in weights.items() if name != "ce" and weight]
-    kind = drafter_kind(cfg.drafter.drafter_kind)
     fused = kind.fused_head and not terms and device is not None and torch.device(device).type == "cuda" and HAS_TRITON
-    kind_buffers, kind_states = kind.term_costs(cfg.loss)
+    kind_buffers, kind_states = kind.term_costs(run.cfg.loss)
     return {"vocab_buffers": 0 if fused else chunk_vocab_buffers([t.vocab_buffers for t in terms] + kind_buffers,
                                                                  kind.may_softcap),
-            "chunk_rows": chunk_rows_for(weights, cfg.drafter.block_size),
+            "chunk_rows": chunk_rows_for(weights, run.cfg.drafter.block_size),
             "target_states": kind_states or any(getattr(t, "needs_target_states", False) for t in terms)}
 
 
-def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
+def drafter_settings(run: ResolvedRun, num_target_layers: int | None) -> dict:
     """What shapes the drafter's weights and what they learn, by option, as a checkpoint records it
     and `--resume` compares it (with the target's identity, `TargetSpec.fingerprint`, which rank 0
     adds: it hashes the weights): the taps (resolved by the
     official rule for a target of `num_target_layers` when not given), the drafter's size, block,
     anchors, loss decay and mask token."""
     from dflash.data.vocab import MASK_TOKEN
-    from dflash.objective.terms import TERMS, parse_recipe
+    from dflash.objective.terms import TERMS
     from dflash.target.taps import default_target_layer_ids
 
+    cfg = run.cfg
     types = list(cfg.drafter.drafter_layer_types or [])
-    recipe = {name: weight for name, weight in sorted(parse_recipe(cfg.loss.loss).items()) if weight}
+    recipe = {name: weight for name, weight in sorted(run.terms.items()) if weight}
     # every value as resolved, defaults included (a checkpoint without one is compared through the
     # options it recorded: `Checkpointer.claim`)
     settings = {"--drafter-kind": cfg.drafter.drafter_kind, "--optimizer": cfg.optim.optimizer,
@@ -210,10 +234,9 @@ def drafter_settings(cfg: TrainConfig, num_target_layers: int | None) -> dict:
                 # the mask each layer trains with (the weights have the same shapes whatever it is)
                 "--drafter-layer-types": ",".join(types) if "sliding_attention" in types else "full",
                 "--sliding-window": cfg.drafter.sliding_window, "--feature-noise": cfg.loss.feature_noise}
-    kind = drafter_kind(cfg.drafter.drafter_kind)
     # the options of the parts the objective has: its terms' and the kind's
     parts = [name for term in recipe for name in getattr(TERMS.get(term), "options", {})]
-    for name in [*parts, *kind.options]:
+    for name in [*parts, *run.kind.options]:
         settings[f"--{name.replace('_', '-')}"] = cfg.value(name)
     if not cfg.drafter.init_drafter:  # the drafter's mask token is its id (compared once the target gives ids)
         settings["--mask-token"] = cfg.drafter.mask_token or MASK_TOKEN

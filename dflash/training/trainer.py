@@ -26,7 +26,7 @@ from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError, allocation_failed
 from dflash.partial import write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
-from dflash.target.spec import is_random_target, load_target_spec, target_folder
+from dflash.target.spec import is_random_target, target_folder
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
 from dflash.training.checkpoint import Checkpointer
 from dflash.training.config import OPTIONS, TrainConfig, speculate_turns
@@ -37,7 +37,7 @@ from dflash.training.metrics import MetricsWriter, plot_curves, read_records, ta
 from dflash.training.models import Models, load_train_target
 from dflash.training.noise import FeatureNoise
 from dflash.training.phases import PhaseTimer
-from dflash.training.plan import drafter_settings, plan_run, schedule_differences
+from dflash.training.plan import drafter_settings, plan_run, resolve_run, schedule_differences
 from dflash.training.step_metrics import StepMetrics, StepResult
 from dflash.training.steps import micro_batches
 from dflash.training.target import LoadedTarget
@@ -90,10 +90,11 @@ class Trainer:
 
         # everything that can be refused is refused before the target loads: the data's format, the
         # target's config (a family dflash lacks, a config without sizes), the DeepSpeed config, the
-        # memory plan (a run that cannot fit; the row budget that fits)
+        # memory plan (a run that cannot fit; the row budget that fits). The options are resolved here,
+        # once (`ResolvedRun`: the target's spec, the drafter kind, --loss's terms); each part takes its piece
         check_data(cfg.inputs, cfg.run)
-        self.target_spec = spec = load_target_spec(cfg.inputs.target)
-        plan = plan_run(cfg, spec, device=self.device, world_size=self.world_size)
+        plan = plan_run(resolve_run(cfg), device=self.device, world_size=self.world_size)
+        self.target_spec = spec = plan.spec
         self.cfg = cfg = plan.cfg
         ds_config, self.dtype, self.memory_plan = plan.ds_config, plan.dtype, plan.memory
         self.drafter_settings = dict(plan.drafter_settings)
@@ -137,7 +138,9 @@ class Trainer:
                      if d.balance else "round robin to the ranks (--no-balance)" if self.world_size > 1
                      else "one rank: no dealing"))
         self.target_bytes = target_bytes(target.model)
-        self._say(target_summary(self.target_bytes, cfg, self.world_size))
+        self._say(target_summary(self.target_bytes, self.world_size, features=cfg.inputs.features,
+                                 partition=cfg.device.target_partition, offload=cfg.device.target_offload,
+                                 decodes=bool(cfg.eval.speculate_turns)))
         self._say(plan.memory_line)
         if self._allocator_line:
             self._say(self._allocator_line)
@@ -176,7 +179,7 @@ class Trainer:
         def settings_of(options: dict) -> dict:  # a checkpoint of an older dflash: its options, the target by path
             old = cfg.replace(**{k: v for k, v in options.items() if k in OPTIONS})
             target = old.inputs.target
-            return {**drafter_settings(old, self.target_spec.num_layers),
+            return {**drafter_settings(resolve_run(old, self.target_spec), self.target_spec.num_layers),
                     "--target": {"path": target if is_random_target(target) else str(Path(target).resolve())}}
 
         # the target by content: the checkpoint's record spares hashing the files unchanged since

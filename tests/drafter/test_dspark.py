@@ -367,10 +367,10 @@ def test_the_memory_plan_counts_the_markov_terms_buffers_and_the_targets_states(
     vocab buffers (beside the pass's logits) and, with TV, the target's final states; the term built later
     holds what the plan counted."""
     from dflash.training.config import load_config
-    from dflash.training.plan import loss_setup
+    from dflash.training.plan import loss_setup, resolve_run
 
     cfg = load_config(["--data", "d.jsonl", "--drafter-kind", "dspark", "--dspark-tv-weight", str(tv)])
-    setup = loss_setup(cfg, "cpu")
+    setup = loss_setup(resolve_run(cfg), "cpu")
     assert (setup["vocab_buffers"], setup["target_states"]) == (buffers, tv > 0)
     target = tiny_target(0)
     terms = drafter_kind("dspark").terms(tiny_dspark(target), cfg.loss)

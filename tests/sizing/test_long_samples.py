@@ -22,7 +22,7 @@ from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 from dflash.testing import tiny_qwen3_config
 from dflash.training.config import load_config
 from dflash.training.models import training_loss
-from dflash.training.plan import loss_setup
+from dflash.training.plan import loss_setup, resolve_run
 
 B, MASK, VOCAB = 16, 255, 256
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,7 +101,8 @@ def test_a_long_sample_trains_a_step_within_its_memory_plan(models, long_sample,
     assert blocks.num_blocks == anchors
     rows = anchors * B
     plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(config, layers=2, features=1),
-                      MemorySetup(dtype_bytes=4, num_anchors=anchors, attention="reference", **loss_setup(cfg)))
+                      MemorySetup(dtype_bytes=4, num_anchors=anchors, attention="reference",
+                                  **loss_setup(resolve_run(cfg))))
     # the plain reference would keep rows x length scores
     assert reference_attention.runs_chunked(plan.drafter, plan.setup, rows * length)
     estimate = max(plan.target_phase(length), plan.drafter_phase(length, rows, rows * length))

@@ -136,17 +136,18 @@ def test_a_dflash2_drafter_fits_within_ten_percent_of_dflash_s_anchors_on_qwen3_
     anchors against 2,895 / 6,356 (1,736 / 3,866 before the convolution op, the remade outputs and the fused
     head); on CUDA the fused head holds a chunk's bf16 logits alone."""
     from dflash.training.ds_config import load_ds_config
-    from dflash.training.plan import kind_settings, memory_plan
+    from dflash.training.plan import kind_settings, memory_plan, resolve_run
 
     spec = load_target_spec("qwen3-8b", bare_presets=True)
     ds = load_ds_config("ds_configs/zero2.json", world_size=8, grad_clip=1.0, bf16=True)
     ceilings = {}
     for kind in ("dflash", "dflash2"):
         cfg = load_config(["--data", "d.jsonl", "--drafter-kind", kind])
-        plan = memory_plan(cfg, spec, ds, dtype_bytes=2, world_size=8, device="cuda",
-                           kind_settings=kind_settings(cfg, spec))
+        run = resolve_run(cfg, spec)
+        plan = memory_plan(run, ds, dtype_bytes=2, world_size=8, device="cuda", kind_settings=kind_settings(run))
         ceilings[kind] = plan.anchor_ceiling(int(gib * GIB), 32768)
-    assert loss_setup(load_config(["--data", "d.jsonl", "--drafter-kind", "dflash2"]), "cuda")["vocab_buffers"] == 0
+    dflash2 = resolve_run(load_config(["--data", "d.jsonl", "--drafter-kind", "dflash2"]), spec)
+    assert loss_setup(dflash2, "cuda")["vocab_buffers"] == 0
     assert 0.9 * ceilings["dflash"] <= ceilings["dflash2"] < ceilings["dflash"], ceilings
 
 

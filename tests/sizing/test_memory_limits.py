@@ -14,7 +14,7 @@ from dflash.sizing.memory import MemorySetup, plan_for
 from dflash.target.spec import load_target_spec
 from dflash.tools import plan_memory
 from dflash.training.config import load_config
-from dflash.training.plan import plan_run
+from dflash.training.plan import plan_run, resolve_run
 
 # a large target, and the demo's tiny one whose drafter the CPU trains (with the reference attention)
 SPECS = {"qwen3-8b": load_target_spec("qwen3-8b", bare_presets=True), "demo": load_target_spec(str(TARGET))}
@@ -66,7 +66,7 @@ def test_a_refusal_sizes_what_it_prices_and_every_suggestion_passes(data, anchor
     cfg = load_config(base)
     spec = load_target_spec(cfg.inputs.target)
     with pytest.raises(UserError) as err:
-        plan_run(cfg, spec, device=torch.device("cpu"), world_size=1)
+        plan_run(resolve_run(cfg, spec), device=torch.device("cpu"), world_size=1)
     text = str(err.value)
     needs, usable = (float(x) for x in re.search(r"needs about ([\d.]+) GiB per rank, more than the ([\d.]+) GiB "
                                                  r"usable", text).groups())
@@ -78,7 +78,7 @@ def test_a_refusal_sizes_what_it_prices_and_every_suggestion_passes(data, anchor
         args = [flags[0]] + ([flags[1].replace(",", "")] if flags[1] else [])
         if "--deepspeed_config" in args:
             continue  # ZeRO-3 on one CPU rank is refused by the trainer's own checks for other reasons
-        plan = plan_run(load_config([*base, *args]), spec, device=torch.device("cpu"), world_size=1)
+        plan = plan_run(resolve_run(load_config([*base, *args]), spec), device=torch.device("cpu"), world_size=1)
         assert plan.cfg.batches.row_budget >= plan.memory.min_rows(), way
         if data == "store":
             check_lengths(TokenStore(cfg.inputs.data).lengths, plan.cfg.batches.token_budget, name=str)
@@ -91,14 +91,14 @@ def test_a_refusal_that_no_one_flag_answers_lists_two_that_do():
     base = ["--target", "random:qwen3-8b", "--memory-gib", "66"]
     spec = load_target_spec("random:qwen3-8b")
     with pytest.raises(UserError) as err:
-        plan_run(load_config(base), spec, device=torch.device("cpu"), world_size=1)
+        plan_run(resolve_run(load_config(base), spec), device=torch.device("cpu"), world_size=1)
     ways = re.search(r"\nit would fit with: (.*)\n", str(err.value)).group(1).split("; or ")
     assert "--activation-checkpointing --num-anchors 256" in ways, ways
     for way in ways:
         args = [a.replace(",", "") for a in way.split()]
         if "--deepspeed_config" in args:
             continue  # ZeRO-3 on one CPU rank is refused by the trainer's own checks for other reasons
-        plan = plan_run(load_config([*base, *args]), spec, device=torch.device("cpu"), world_size=1)
+        plan = plan_run(resolve_run(load_config([*base, *args]), spec), device=torch.device("cpu"), world_size=1)
         assert plan.cfg.batches.row_budget >= plan.memory.min_rows(), way
 
 

@@ -83,7 +83,7 @@ def test_the_recipe_builds_the_objective():
 
 def test_muon_defaults_and_the_deepspeed_configs_it_refuses():
     from dflash.training.ds_config import load_ds_config, with_optimizer
-    from dflash.training.plan import drafter_settings
+    from dflash.training.plan import drafter_settings, resolve_run
 
     cfg = load_config(["--data", "d.jsonl", "--optimizer", "muon", "--lr", "2e-4"])
     assert cfg.optim.grad_clip == 0 and cfg.optim.muon_lr == pytest.approx(2e-3)  # speculators' 10x
@@ -109,8 +109,9 @@ def test_muon_defaults_and_the_deepspeed_configs_it_refuses():
     assert "optimizer" not in with_optimizer(clipped, "adamw", lr=1e-3, muon_lr=0, momentum=0, weight_decay=0,
                                              named="ds.json")
     # a resume with the other optimizer is refused: its state is another optimizer's
-    assert drafter_settings(cfg, 4)["--optimizer"] == "muon"
-    assert drafter_settings(load_config(["--data", "d.jsonl"]), 4)["--optimizer"] == "adamw"  # the default too
+    assert drafter_settings(resolve_run(cfg), 4)["--optimizer"] == "muon"
+    default = load_config(["--data", "d.jsonl"])
+    assert drafter_settings(resolve_run(default), 4)["--optimizer"] == "adamw"  # the default too
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from dflash.sizing.tensor_bytes import measure_peak_tensor_bytes
 from dflash.testing import tiny_qwen3_config
 from dflash.training.config import load_config
 from dflash.training.models import drafter_kind_settings, training_loss
-from dflash.training.plan import loss_setup
+from dflash.training.plan import loss_setup, resolve_run
 
 
 def planned_and_measured_micro_step(dtype, checkpointing: bool, recipe: str, kind: str, settings=None):
@@ -52,6 +52,6 @@ def planned_and_measured_micro_step(dtype, checkpointing: bool, recipe: str, kin
     plan = MemoryPlan(target_sizes(config), DrafterSizes.from_target(
         config, layers=2, features=2, kind=dcfg.kind, kind_settings=dcfg.kind_settings),
                       MemorySetup(dtype_bytes=dtype.itemsize, num_anchors=8, activation_checkpointing=checkpointing,
-                                  **loss_setup(cfg)))
+                                  **loss_setup(resolve_run(cfg))))
     tokens, rows = 250, blocks.num_blocks * 16
     return max(plan.target_phase(tokens), plan.drafter_phase(tokens, rows)), measured, plan, loss

@@ -137,15 +137,16 @@ def test_resume_refuses_a_checkpoint_trained_with_other_layer_types():
     """The weights have the same shapes whatever mask a layer trains with, so the checkpoint's
     record of the drafter settings names the layer types and the window (`--resume` compares it)."""
     from dflash.training.checkpoint import drafter_differences
-    from dflash.training.plan import drafter_settings
+    from dflash.training.plan import drafter_settings, resolve_run
 
     full = load_config(["--data", "d.jsonl", "--draft-layers", "2"])
     sliding = load_config(["--data", "d.jsonl", "--draft-layers", "2", "--drafter-layer-types", "sliding,full",
                            "--sliding-window", "64"])
-    assert drafter_differences(drafter_settings(full, 6), drafter_settings(sliding, 6)) == [
+    assert drafter_differences(drafter_settings(resolve_run(full), 6), drafter_settings(resolve_run(sliding), 6)) == [
         "--drafter-layer-types: full -> sliding_attention,full_attention", "--sliding-window: 0 -> 64"]
     explicit_full = load_config(["--data", "d.jsonl", "--draft-layers", "2", "--drafter-layer-types", "full,full"])
-    assert drafter_differences(drafter_settings(full, 6), drafter_settings(explicit_full, 6)) == []
+    assert drafter_differences(drafter_settings(resolve_run(full), 6),
+                               drafter_settings(resolve_run(explicit_full), 6)) == []
 
 
 def test_overwrite_never_deletes_what_the_run_reads(tmp_path):
