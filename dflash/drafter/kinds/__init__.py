@@ -20,7 +20,8 @@ import importlib
 from typing import Any, NamedTuple
 
 # name -> the module that defines it (its `KIND`): the registry's table
-BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2"}
+BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2",
+            "lilicorr": "dflash.drafter.kinds.lilicorr"}
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}
