@@ -191,8 +191,9 @@ def test_the_walk_takes_each_slots_row_after_the_pick_before_it():
         torch.testing.assert_close(q[s + 1], torch.softmax(pair[s, picks[s]] / 0.7, -1))
 
 
-def dense_lattice_loss(drafter, hidden, blocks, weights, margin, target_states, cu):
-    """ModelOpt's three terms written out block by block and slot by slot (row-weighted as the DFlash CE)."""
+def dense_lattice_loss(drafter, hidden, blocks, weights, margin, target_states, cu, logprob_grad):
+    """ModelOpt's three terms written out block by block and slot by slot (row-weighted as the DFlash CE), the
+    candidates' log-probabilities from the full logits (detached unless `logprob_grad`)."""
     w_ce, w_m, w_p = weights
     S = B - 1
     states = hidden.view(-1, B, hidden.shape[-1])
@@ -202,7 +203,8 @@ def dense_lattice_loss(drafter, hidden, blocks, weights, margin, target_states, 
         if not bool(blocks.valid[j].all()):
             continue
         anchor_hidden, valid = drafter.block_anchors[0][j:j + 1], drafter.block_anchors[1][j:j + 1]
-        logits = drafter.logits(states[j, 1:]).detach()  # the candidates' log-probabilities: inputs, detached
+        logits = drafter.logits(states[j, 1:])
+        logits = logits if logprob_grad else logits.detach()
         candidates, start, pair = drafter.lattice(states[j:j + 1, 1:], logits[None], anchor_hidden, valid)
         row, prev = start[0], None
         for s in range(S):
@@ -224,7 +226,8 @@ def dense_lattice_loss(drafter, hidden, blocks, weights, margin, target_states, 
     return total
 
 
-def test_the_lattice_term_is_the_dense_objective_with_its_gradients():
+@pytest.mark.parametrize("logprob_grad", [True, False])
+def test_the_lattice_term_is_the_dense_objective_with_its_gradients(logprob_grad):
     target = tiny_target(3)
     drafter = tiny_lilicorr(target, seed=3, settings=LiLiCorrSettings(**{**SETTINGS.__dict__, "candidate_topk": 16}))
     batch = make_batch([14, 20], seed=3)
@@ -237,14 +240,14 @@ def test_the_lattice_term_is_the_dense_objective_with_its_gradients():
         pick = top.gather(2, torch.randint(0, 16, (*top.shape[:2], 1), generator=g)).squeeze(2)
         blocks.labels.copy_(torch.where(torch.rand(pick.shape, generator=g) < 0.85, pick, blocks.labels))
     weights, margin = (0.3, 0.2, 0.4), 1.5
-    term = LatticeTerm(drafter, *weights, margin=margin)
+    term = LatticeTerm(drafter, *weights, margin=margin, logprob_grad=logprob_grad)
     loss = BlockLoss(ce_weight=0.0, terms=[term])
     params = [p for n, p in drafter.named_parameters() if n.startswith(("lilicorr.", "fc.", "layers.1.mlp"))]
     out = loss(drafter(batch, feats, blocks), blocks, drafter.lm_head,
                context={"target_states": tstates, "cu_seqlens": batch.cu_seqlens})
     got = torch.autograd.grad(out.loss_sum, params)
     hidden = drafter(batch, feats, blocks)
-    want_loss = dense_lattice_loss(drafter, hidden, blocks, weights, margin, tstates, batch.cu_seqlens)
+    want_loss = dense_lattice_loss(drafter, hidden, blocks, weights, margin, tstates, batch.cu_seqlens, logprob_grad)
     assert float(out.metrics["lattice_supervised"]) >= 4  # the objective covers several rows
     torch.testing.assert_close(out.loss_sum, want_loss, rtol=1e-4, atol=1e-5)
     want = torch.autograd.grad(want_loss, params)
@@ -365,9 +368,10 @@ def test_released_settings_and_options():
     assert kind.architecture == "LiLiCorrDraftModel"
     assert {n: o.default for n, o in kind.options.items()} == {
         "lilicorr_ce_weight": 0.25, "lilicorr_margin_weight": 0.0, "lilicorr_penalty_weight": 0.25,
-        "lilicorr_margin": 2.0}
+        "lilicorr_margin": 2.0, "lilicorr_logprob_grad": True}
     (term,) = kind.terms(tiny_lilicorr(tiny_target(8)), None)
     assert term.weights == (0.25, 0.0, 0.25) and term.margin == 2.0 and term.needs_target_states
+    assert term.logprob_grad and term.head_top_k is None  # the softmax is read: no fused head
     with pytest.raises(ValueError, match="lattice weights"):
         LatticeTerm(tiny_lilicorr(tiny_target(8)), 0.0, 0.0, 0.0)
 

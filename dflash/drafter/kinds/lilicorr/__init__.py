@@ -161,9 +161,14 @@ class LiLiCorrKind(DrafterKind):
                                           "final norm)", (lambda v: v >= 0, "must be >= 0")),
         "lilicorr_margin": Option("loss", 2.0, "lilicorr: the hinge's margin in score units",
                                   (lambda v: v > 0, "must be > 0")),
+        "lilicorr_logprob_grad": Option("loss", True, "lilicorr: the lattice's gradient reaches the backbone "
+                                        "through the candidates' log-probabilities too (as ModelOpt trains; "
+                                        "off: they are detached inputs and a GPU may run the fused head)"),
     }
     config_keys = ("lilicorr_enabled", *(PREFIX + f.name for f in fields(LiLiCorrSettings)), *CONV_KEYS)
-    fused_head = True  # the lattice reads the top-K and the log-sum-exp only
+    # the lattice reads only the top-K and the log-sum-exp where its log-probabilities are detached
+    # (--no-lilicorr-logprob-grad); by default it reads the chunk's softmax: the plan prices the plain pass
+    fused_head = False
 
     network = LiLiCorrDrafter
 
@@ -189,7 +194,7 @@ class LiLiCorrKind(DrafterKind):
     def terms(self, drafter, loss_options) -> list:
         o = lambda name: self.option(loss_options, name)  # noqa: E731
         return [LatticeTerm(drafter, o("lilicorr_ce_weight"), o("lilicorr_margin_weight"),
-                            o("lilicorr_penalty_weight"), o("lilicorr_margin"))]
+                            o("lilicorr_penalty_weight"), o("lilicorr_margin"), o("lilicorr_logprob_grad"))]
 
     def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
         return row_flops(hidden, layers, block_size, settings, self.option(loss_options, "lilicorr_penalty_weight") > 0)

@@ -189,7 +189,9 @@ class LiLiCorrDrafter(DFlashDrafter):
     context row before each block's anchor, which the correlator reads, is kept by the forward (training,
     the eval walk) and by `draft_hidden` (decoding) for the loss term and `propose`."""
 
-    adamw_parameters = ("lilicorr.*_embedding", "lilicorr.*_bias", "lilicorr.*norm.*")  # not matrices (Muon)
+    # Under --optimizer muon these stay on AdamW (`ds_config.muon_split`; the slot and rank embeddings are
+    # by their names): a table of per-head biases, no matrix.
+    adamw_parameters = ("lilicorr.relative_slot_bias",)
     chooses_drafts = True  # the lattice walk (`propose`)
 
     def __init__(self, config: DrafterConfig, shared: SharedWeights | None = None, **kwargs) -> None:
@@ -239,6 +241,28 @@ class LiLiCorrDrafter(DFlashDrafter):
         return candidates[0].gather(1, picks[:, None])[:, 0], candidates[0], q
 
 
+class CandidateLogProbs(torch.autograd.Function):
+    """log p(c_j) = z_j - logsumexp(z) of each row's candidates (values computed in the lm_head pass), with
+    their gradient w.r.t. the row's state h (z = h W^T): d log p(c_j) / d h = W[c_j] - E_p[W], E_p[W]
+    (`expected`, rows x H) taken in the same pass. No rows x vocab buffer is kept for backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, log_probs, candidates, expected, lm_head):
+        ctx.save_for_backward(candidates, expected, lm_head)
+        ctx.hidden_dtype = hidden.dtype
+        return log_probs.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        candidates, expected, lm_head = ctx.saved_tensors
+        out = torch.empty(grad.shape[0], lm_head.shape[1], dtype=torch.float32, device=grad.device)
+        for lo in range(0, grad.shape[0], 1024):  # the rows' candidate embeddings, a chunk at a time
+            g = grad[lo:lo + 1024].float()
+            rows = torch.einsum("rk,rkh->rh", g, lm_head[candidates[lo:lo + 1024]].float())
+            out[lo:lo + 1024] = rows - g.sum(1, keepdim=True) * expected[lo:lo + 1024]
+        return out.to(ctx.hidden_dtype), None, None, None, None
+
+
 def lattice_figures(sums: dict, blocks: float) -> dict:
     """The lattice's figures from `LossOutput.metrics` summed over `blocks` blocks: recall (the gold token
     among the top-K) over the scored rows, and over the supervised rows (gold path inside the lattice so
@@ -257,9 +281,11 @@ class LatticeTerm(LogitTerm):
     """The correlator's objective in the loss room (module docstring): per supervised row, ce_weight x CE
     + margin_weight x hinge + penalty_weight x penalty, each weighted per row as the DFlash cross-entropy
     (ModelOpt averages them over the supervised slots instead), summed. The top-K, their logits and the
-    log-sum-exp come from each chunk of the lm_head pass (or the fused head); the log-probabilities are
-    inputs of the correlator (detached: its gradient reaches the backbone through the slot states and the
-    anchor's context row, not through the candidates' log-probabilities as in ModelOpt).
+    log-sum-exp come from each chunk of the lm_head pass; the correlator's gradient reaches the backbone
+    through the slot states, the anchor's context row and, as in ModelOpt, the candidates' log-probabilities
+    (`CandidateLogProbs`: the pass also keeps each row's expected lm_head row). With `logprob_grad` off
+    the log-probabilities are detached inputs, and the pass may run the fused head (top-K and log-sum-exp
+    only).
 
     Metrics (`LossOutput.metrics`, sums): lattice_rows (scored), lattice_recall (gold among the top-K),
     lattice_supervised, lattice_correct (the teacher-forced pick is the gold token), and the three parts'
@@ -271,7 +297,7 @@ class LatticeTerm(LogitTerm):
                     "lattice_hinge_sum", "lattice_penalty_sum")
 
     def __init__(self, drafter: LiLiCorrDrafter, ce_weight: float = 0.25, margin_weight: float = 0.0,
-                 penalty_weight: float = 0.25, margin: float = 2.0):
+                 penalty_weight: float = 0.25, margin: float = 2.0, logprob_grad: bool = True):
         super().__init__(1.0)
         weights = (ce_weight, margin_weight, penalty_weight)
         if not all(w >= 0 for w in weights) or not any(weights):
@@ -280,10 +306,16 @@ class LatticeTerm(LogitTerm):
             raise ValueError(f"the lattice margin must be > 0 when its weight is, got {margin}")
         self.drafter, self.weights, self.margin = drafter, weights, float(margin)
         self.needs_target_states = penalty_weight > 0  # the penalty reads the target's logits
+        self.logprob_grad = bool(logprob_grad)
+        self.vocab_buffers = 1 + self.logprob_grad  # the softmax, then its product with the lm_head
 
     @property
-    def head_top_k(self) -> int:
+    def top_k(self) -> int:
         return self.drafter.lilicorr.top_k
+
+    @property
+    def head_top_k(self) -> int | None:
+        return None if self.logprob_grad else self.top_k  # the gradient needs the chunk's softmax
 
     def figures(self, sums: dict, blocks: float) -> dict:
         return lattice_figures(sums, blocks)
@@ -295,12 +327,16 @@ class LatticeTerm(LogitTerm):
                 f"{record['lattice_recall']:.3f}, accuracy {record['lattice_accuracy']:.3f}")
 
     def start(self, blocks: Blocks, context: dict) -> None:
-        rows, K, device = blocks.labels.numel(), self.head_top_k, blocks.labels.device
+        rows, K, device = blocks.labels.numel(), self.top_k, blocks.labels.device
         self._labels = blocks.labels.reshape(-1)
         # rows the fused head skips (weight 0) keep finite stand-ins: they are never supervised
         self._values = torch.zeros(rows, K, dtype=torch.float32, device=device)
         self._candidates = torch.arange(K, device=device).expand(rows, K).clone()
         self._lse = torch.zeros(rows, dtype=torch.float32, device=device)
+        self._expected = None
+        if self.logprob_grad:
+            H = self.drafter.config.hidden_size
+            self._expected = torch.zeros(rows, H, dtype=torch.float32, device=device)  # E_p[lm_head row]
         self._states = context.get(TARGET_STATES)
         if self._states is not None:
             cu, a, B = context[CU_SEQLENS].long(), blocks.anchors, blocks.block_size
@@ -312,16 +348,29 @@ class LatticeTerm(LogitTerm):
         self._values[rows], self._candidates[rows], self._lse[rows] = stats.top_values, stats.top_ids, stats.lse
 
     def chunk(self, logits, lo, hi, need_grad):
-        self._values[lo:hi], self._candidates[lo:hi] = logits.topk(self.head_top_k, dim=-1)
-        self._lse[lo:hi] = torch.logsumexp(logits, dim=-1)
+        self._values[lo:hi], self._candidates[lo:hi] = logits.topk(self.top_k, dim=-1)
+        if self._expected is None:
+            self._lse[lo:hi] = torch.logsumexp(logits, dim=-1)
+            return logits.new_zeros(()), None
+        top = logits.amax(-1, keepdim=True)
+        probs = (logits - top).exp_()
+        total = probs.sum(-1, keepdim=True)
+        self._lse[lo:hi] = (total.log() + top).squeeze(1)
+        lm_head = self.drafter.lm_head
+        self._expected[lo:hi] = (probs.div_(total).to(lm_head.dtype) @ lm_head).float()
         return logits.new_zeros(()), None
 
     def finish(self, hidden, blocks, temperatures):
-        B, K = blocks.block_size, self.head_top_k
+        B, K = blocks.block_size, self.top_k
         S, n = B - 1, blocks.labels.shape[0]
         w_ce, w_margin, w_pen = self.weights
         candidates = self._candidates.view(n, S, K)
-        log_probs = (self._values - self._lse[:, None]).view(n, S, K)
+        log_probs = self._values - self._lse[:, None]
+        if self._expected is not None and torch.is_grad_enabled():
+            log_probs = CandidateLogProbs.apply(hidden, log_probs, self._candidates, self._expected,
+                                                self.drafter.lm_head)
+        log_probs = log_probs.view(n, S, K)
+        self._expected = None
         anchor_hidden, anchor_valid = self.drafter.block_anchors
         self.drafter.block_anchors = None  # the graph it holds goes with this loss
         embed = F.embedding(candidates, self.drafter._require_shared().embed)
