@@ -24,7 +24,7 @@ def test_a_registered_kind_is_found_by_name_and_architecture_and_clashes_are_ref
         from dflash.drafter.kinds import register
 
         register(type("Again", (gated_kind.GatedKind,), {})())
-    with pytest.raises(ValueError, match=r"unknown drafter kind 'nope' \(known: dflash, dflash2, gated"):
+    with pytest.raises(ValueError, match=r"unknown drafter kind 'nope' \(known: dflash, dflash2, .*gated"):
         drafter_kind("nope")
 
 

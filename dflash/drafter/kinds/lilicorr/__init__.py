@@ -128,7 +128,9 @@ def row_flops(hidden: int, layers: int, block_size: int, settings: LiLiCorrSetti
     Everything is trained and on the gradient's path (3x its multiply-adds x 2) but token_proj, whose
     input (the target's embeddings) takes no gradient (2x). The penalty reads the
     target's logits of the candidates, (B - 1) K dot products of H, forward only. Norms, the features
-    and the walk are not counted."""
+    and the walk are not counted, nor, with the gradient through the candidates' log-probabilities, the
+    lm_head pass's product of each scored row's softmax with the lm_head (2 V H: this signature has no
+    vocabulary size) and its K-row gather in backward."""
     s = settings
     H, B, K, F_ = hidden, block_size, s.candidate_topk, s.factor_dim
     h = s.hidden_size or H

@@ -349,7 +349,7 @@ class LatticeTerm(LogitTerm):
 
     def chunk(self, logits, lo, hi, need_grad):
         self._values[lo:hi], self._candidates[lo:hi] = logits.topk(self.top_k, dim=-1)
-        if self._expected is None:
+        if self._expected is None or not need_grad:  # no gradient: the expected rows are not needed
             self._lse[lo:hi] = torch.logsumexp(logits, dim=-1)
             return logits.new_zeros(()), None
         top = logits.amax(-1, keepdim=True)
