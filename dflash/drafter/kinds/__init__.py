@@ -24,7 +24,7 @@ from dflash.options import Option  # a kind's options; importable from here for 
 
 # name -> the module that defines it (its `KIND`): the registry's table
 BUILT_IN = {"dflash": "dflash.drafter.kinds.dflash", "dflash2": "dflash.drafter.kinds.dflash2",
-            "dspark": "dflash.drafter.kinds.dspark"}
+            "dspark": "dflash.drafter.kinds.dspark", "lilicorr": "dflash.drafter.kinds.lilicorr"}
 DEFAULT = "dflash"
 
 _registered: dict[str, DrafterKind] = {}

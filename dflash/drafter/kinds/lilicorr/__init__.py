@@ -1,0 +1,208 @@
+"""The LiLiCorr drafter kind (`LiLiCorrDraftModel`, NVIDIA's candidate-lattice correlator over a DFlash
+backbone): the network (`network`), its settings as released (`LiLiCorrSettings`, in `dflash_config`
+as vLLM 0.32 reads them), the correlator's loss term and options (ModelOpt PR 2342's objective), and
+what it adds to the FLOPs.
+
+Engine matched: vLLM 0.32 (`model_executor/models/lilicorr.py`: `LiLiCorrForCausalLM`, its
+`LiLiCorrHead` and `load_weights`; `v1/worker/gpu/spec_decode/lilicorr/speculator.py`, a subclass of
+the DFlash2 speculator whose candidate walk it shares). The plain recipe is built (ModelOpt's
+`lilicorr.yaml`); the variant with DFlash2's convolutions (`conv_kernel_size` > 0) is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dflash.drafter.kinds import DrafterKind
+from dflash.options import Option
+from dflash.drafter.kinds.lilicorr.network import (
+    NUM_FEATURES,
+    LatticeCorrelator,
+    LatticeTerm,
+    LiLiCorrDrafter,
+    lattice_figures,
+    walk,
+)
+
+PREFIX = "lilicorr_"  # of every setting's dflash_config key
+CONV_KEYS = ("conv_kernel_size", "conv_group_size")  # vLLM: both 0 is the plain drafter built here
+
+
+@dataclass
+class LiLiCorrSettings:
+    """What a LiLiCorr drafter adds (`DrafterConfig.kind_settings`): the correlator's width (0: the
+    drafter's hidden size), layers, attention heads, MLP ratio, the top-K candidates per slot, the
+    factor width, the factors' L2 eps and the scale of their cosines. Written to config.json's
+    dflash_config as `lilicorr_<field>`, with `lilicorr_enabled` true and no convolutions."""
+
+    candidate_topk: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    mlp_ratio: float
+    factor_dim: int
+    vector_eps: float
+    logit_scale: float
+
+    def check(self, hidden_size: int, vocab_size: int, block_size: int | None = None) -> None:
+        """Raise ValueError naming the dflash_config key vLLM 0.32 would not serve as computed here."""
+        for key in ("candidate_topk", "num_layers", "num_heads", "factor_dim"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"dflash_config.{PREFIX}{key} must be an integer >= 1, got {value!r}")
+        k = self.candidate_topk
+        if k > 16 or k & (k - 1) or k > vocab_size:
+            raise ValueError(f"dflash_config.{PREFIX}candidate_topk must be a power of two <= 16 and <= the "
+                             f"vocabulary ({vocab_size}), got {k}")
+        h = self.hidden_size
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"dflash_config.{PREFIX}hidden_size must be an integer >= 0 (0: the drafter's), "
+                             f"got {h!r}")
+        if (h or hidden_size) % self.num_heads:
+            raise ValueError(f"dflash_config.{PREFIX}num_heads {self.num_heads} does not divide the correlator's "
+                             f"width {h or hidden_size}")
+        if not int((h or hidden_size) * self.mlp_ratio) >= 1:
+            raise ValueError(f"dflash_config.{PREFIX}mlp_ratio must give an MLP of >= 1 channel, "
+                             f"got {self.mlp_ratio!r}")
+        if not 0 < self.vector_eps < 0.5:
+            raise ValueError(f"dflash_config.{PREFIX}vector_eps must be in (0, 0.5), got {self.vector_eps!r}")
+        if not self.logit_scale > 0:
+            raise ValueError(f"dflash_config.{PREFIX}logit_scale must be > 0, got {self.logit_scale!r}")
+        if block_size is not None and block_size < 2:
+            raise ValueError(f"dflash_config.block_size must be >= 2 in a LiLiCorr drafter, got {block_size}")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"lilicorr_enabled": True, **{PREFIX + f.name: getattr(self, f.name) for f in fields(self)},
+                **dict.fromkeys(CONV_KEYS, 0)}
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> LiLiCorrSettings:
+        """From a LiLiCorr config.json (dflash_config first, then the top level); vLLM requires every key."""
+        dflash = d.get("dflash_config") or {}
+
+        def pick(name, default=None):
+            return dflash.get(name, d.get(name, default))
+
+        if not pick("lilicorr_enabled", True):
+            raise ValueError("config.json sets dflash_config.lilicorr_enabled false (vLLM refuses it)")
+        for key in CONV_KEYS:
+            if pick(key, 0):
+                raise ValueError(f"config.json sets dflash_config.{key} = {pick(key)!r}: the LiLiCorr drafter with "
+                                 "DFlash2's convolutions is not implemented here (supported: 0)")
+        missing = [f.name for f in fields(cls) if pick(PREFIX + f.name) is None]
+        if missing:
+            raise ValueError(f"config.json of a LiLiCorrDraftModel lacks dflash_config.{PREFIX}{missing[0]} "
+                             "(vLLM requires it)")
+        floats = {"mlp_ratio", "vector_eps", "logit_scale"}
+        return cls(**{f.name: float(pick(PREFIX + f.name)) if f.name in floats else pick(PREFIX + f.name)
+                      for f in fields(cls)})
+
+
+def released_settings() -> LiLiCorrSettings:
+    """The published recipe's correlator (ModelOpt `lilicorr.yaml`, Qwen3-8B): top-8 candidates, width
+    1024, 2 layers of 8 heads, MLP ratio 2, factors of 1024, eps 1e-4, scale 8."""
+    return LiLiCorrSettings(candidate_topk=8, hidden_size=1024, num_layers=2, num_heads=8, mlp_ratio=2.0,
+                            factor_dim=1024, vector_eps=1e-4, logit_scale=8.0)
+
+
+def head_parameters(settings: LiLiCorrSettings, hidden: int, block_size: int) -> int:
+    """The correlator's parameter count (what `LatticeCorrelator` holds)."""
+    s = settings
+    h, K, F_, L, r = s.hidden_size or hidden, s.candidate_topk, s.factor_dim, s.num_layers, int(
+        (s.hidden_size or hidden) * s.mlp_ratio)
+    linear = lambda i, o: i * o + o  # noqa: E731
+    layer = 2 * h + 3 * h * h + 3 * h + linear(h, h) + linear(h, r) + linear(r, h)
+    return ((linear(hidden, h) if h != hidden else 0) + linear(hidden, h) + 2 * NUM_FEATURES
+            + linear(NUM_FEATURES, h) + linear(h, h) + (block_size - 1) * h + K * h
+            + s.num_heads * (2 * block_size - 1) + s.num_heads + linear(hidden, h) + L * layer + 2 * h
+            + linear(3 * h, h) + 3 * linear(h, F_))
+
+
+def row_flops(hidden: int, layers: int, block_size: int, settings: LiLiCorrSettings, penalty: bool = True) -> float:
+    """What a LiLiCorr drafter adds per block row in training, forward and backward.
+
+    Per block the lattice holds (B - 1) K positions; each runs the candidate projections (token_proj
+    where the widths differ, the feature MLP 5 -> h -> h; pass_hidden_proj once per slot), every
+    layer's attention projections (4 h^2) and MLP (2 r h), attention over the L = (B - 1) K positions
+    (2 L h for the scores, 2 L h for the values), factor_input_proj (3 h^2) and the two factor heads
+    (2 h F); per block the anchor's context_proj and anchor_out_head; the pair scores (B - 2) K^2 F.
+    Everything is trained and on the gradient's path (3x its multiply-adds x 2) but token_proj, whose
+    input (the target's embeddings) takes no gradient (2x). The penalty reads the
+    target's logits of the candidates, (B - 1) K dot products of H, forward only. Norms, the features
+    and the walk are not counted, nor, with the gradient through the candidates' log-probabilities, the
+    lm_head pass's product of each scored row's softmax with the lm_head (2 V H: this signature has no
+    vocabulary size) and its K-row gather in backward."""
+    s = settings
+    H, B, K, F_ = hidden, block_size, s.candidate_topk, s.factor_dim
+    h = s.hidden_size or H
+    r, S = int(h * s.mlp_ratio), B - 1
+    lattice = S * K
+    per_candidate = (NUM_FEATURES * h + h * h
+                     + s.num_layers * (4 * h * h + 2 * r * h + 2 * lattice * h) + 3 * h * h + 2 * h * F_)
+    per_block = lattice * per_candidate + S * H * h + H * h + h * F_ + (S - 1) * K * K * F_
+    # the candidates' embeddings are the target's, frozen: token_proj has no input gradient (2x)
+    trained = 3 * 2 * per_block + 2 * 2 * lattice * (H * h if h != H else 0)
+    target = 2 * lattice * H if penalty else 0
+    return (trained + target) / B
+
+
+class LiLiCorrKind(DrafterKind):
+    name = "lilicorr"
+    title = "LiLiCorr"
+    architecture = "LiLiCorrDraftModel"
+    summary = ("adds a candidate-lattice correlator over the drafter's top candidates and drafts the path it "
+               "walks (NVIDIA's LiLiCorr, as vLLM 0.32 serves LiLiCorrDraftModel; sized as released: top-8, "
+               "width 1024, 2 layers, factors of 1024, scale 8)")
+    options = {
+        "lilicorr_ce_weight": Option("loss", 0.25, "lilicorr: weight of the lattice's cross-entropy over each slot's "
+                                     "K candidates along the data's path", (lambda v: v >= 0, "must be >= 0")),
+        "lilicorr_margin_weight": Option("loss", 0.0, "lilicorr: weight of the hinge relu(margin - (gold score - "
+                                         "best other)) (ModelOpt's margin variant: 0.125, with ce 0.125)",
+                                         (lambda v: v >= 0, "must be >= 0")),
+        "lilicorr_penalty_weight": Option("loss", 0.25, "lilicorr: weight of the distractor penalty, the lattice's "
+                                          "expected target-logit gap to the gold token (runs the target to its "
+                                          "final norm)", (lambda v: v >= 0, "must be >= 0")),
+        "lilicorr_margin": Option("loss", 2.0, "lilicorr: the hinge's margin in score units",
+                                  (lambda v: v > 0, "must be > 0")),
+        "lilicorr_logprob_grad": Option("loss", True, "lilicorr: the lattice's gradient reaches the backbone "
+                                        "through the candidates' log-probabilities too (as ModelOpt trains; "
+                                        "off: they are detached inputs and a GPU may run the fused head)"),
+    }
+    config_keys = ("lilicorr_enabled", *(PREFIX + f.name for f in fields(LiLiCorrSettings)), *CONV_KEYS)
+    # the lattice reads only the top-K and the log-sum-exp where its log-probabilities are detached
+    # (--no-lilicorr-logprob-grad); by default it reads the chunk's softmax: the plan prices the plain pass
+    fused_head = False
+
+    network = LiLiCorrDrafter
+
+    def released_settings(self) -> LiLiCorrSettings:
+        return released_settings()
+
+    def read_settings(self, d: dict) -> LiLiCorrSettings:
+        return LiLiCorrSettings.from_json_dict(d)
+
+    def write_config(self, config, out: dict) -> None:
+        # vLLM reads the block size from dflash_config first, as for DFlash2
+        out["dflash_config"] = {"block_size": out.pop("block_size"), **out["dflash_config"],
+                                **config.kind_settings.to_json_dict()}
+
+    def check_sizes(self, settings, hidden_size: int, vocab_size: int) -> None:
+        settings.check(hidden_size, vocab_size)
+
+    def check_settings(self, config) -> None:
+        if not isinstance(config.kind_settings, LiLiCorrSettings):
+            raise ValueError(f"a LiLiCorr drafter needs its settings (LiLiCorrSettings), got {config.kind_settings!r}")
+        config.kind_settings.check(config.hidden_size, config.vocab_size, config.block_size)
+
+    def terms(self, drafter, loss_options) -> list:
+        o = lambda name: self.option(loss_options, name)  # noqa: E731
+        return [LatticeTerm(drafter, o("lilicorr_ce_weight"), o("lilicorr_margin_weight"),
+                            o("lilicorr_penalty_weight"), o("lilicorr_margin"), o("lilicorr_logprob_grad"))]
+
+    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
+        return row_flops(hidden, layers, block_size, settings, self.option(loss_options, "lilicorr_penalty_weight") > 0)
+
+
+KIND = LiLiCorrKind()
+__all__ = ["KIND", "LatticeCorrelator", "LatticeTerm", "LiLiCorrDrafter", "LiLiCorrKind", "LiLiCorrSettings",
+           "head_parameters", "lattice_figures", "released_settings", "row_flops", "walk"]
