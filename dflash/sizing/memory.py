@@ -106,10 +106,11 @@ class DrafterSizes:
     # own parts add, it prices (`DrafterKind`'s costs)
     kind: str = DEFAULT
     kind_settings: Any = None
+    block_size: int = 16  # the anchor and its drafted slots: a kind's parts may be sized per slot
 
     @classmethod
     def from_target(cls, config, *, layers: int, features: int, kind: str = DEFAULT,
-                    kind_settings: Any = None) -> DrafterSizes:
+                    kind_settings: Any = None, block_size: int = 16) -> DrafterSizes:
         """The drafter DFlash builds for `config` (its hidden size, heads and MLP width; an MoE
         target without a dense width: its routed experts' width per token), of the drafter kind
         `kind` with its settings `kind_settings`."""
@@ -120,7 +121,7 @@ class DrafterSizes:
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
                    layers=layers, features=features, vocab=int(config.vocab_size), kind=kind,
-                   kind_settings=kind_settings)
+                   kind_settings=kind_settings, block_size=block_size)
 
     @property
     def drafter_kind(self):
@@ -411,7 +412,7 @@ def plan_for(spec: TargetSpec, setup: MemorySetup, *, draft_layers: int, feature
     """The plan of a drafter of `kind` (its settings `kind_settings`) on the target `spec`."""
     config = spec.config
     drafter = DrafterSizes.from_target(config, layers=draft_layers, features=features, kind=kind,
-                                       kind_settings=kind_settings)
+                                       kind_settings=kind_settings, block_size=setup.block_size)
     return MemoryPlan(target_sizes(config), drafter, setup)
 
 

@@ -221,9 +221,9 @@ def test_the_flop_model_prices_its_parts_as_a_flop_counter_counts_a_step(kind):
         - measure_flops(step, plain)[0]
     rows = blocks.input_ids.numel()
     assert rows == blocks.num_blocks * B > 0
-    assert measured == rows * kind.row_flops(config.hidden_size, 2, B, config.kind_settings, cfg.loss)
+    extra = kind.row_flops(config.hidden_size, 2, B, config.kind_settings, cfg.loss, vocab=target.config.vocab_size)
+    assert measured == rows * extra
     sizes = dict(num_target_layers=max(TAPS) + 1, draft_layers=2, num_features=len(TAPS), block_size=B)
-    extra = kind.row_flops(config.hidden_size, 2, B, config.kind_settings, cfg.loss)
     assert flop_cost_model(target.config, **sizes, extra_row_flops=extra).per_row == \
         flop_cost_model(target.config, **sizes).per_row + extra
 
@@ -232,7 +232,7 @@ def test_the_memory_plan_counts_its_parameters(kind):
     target = tiny_target()
     drafter = kind.network(kind_config(kind, target.config, layers=3, taps=(1, 3, 4)))
     sizes = DrafterSizes.from_target(target.config, layers=3, features=3, kind=kind.name,
-                                     kind_settings=drafter.config.kind_settings)
+                                     kind_settings=drafter.config.kind_settings, block_size=B)
     assert sizes.params == sum(p.numel() for p in drafter.parameters())
     assert sizes.layer_params == sum(p.numel() for p in drafter.layers[0].parameters())
 

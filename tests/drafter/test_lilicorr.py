@@ -1,6 +1,8 @@
-"""The LiLiCorr drafter: its correlator against a plain reference that reads the export by the names vLLM
-0.32 loads, its walk, its objective against a dense reference, its checkpoint and config keys, and
-decoding with it lossless (greedy: the target's tokens; sampled: the target's law, chi-square)."""
+"""What is LiLiCorr's own (the conformance suite, test_kind_conformance.py, covers the rest: export and
+reload, decoding equal to training, lossless greedy and sampled decoding): its correlator against a plain
+reference that reads the export by the names vLLM 0.32 loads, its walk, its objective against a dense
+reference, its config keys, and sampled decoding failing the chi-square test when the walk's draws are
+verified with the backbone's softmax."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.decoding.sampling import Sampler, Sampling
-from dflash.decoding.speculate import greedy_decode, speculative_decode
+from dflash.decoding.speculate import speculative_decode
 from dflash.drafter.kinds import drafter_kind
 from dflash.drafter.kinds.lilicorr import (
     LatticeTerm,
@@ -25,15 +27,14 @@ from dflash.drafter.kinds.lilicorr import (
 from dflash.models import (
     BlockLoss,
     DFlashDrafter,
-    DrafterCache,
     DrafterConfig,
     SharedWeights,
     draw_blocks,
     slot_weights,
 )
 
-from .drafter_helpers import MASK_ID, TAPS, B, make_batch, tiny_target
 from ..decoding.test_speculative_sampling import VOCAB, decode_and_count, tiny  # noqa: F401 (a fixture)
+from .drafter_helpers import MASK_ID, TAPS, B, make_batch, tiny_target
 
 SETTINGS = LiLiCorrSettings(candidate_topk=4, hidden_size=48, num_layers=2, num_heads=4, mlp_ratio=1.5,
                             factor_dim=8, vector_eps=1e-4, logit_scale=6.0)
@@ -256,42 +257,10 @@ def test_the_lattice_term_is_the_dense_objective_with_its_gradients(logprob_grad
     assert any(float(a.abs().sum()) > 0 for a in got)
 
 
-def test_the_walk_reads_the_lattices_path():
-    """The loss's hits are the greedy walk's from each block's anchor: the accepted prefix of `propose`
-    after `draft_hidden` (decoding) equals the leading hits of the packed training forward."""
-    target = tiny_target(4)
-    drafter = tiny_lilicorr(target, seed=4, settings=LiLiCorrSettings(**{**SETTINGS.__dict__, "candidate_topk": 16}))
-    with torch.no_grad():
-        drafter.norm.weight.mul_(0.05)
-    batch = make_batch([16], seed=4)
-    feats = target.features(batch)
-    blocks = draw_blocks(batch, block_size=B, num_anchors=6, mask_token_id=MASK_ID, slot_weights=slot_weights(B, 2.0),
-                         seed=0, epoch=0)
-    loss = BlockLoss(terms=[LatticeTerm(drafter, penalty_weight=0.0)])
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        decoded = []
-        for j in range(blocks.num_blocks):
-            a, anchor = int(blocks.anchors.block_anchor[j]), int(blocks.input_ids[j * B])
-            hidden = drafter.draft_hidden(DrafterCache(drafter, 64), feats[:a], anchor)
-            decoded.append(drafter.propose(hidden, anchor)[0])
-            # the labels (which the forward does not read): the walk's path, wrong from a random slot on
-            wrong = int(torch.randint(0, B, (1,), generator=g))
-            blocks.labels[j] = torch.where(torch.arange(B - 1) < wrong, decoded[-1], (decoded[-1] + 1) % MASK_ID)
-        out = loss(drafter(batch, feats, blocks), blocks, drafter.lm_head)
-        accepted = [int(((path == blocks.labels[j]) & blocks.valid[j]).long().cumprod(0).sum())
-                    for j, path in enumerate(decoded)]
-        assert accepted == out.hits.long().cumprod(1).sum(1).tolist()
-        assert len(set(accepted)) > 2  # blocks accepting different prefixes
-        states = drafter(batch, feats, blocks).view(-1, B, 64)[:, 1:]
-        argmax = drafter.logits(states).argmax(-1)
-        assert any(not torch.equal(p, argmax[j]) for j, p in enumerate(decoded))  # the walk, not the argmax
-
-
-def test_export_writes_vllms_config_keys_and_reloads_strictly(tmp_path):
+def test_export_writes_vllms_config_keys(tmp_path):
     target = tiny_target(5)
     drafter = tiny_lilicorr(target, seed=5)
-    tensors, config = exported(drafter, tmp_path / "d")
+    _, config = exported(drafter, tmp_path / "d")
     assert config["architectures"] == ["LiLiCorrDraftModel"] and "block_size" not in config
     d = config["dflash_config"]
     # every key vLLM 0.32's LiLiCorrHead and LiLiCorr read from dflash_config
@@ -302,17 +271,6 @@ def test_export_writes_vllms_config_keys_and_reloads_strictly(tmp_path):
         "lilicorr_enabled": True, "block_size": B, "conv_kernel_size": 0, "conv_group_size": 0,
         "lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 48, "lilicorr_num_layers": 2, "lilicorr_num_heads": 4,
         "lilicorr_mlp_ratio": 1.5, "lilicorr_factor_dim": 8, "lilicorr_vector_eps": 1e-4, "lilicorr_logit_scale": 6.0}
-    loaded = DFlashDrafter.from_pretrained(tmp_path / "d", target.shared_weights())
-    assert isinstance(loaded, LiLiCorrDrafter) and loaded.config.kind_settings == drafter.config.kind_settings
-    for k, v in drafter.state_dict().items():
-        assert torch.equal(loaded.state_dict()[k], v), k
-    # a tensor short or one too many is refused
-    from safetensors.torch import save_file
-
-    short = {k: v for k, v in tensors.items() if k != "lilicorr.same_slot_bias"}
-    save_file(short, tmp_path / "d" / "model.safetensors")
-    with pytest.raises(ValueError, match="missing.*lilicorr.same_slot_bias"):
-        DFlashDrafter.from_pretrained(tmp_path / "d", target.shared_weights())
 
 
 @pytest.mark.parametrize("change,key", [
@@ -355,9 +313,9 @@ def test_the_flop_model_counts_a_step_as_a_flop_counter_does():
             start, pair = drafter.lilicorr(emb, logp, hidden, anchor, torch.ones(n, dtype=torch.bool))
             (start.sum() + pair.sum()).backward()
         measured = counter.get_total_flops()
-        priced = row_flops(H, 2, B, settings, penalty=False) * n * B
+        priced = row_flops(H, 2, B, settings, penalty=False, logprob_grad=False) * n * B
         assert abs(priced - measured) / measured < 0.02, (priced, measured)
-    assert row_flops(H, 2, B, settings, True) - row_flops(H, 2, B, settings, False) == 2 * S * K * H / B
+    assert row_flops(H, 2, B, settings, True, False) - row_flops(H, 2, B, settings, False, False) == 2 * S * K * H / B
 
 
 def test_released_settings_and_options():
@@ -389,31 +347,10 @@ def tiny_lattice(tiny):  # noqa: F811 (the fixture imported above)
     return hf, randomize(drafter, 9, scale=1.0)
 
 
-def test_lilicorr_greedy_decoding_is_the_targets_own():
-    target = tiny_target(10)
-    drafter = tiny_lilicorr(target, seed=10).eval()
-    hf = target.model
-    for prompt in ([5, 17, 42, 8], [3, 1, 4, 1, 5, 9, 2, 6]):
-        alone = greedy_decode(hf, prompt, max_new_tokens=24, stop_ids=[])
-        spec = speculative_decode(hf, drafter, prompt, max_new_tokens=24, stop_ids=[])
-        assert spec.tokens == alone.tokens
-        assert spec.forwards < alone.forwards + 1
-
-
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_p=0.8), Sampling(1.0, drafts="argmax")],
-                         ids=str)
-def test_lilicorr_speculative_sampling_is_lossless_in_distribution(tiny_lattice, monkeypatch, sampling):
-    """Drafts along the lattice walk, verified with its q over the K candidates (0 elsewhere)."""
-    hf, drafter = tiny_lattice
-    q = torch.cat(decode_and_count(hf, drafter, monkeypatch, sampling, seed=5))
-    torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[0]))
-    assert int((q > 0).sum(-1).max()) <= drafter.lilicorr.top_k
-
-
 def test_the_test_detects_lattice_drafts_verified_with_the_backbones_softmax(tiny_lattice, monkeypatch):
     from dflash.decoding import speculate as speculate_module
 
-    from .test_speculative_sampling import chi_square_p_value, exact_law, outputs
+    from ..decoding.test_speculative_sampling import chi_square_p_value, exact_law, outputs
 
     hf, drafter = tiny_lattice
     sampling = Sampling(1.0)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dflash.drafter.kinds import DrafterKind
-from dflash.options import Option
 from dflash.drafter.kinds.lilicorr.network import (
     NUM_FEATURES,
     LatticeCorrelator,
@@ -23,6 +22,7 @@ from dflash.drafter.kinds.lilicorr.network import (
     lattice_figures,
     walk,
 )
+from dflash.options import Option
 
 PREFIX = "lilicorr_"  # of every setting's dflash_config key
 CONV_KEYS = ("conv_kernel_size", "conv_group_size")  # vLLM: both 0 is the plain drafter built here
@@ -118,7 +118,8 @@ def head_parameters(settings: LiLiCorrSettings, hidden: int, block_size: int) ->
             + linear(3 * h, h) + 3 * linear(h, F_))
 
 
-def row_flops(hidden: int, layers: int, block_size: int, settings: LiLiCorrSettings, penalty: bool = True) -> float:
+def row_flops(hidden: int, layers: int, block_size: int, settings: LiLiCorrSettings, penalty: bool = True,
+              logprob_grad: bool = True, vocab: int = 0) -> float:
     """What a LiLiCorr drafter adds per block row in training, forward and backward.
 
     Per block the lattice holds (B - 1) K positions; each runs the candidate projections (token_proj
@@ -127,11 +128,12 @@ def row_flops(hidden: int, layers: int, block_size: int, settings: LiLiCorrSetti
     (2 L h for the scores, 2 L h for the values), factor_input_proj (3 h^2) and the two factor heads
     (2 h F); per block the anchor's context_proj and anchor_out_head; the pair scores (B - 2) K^2 F.
     Everything is trained and on the gradient's path (3x its multiply-adds x 2) but token_proj, whose
-    input (the target's embeddings) takes no gradient (2x). The penalty reads the
-    target's logits of the candidates, (B - 1) K dot products of H, forward only. Norms, the features
-    and the walk are not counted, nor, with the gradient through the candidates' log-probabilities, the
-    lm_head pass's product of each scored row's softmax with the lm_head (2 V H: this signature has no
-    vocabulary size) and its K-row gather in backward."""
+    input (the target's embeddings) takes no gradient (2x). The context rows are gathered from the
+    backbone's fused context (no FLOPs of their own). With the gradient through the candidates'
+    log-probabilities (`logprob_grad`), each scored row's softmax times the lm_head (2 V H, `vocab`) and
+    its K candidates' rows times their gradients (2 K H). The penalty (`penalty`) reads the target's
+    logits of the candidates, (B - 1) K dot products of H per block, forward only. Norms, the features
+    and the walk are not counted."""
     s = settings
     H, B, K, F_ = hidden, block_size, s.candidate_topk, s.factor_dim
     h = s.hidden_size or H
@@ -143,7 +145,10 @@ def row_flops(hidden: int, layers: int, block_size: int, settings: LiLiCorrSetti
     # the candidates' embeddings are the target's, frozen: token_proj has no input gradient (2x)
     trained = 3 * 2 * per_block + 2 * 2 * lattice * (H * h if h != H else 0)
     target = 2 * lattice * H if penalty else 0
-    return (trained + target) / B
+    # d log p(c) / d h: each scored row's softmax times the lm_head (E_p[W], in the lm_head pass) and the
+    # product of the candidates' gradients with their lm_head rows
+    logprob = 2 * S * (vocab * H + K * H) if logprob_grad else 0
+    return (trained + target + logprob) / B
 
 
 class LiLiCorrKind(DrafterKind):
@@ -168,7 +173,8 @@ class LiLiCorrKind(DrafterKind):
                                         "through the candidates' log-probabilities too (as ModelOpt trains; "
                                         "off: they are detached inputs and a GPU may run the fused head)"),
     }
-    config_keys = ("lilicorr_enabled", *(PREFIX + f.name for f in fields(LiLiCorrSettings)), *CONV_KEYS)
+    # its lilicorr_* keys are ones no DFlash check refuses, and it computes no convolutions (0, as DFlash)
+    config_keys = ()
     # the lattice reads only the top-K and the log-sum-exp where its log-probabilities are detached
     # (--no-lilicorr-logprob-grad); by default it reads the chunk's softmax: the plan prices the plain pass
     fused_head = False
@@ -199,8 +205,26 @@ class LiLiCorrKind(DrafterKind):
         return [LatticeTerm(drafter, o("lilicorr_ce_weight"), o("lilicorr_margin_weight"),
                             o("lilicorr_penalty_weight"), o("lilicorr_margin"), o("lilicorr_logprob_grad"))]
 
-    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options) -> float:
-        return row_flops(hidden, layers, block_size, settings, self.option(loss_options, "lilicorr_penalty_weight") > 0)
+    def small_settings(self, hidden_size: int, vocab_size: int) -> LiLiCorrSettings:
+        """Top-4 candidates (a vocabulary of 4 holds them), a correlator half the drafter's width (so
+        token_proj is built), one layer of 2 heads, factors of 8."""
+        return LiLiCorrSettings(candidate_topk=4, hidden_size=hidden_size // 2, num_layers=1, num_heads=2,
+                                mlp_ratio=2.0, factor_dim=8, vector_eps=1e-4, logit_scale=6.0)
+
+    def term_costs(self, loss_options) -> tuple[list[int], bool]:
+        # as LatticeTerm: the log-sum-exp's exponentials, and the softmax's product with the lm_head
+        # where the gradient reaches the log-probabilities; the penalty reads the target's logits
+        return ([1 + bool(self.option(loss_options, "lilicorr_logprob_grad"))],
+                self.option(loss_options, "lilicorr_penalty_weight") > 0)
+
+    def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options, vocab: int = 0) -> float:
+        # the penalty's target logits ((B - 1) K dot products of H per block, forward only) are left out:
+        # a step without the target's final states skips them, and they are < 1% of the correlator's
+        return row_flops(hidden, layers, block_size, settings, False,
+                         bool(self.option(loss_options, "lilicorr_logprob_grad")), vocab)
+
+    def head_params(self, settings, d) -> int:
+        return head_parameters(settings, d.hidden, d.block_size)
 
 
 KIND = LiLiCorrKind()

@@ -201,12 +201,21 @@ class LiLiCorrDrafter(DFlashDrafter):
         self.lilicorr = LatticeCorrelator(config.hidden_size, config.block_size, config.kind_settings,
                                           config.rms_norm_eps, config.initializer_range)
         self.block_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused: torch.Tensor | None = None
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        fused = super().context(features)
+        self._fused = fused  # the training forward's block anchors are rows of it (`forward`)
+        return fused
 
     def forward(self, batch, features: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         hidden = super().forward(batch, features, blocks)
+        # the context rows before the anchors, gathered from the fused context the backbone ran (no second
+        # fc pass; their gradient joins the context's)
+        fused, self._fused = self._fused, None
         packed, a = to_packed(batch), blocks.anchors
         rows = packed.cu_seqlens[a.block_seq.long()].long() + a.block_anchor.long() - 1
-        self.block_anchors = (self.context(features[rows.clamp_min(0)]), a.block_anchor > 0)
+        self.block_anchors = (fused[rows.clamp_min(0)], a.block_anchor > 0)
         return hidden
 
     @torch.no_grad()
@@ -216,7 +225,9 @@ class LiLiCorrDrafter(DFlashDrafter):
         else:  # nothing new before the anchor (vLLM: anchor_valid false)
             w = self.fc.weight
             self.block_anchors = (w.new_zeros(1, w.shape[0]), torch.zeros(1, dtype=torch.bool, device=w.device))
-        return super().draft_hidden(cache, features, anchor_token)
+        hidden = super().draft_hidden(cache, features, anchor_token)
+        self._fused = None
+        return hidden
 
     def lattice(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_hidden: torch.Tensor,
                 anchor_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -392,11 +403,7 @@ class LatticeTerm(LogitTerm):
         hinge = torch.relu(self.margin - (gold_score - others)) if K > 1 else torch.zeros_like(ce)
         penalty = torch.zeros_like(ce)
         if w_pen:
-            if self._states is None:
-                if torch.is_grad_enabled():
-                    raise ValueError("the lattice penalty needs the target's final states: pass context "
-                                     f"{{'{TARGET_STATES}': ..., '{CU_SEQLENS}': ...}} (see target_context)")
-            else:
+            if self._states is not None:  # without the target's final states it is left out (as DSpark's TV)
                 lm_head = self.drafter.lm_head
                 states = self._states[self._positions].to(lm_head.dtype)  # (n, S, H)
                 z = torch.einsum("nsh,nskh->nsk", states, lm_head[candidates]).float()
