@@ -33,7 +33,7 @@ from dflash.models import (
     slot_weights,
 )
 
-from ..decoding.test_speculative_sampling import VOCAB, decode_and_count, tiny  # noqa: F401 (a fixture)
+from ..decoding.test_speculative_sampling import VOCAB, tiny  # noqa: F401 (a fixture)
 from .drafter_helpers import MASK_ID, TAPS, B, make_batch, tiny_target
 
 SETTINGS = LiLiCorrSettings(candidate_topk=4, hidden_size=48, num_layers=2, num_heads=4, mlp_ratio=1.5,

@@ -226,6 +226,26 @@ class LiLiCorrKind(DrafterKind):
     def head_params(self, settings, d) -> int:
         return head_parameters(settings, d.hidden, d.block_size)
 
+    # The correlator runs in the loss (`LatticeTerm.finish`) over (B - 1) K lattice positions per block;
+    # per position it saves for backward the candidate's embedding (token_proj's input, where the widths
+    # differ), the feature MLP's two activations (2 h), per layer its norms' inputs and outputs, q, k, v,
+    # the attention's output and probabilities over the block's lattice, the MLP's two (7 h + 2 r + heads
+    # L), and the factor path's (the output norm's input and output, the concatenation, the projection
+    # and its SiLU, the two factors and their unit vectors: 7 h + 4 F). Per label row the lm_head pass
+    # keeps the top-K values and ids, the log-sum-exp and the expected lm_head row (float32; counted
+    # whether or not the gradient reaches the log-probabilities).
+    def loss_row_bytes(self, settings, d, setup) -> int:
+        s, B, H = settings, setup.block_size, d.hidden
+        h = s.hidden_size or H
+        lattice = (B - 1) * s.candidate_topk
+        per_position = ((H if h != H else 0) + 2 * h + 7 * h + 4 * s.factor_dim
+                        + s.num_layers * (7 * h + 2 * int(h * s.mlp_ratio) + s.num_heads * lattice))
+        return int(lattice / B * setup.dtype_bytes * per_position)
+
+    def term_row_bytes(self, settings, d, setup) -> int:
+        B = setup.block_size
+        return int((B - 1) / B * (12 * settings.candidate_topk + 4 + 4 * d.hidden))
+
 
 KIND = LiLiCorrKind()
 __all__ = ["KIND", "LatticeCorrelator", "LatticeTerm", "LiLiCorrDrafter", "LiLiCorrKind", "LiLiCorrSettings",

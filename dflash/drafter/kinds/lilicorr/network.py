@@ -222,7 +222,9 @@ class LiLiCorrDrafter(DFlashDrafter):
     def draft_hidden(self, cache, features: torch.Tensor, anchor_token: int) -> torch.Tensor:
         if features.shape[0]:
             self.block_anchors = (self.context(features[-1:]), torch.ones(1, dtype=torch.bool, device=features.device))
-        else:  # nothing new before the anchor (vLLM: anchor_valid false)
+        elif cache.length and self.block_anchors is not None:
+            pass  # no new rows: the row before the anchor is still the cache's last, as kept
+        else:  # nothing before the anchor (vLLM: anchor_valid false)
             w = self.fc.weight
             self.block_anchors = (w.new_zeros(1, w.shape[0]), torch.zeros(1, dtype=torch.bool, device=w.device))
         hidden = super().draft_hidden(cache, features, anchor_token)
