@@ -103,8 +103,8 @@ class DrafterKind:
     # ---- costs: what the kind's own parts add to the DFlash drafter's, for the memory plan
     # (`dflash.sizing.memory`) and the FLOP cost model (`dflash.sizing.flops`), which price the DFlash
     # drafter alone and ask the kind for the rest. `settings`: the drafter's `kind_settings`; `d`: its
-    # `DrafterSizes` (the DFlash drafter's sizes: hidden, heads, head_dim, intermediate, layers, vocab);
-    # `setup`: the run's `MemorySetup` (dtype_bytes, block_size, attention). Bytes and FLOPs count what
+    # `DrafterSizes` (the DFlash drafter's sizes: hidden, heads, head_dim, intermediate, layers, vocab,
+    # block_size); `setup`: the run's `MemorySetup` (dtype_bytes, block_size, attention). Bytes and FLOPs count what
     # the kind's code saves and multiplies; the conformance suite checks them against a measured step.
 
     def layer_params(self, settings, d) -> int:
