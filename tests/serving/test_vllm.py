@@ -113,7 +113,8 @@ def sliding(demo, tmp_path_factory):
                              mask=OTHER_MASK))
     folder = tmp_path_factory.mktemp("sliding") / "drafter"
     drafter.save_pretrained(folder)
-    return drafter, folder, VLLMEngine(TARGET, folder, max_model_len=512, drafts="sampled")
+    with VLLMEngine(TARGET, folder, drafts="sampled") as engine:
+        yield drafter, folder, engine
 
 
 def test_serving_check_of_a_trained_drafter(demo, full):
@@ -205,5 +206,5 @@ def test_refused_on_cpu(demo, tmp_path, kind):
         drafter = make(demo, seed=3, layer_types=[SLIDING, "full_attention"], sliding_window=12)
         reason = "mixed sliding/full dflash drafts"
     drafter.save_pretrained(tmp_path / "drafter")
-    with pytest.raises(UserError, match=f"does not serve .*Model Runner V1 does not support: .*{reason}"):
-        VLLMEngine(TARGET, tmp_path / "drafter", max_model_len=512)
+    with pytest.raises(UserError, match=f"(?s)does not serve .*Model Runner V1 does not support: .*{reason}"):
+        VLLMEngine(TARGET, tmp_path / "drafter")
