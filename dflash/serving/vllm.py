@@ -193,7 +193,13 @@ class VLLMEngine:
                                  seed=None if temperature == 0 else seeds[i], stop_token_ids=list(stop_ids),
                                  skip_special_tokens=False, detokenize=False)
                   for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        if temperature == 0:
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+        else:
+            # one at a time: vLLM 0.32 on the CPU fails a seeded request whose prompt is prefilled in chunks
+            # beside others ("CPU Generator does not use offset", gpu_model_runner.py:3502)
+            outs = [self.llm.generate([r], [q], use_tqdm=False)[0] for r, q in zip(requests, params, strict=True)]
         served = []
         for out in outs:
             completion = out.outputs[0]

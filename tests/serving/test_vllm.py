@@ -135,7 +135,7 @@ def test_serving_check_of_a_trained_drafter(demo, full):
     if not served["steps_differ"]:  # the engine's own counters (Prometheus) count the same steps
         assert theirs["accepted_per_position"] == ours["accepted_per_position"]
         assert theirs["drafts"] == ours["drafts"]
-    assert ours["mean_acceptance_length"] > 1.5  # a drafter that drafts, or the equalities say little
+    assert ours["mean_acceptance_length"] > 1.25  # a drafter that drafts, or the equalities say little
     # the fields it is served with matter on these turns: read otherwise, the steps differ
     assert steps != decode(demo, variant(demo, drafter, is_causal=True), prompts=prompts).turn_accepted
     taps = [t + 1 for t in drafter.config.target_layer_ids]
@@ -162,7 +162,7 @@ def test_sliding_drafter_served_as_decoded(demo, sliding):
     assert after.drafts - before.drafts == theirs.drafts
     assert [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position, strict=True)] == \
         theirs.accepted_per_position
-    assert engine_counts(steps, BLOCK - 1).mean_acceptance_length > 1.5
+    assert engine_counts(steps, BLOCK - 1).mean_acceptance_length > 1.25
     for changes in ({"sliding_window": 1024}, {"is_causal": False}, {"mask_token_id": demo["mask_id"]}):
         assert decode(demo, variant(demo, drafter, **changes)).turn_accepted != steps, changes
 
@@ -184,7 +184,7 @@ def test_sampled_acceptance_matches(demo, sliding):
     (v, v_err), (d, d_err) = figures
     assert [s.tokens for s in out] != report.outputs
     assert abs(v - d) < 3 * (v_err ** 2 + d_err ** 2) ** 0.5, figures
-    assert v > 1.2  # the drafter's drafts are accepted at temperature 1 too
+    assert v > 1.1  # the drafter's drafts are accepted at temperature 1 too
 
 
 @pytest.mark.parametrize("kind", ["dflash2", "mixed sliding/full"])
