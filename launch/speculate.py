@@ -71,6 +71,10 @@ def parse_args(argv=None):
                    "data) to F.jsonl and stop: regenerate them at a temperature (launch/regenerate.py "
                    "--temperature T) and decode them with --prompts, where the walk's tau@T is exact in expectation")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--engine", choices=("vllm",),
+                   help="vllm: also serve the drafter with its target in vLLM (bash launch/install.sh serve) on the "
+                   "same turns and print its spec-decode metrics beside dflash's: mean acceptance length, accepted "
+                   "drafts per position, greedy outputs against the target alone's")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p.parse_args(argv)
@@ -347,12 +351,21 @@ def main(argv=None):
     result = {**report.summary(), "max_new_tokens": limit, "data_temperature": data_temperature}
     if samples and args.max_turns is None:
         result.update(eval_walk(drafter, target, samples, device, limit=limit, stops=stops, sampling=sampling))
+    if args.engine == "vllm":
+        from dflash.serving.vllm import serve_check
+
+        result["served"] = serve_check(spec, drafter_dir, prompts, report, max_new_tokens=limit, stop_ids=stops,
+                                       dtype=str(dtype).removeprefix("torch."), seed=seed)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         describe(result, limit=limit,
                  where=f"{drafter_dir} on {target_path} ({device.type}, {str(dtype).removeprefix('torch.')})")
-    if result["lossless"] is False:
+        if "served" in result:
+            from dflash.serving.vllm import describe as describe_served
+
+            describe_served(result["served"], result["served"]["engine"])
+    if result["lossless"] is False or result.get("served", {}).get("vllm_mismatched_turns"):
         sys.exit(1)
     return result
 
