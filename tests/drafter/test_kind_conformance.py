@@ -35,7 +35,7 @@ from dflash.models import (
     draw_blocks,
     slot_weights,
 )
-from dflash.objective.blocks import block_scorer
+from dflash.objective.blocks import Blocks, block_scorer
 from dflash.partial import OutputLock
 from dflash.sizing.flops import flop_cost_model, measure_flops
 from dflash.sizing.memory import DrafterSizes
@@ -49,7 +49,7 @@ from ..runs import make_conversations, make_tiny_target, read_metrics, tiny_trai
 from ..training.micro_step import planned_and_measured_micro_step
 from . import gated_kind  # noqa: F401 - a kind of one's own, registered by its module
 from .checkpoint_helpers import target_config
-from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
+from .drafter_helpers import MASK_ID, TAPS, B, make_batch, tiny_target
 from .test_serving import DEFAULTS, HOSTILE, sglang_layer, vllm_layer
 
 KINDS = kind_names()  # every kind registered when the tests are collected
@@ -163,7 +163,8 @@ def test_its_objective_trains_every_parameter(kind):
 
 def test_decoding_block_by_block_equals_the_packed_training_forward(kind):
     """Decoding's forward (`draft_hidden`: context rows appended to a cache, one block at a time: every
-    anchor in turn, then decoding's jumps of 1..B positions) gives the training forward's block states, and
+    anchor in turn, then decoding's jumps of 1..B positions) gives the packed training forward's (the
+    network's `forward`) scored rows of each block, and
     decoding's greedy drafts (`draft_block`) are those the training states give."""
     target = tiny_target(3)
     drafter = tiny_drafter(kind, target, seed=3).eval()
@@ -176,7 +177,9 @@ def test_decoding_block_by_block_equals_the_packed_training_forward(kind):
     anchors = Anchors(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
     greedy, rng = Sampler(Sampling(0.0)), np.random.default_rng(0)
     with torch.no_grad():
-        training = run_blocks(drafter, batch, feats, anchors)[:, 1:]
+        # the kind's own training forward (its block layout), rows 1..B-1: what decoding drafts from
+        blocks = Blocks.build(anchors, batch, MASK_ID, slot_weights(B, 2.0))
+        training = drafter(batch, feats, blocks).view(-1, B, drafter.config.hidden_size)[:, 1:]
         for s, n in enumerate(lengths):
             for visit in range(2):
                 cache, a = DrafterCache(drafter, capacity=n), 0
