@@ -83,11 +83,11 @@ def released_settings() -> DSparkSettings:
 
 
 def row_flops(vocab: int, hidden: int, block_size: int, settings: DSparkSettings) -> float:
-    """What a DSpark drafter adds per block row in training, forward and backward, on its B - 1 scored
-    rows: the Markov bias (an r x V product) and its two gradients (the embedding's and markov_w2's),
-    2 r V each; the confidence head's projection forward and its weight's gradient. The embedding is
-    looked up, not multiplied. (The backbone runs B - 1 query rows of a block's B, which this leaves
-    uncounted: the plan stays an upper bound.)"""
+    """What a DSpark drafter's heads add per block row in training, forward and backward, on its B - 1
+    scored rows: the Markov bias (an r x V product) and its two gradients (the embedding's and
+    markov_w2's), 2 r V each; the confidence head's projection forward and its weight's gradient (it reads
+    detached inputs). The embedding is looked up, not multiplied. The backbone's one query row fewer per
+    block (`DSparkKind.query_rows`) is left to the cost model, which prices B rows: an upper bound."""
     r = settings.markov_rank
     confidence = 2 * 2 * (hidden + r) if settings.enable_confidence_head else 0
     return (block_size - 1) / block_size * (3 * 2 * r * vocab + confidence)
@@ -132,6 +132,9 @@ class DSparkKind(DrafterKind):
 
     def read_block_size(self, written: int) -> int:
         return written + 1
+
+    def query_rows(self, block_size: int) -> int:
+        return block_size - 1
 
     def check_settings(self, config) -> None:
         if not isinstance(config.kind_settings, DSparkSettings):
