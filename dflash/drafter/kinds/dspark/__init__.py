@@ -164,7 +164,9 @@ class DSparkKind(DrafterKind):
     # and its gradient's accumulator (2 V r x 4 bytes), and per scored row the embedding and its
     # gradient (2 r x 4) and its CE, TV and hit (12 bytes).
     def head_params(self, settings, d) -> int:
-        return (2 * d.vocab + d.hidden) * settings.markov_rank
+        r = settings.markov_rank
+        confidence = d.hidden + 1 + (r if settings.confidence_head_with_markov else 0)
+        return 2 * d.vocab * r + (confidence if settings.enable_confidence_head else 0)
 
     def loss_row_bytes(self, settings, d, setup) -> int:
         return int((setup.block_size - 1) / setup.block_size * setup.dtype_bytes * 3 * settings.markov_rank)
