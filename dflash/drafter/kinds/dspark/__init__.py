@@ -159,7 +159,7 @@ class DSparkKind(DrafterKind):
     def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options, vocab: int = 0) -> float:
         return row_flops(vocab, hidden, block_size, settings)
 
-    # The low-rank pair of V x r tables and the confidence head (H + r + 1, bounded by H r); per scored row
+    # The low-rank pair of V x r tables and the confidence head's H (+ r) weights and bias; per scored row
     # the Markov embedding, its bias and gradient (3 r). The Markov term holds markov_w2's float32 copy
     # and its gradient's accumulator (2 V r x 4 bytes), and per scored row the embedding and its
     # gradient (2 r x 4) and its CE, TV and hit (12 bytes).
