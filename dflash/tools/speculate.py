@@ -128,7 +128,7 @@ def recorded_target(drafter_dir: Path) -> str:
     from dflash.demo import TARGET
     from dflash.drafter.config import DrafterConfig
     from dflash.drafter.config_format import TARGET_KEY
-    from dflash.models import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     raw = json.loads((drafter_dir / "config.json").read_text())
     record = raw.get(TARGET_KEY)
@@ -218,7 +218,7 @@ def load_models(drafter_dir: Path, spec, dtype_option: str):
     import torch
 
     from dflash.devices import resolve_dtype
-    from dflash.models import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
     from dflash.training.target import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -241,8 +241,8 @@ def eval_walk(drafter, target, samples, device, *, limit: int, stops, sampling) 
     from dflash.decoding.acceptance import walk_samples
     from dflash.decoding.walk_stats import tau_key
     from dflash.drafter.kinds import drafter_kind
-    from dflash.models import BlockLoss, default_gamma, slot_weights
     from dflash.objective.blocks import block_scorer
+    from dflash.objective.loss import BlockLoss, default_gamma, slot_weights
 
     temperatures = (0.0,) if sampling.greedy else (0.0, sampling.temperature)
     B = drafter.block_size
@@ -304,7 +304,7 @@ def main(argv=None):
         prompts_from_samples,
         speculate,
     )
-    from dflash.models import load_target_spec
+    from dflash.target.spec import load_target_spec
 
     drafter_dir = Path(args.drafter)
     if not (drafter_dir / "config.json").is_file():
