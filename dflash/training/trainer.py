@@ -352,6 +352,11 @@ class Trainer:
         if cfg.run.export and turns and self.data.eval_idx.size and self.rank == 0 and whole:
             result["speculate"] = self.evaluator.speculate_heldout(drafter_dir, self.step,
                                                                    self.paths.speculate, turns)
+        if cfg.run.export:
+            k = cfg.drafter.block_size - 1
+            self._say(f"serve it (README, Serve your drafter): vLLM --speculative-config '{{\"method\": \"dflash\", "
+                      f"\"model\": \"{drafter_dir}\", \"num_speculative_tokens\": {k}}}'; served as trained? "
+                      f"python launch/speculate.py --drafter {drafter_dir} --engine vllm")
         self.run_folder.release()
         return result
 

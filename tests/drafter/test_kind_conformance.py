@@ -35,7 +35,7 @@ from dflash.models import (
     draw_blocks,
     slot_weights,
 )
-from dflash.objective.blocks import block_scorer
+from dflash.objective.blocks import Blocks, block_scorer
 from dflash.partial import OutputLock
 from dflash.sizing.flops import flop_cost_model, measure_flops
 from dflash.sizing.memory import DrafterSizes
@@ -49,7 +49,7 @@ from ..runs import make_conversations, make_tiny_target, read_metrics, tiny_trai
 from ..training.micro_step import planned_and_measured_micro_step
 from . import gated_kind  # noqa: F401 - a kind of one's own, registered by its module
 from .checkpoint_helpers import target_config
-from .drafter_helpers import MASK_ID, TAPS, B, make_batch, run_blocks, tiny_target
+from .drafter_helpers import MASK_ID, TAPS, B, make_batch, tiny_target
 from .test_serving import DEFAULTS, HOSTILE, sglang_layer, vllm_layer
 
 KINDS = kind_names()  # every kind registered when the tests are collected
@@ -167,7 +167,8 @@ def test_its_objective_trains_every_parameter(kind):
 
 def test_decoding_block_by_block_equals_the_packed_training_forward(kind):
     """Decoding's forward (`draft_hidden`: context rows appended to a cache, one block at a time: every
-    anchor in turn, then decoding's jumps of 1..B positions) gives the training forward's block states, and
+    anchor in turn, then decoding's jumps of 1..B positions) gives the packed training forward's (the
+    network's `forward`) scored rows of each block, and
     decoding's greedy drafts (`draft_block`) are those the training states give."""
     target = tiny_target(3)
     drafter = tiny_drafter(kind, target, seed=3).eval()
@@ -180,7 +181,9 @@ def test_decoding_block_by_block_equals_the_packed_training_forward(kind):
     anchors = Anchors(torch.tensor(seq, dtype=torch.int32), torch.tensor(anchor, dtype=torch.int32), B, 0)
     greedy, rng = Sampler(Sampling(0.0)), np.random.default_rng(0)
     with torch.no_grad():
-        training = run_blocks(drafter, batch, feats, anchors)[:, 1:]
+        # the kind's own training forward (its block layout), rows 1..B-1: what decoding drafts from
+        blocks = Blocks.build(anchors, batch, MASK_ID, slot_weights(B, 2.0))
+        training = drafter(batch, feats, blocks).view(-1, B, drafter.config.hidden_size)[:, 1:]
         for s, n in enumerate(lengths):
             for visit in range(2):
                 cache, a = DrafterCache(drafter, capacity=n), 0
@@ -206,7 +209,10 @@ def greedy_drafts(drafter, hidden, anchor) -> list[int]:
 
 def test_the_flop_model_prices_its_parts_as_a_flop_counter_counts_a_step(kind):
     """A training step (forward, the run's objective, backward) of the kind's drafter minus the same step of
-    the DFlash drafter of its sizes, under FlopCounterMode, is exactly `row_flops` per block row."""
+    the DFlash drafter of its sizes, under FlopCounterMode, is exactly `row_flops` per block row, once the
+    backbone's own difference is taken out: a kind running fewer query rows than the block's
+    (`DrafterKind.query_rows`) saves their layers and attention, which attends to the sample's context
+    and so is not a per-row cost (the cost model prices the block's B rows: an upper bound)."""
     import dataclasses
 
     target = tiny_target(9)
@@ -221,11 +227,22 @@ def test_the_flop_model_prices_its_parts_as_a_flop_counter_counts_a_step(kind):
         loss = training_loss(cfg.loss, B, drafter)
         loss(drafter(batch, feats, blocks), blocks, drafter.lm_head).loss_sum.backward()
 
+    def backbone(rows):
+        """The DFlash backbone over the first `rows` rows of every block, forward and backward."""
+        a, keep = blocks.anchors, lambda t: t.view(-1, B)[:, :rows].reshape(-1)
+        hidden = plain.block_hidden(feats, keep(blocks.input_ids), keep(blocks.position_ids), batch.position_ids,
+                                    (batch.cu_seqlens, batch.cu_seqlens_cpu),
+                                    Anchors(a.block_seq, a.block_anchor, rows, a.num_skipped))
+        hidden.float().pow(2).sum().backward()
+
     measured = measure_flops(step, randomized(kind.network(config, target.shared_weights())))[0] \
         - measure_flops(step, plain)[0]
+    queries = kind.query_rows(B)
+    if queries != B:
+        measured -= measure_flops(backbone, queries)[0] - measure_flops(backbone, B)[0]
     rows = blocks.input_ids.numel()
     assert rows == blocks.num_blocks * B > 0
-    extra = kind.row_flops(config.hidden_size, 2, B, config.kind_settings, cfg.loss, vocab=target.config.vocab_size)
+    extra = kind.row_flops(config.hidden_size, 2, B, config.kind_settings, cfg.loss, vocab=config.vocab_size)
     assert measured == rows * extra
     sizes = dict(num_target_layers=max(TAPS) + 1, draft_layers=2, num_features=len(TAPS), block_size=B)
     assert flop_cost_model(target.config, **sizes, extra_row_flops=extra).per_row == \

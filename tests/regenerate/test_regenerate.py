@@ -20,9 +20,8 @@ from dflash.regenerate import Generation, HFBackend, RegenerateConfig, load_toke
 from dflash.target.spec import load_target_spec
 
 from .. import preloaded
-from ..conftest import greedy_reference, launch_script, read_jsonl
+from ..conftest import ROOT, greedy_reference, launch_script, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "launch" / "regenerate.py"
 
 

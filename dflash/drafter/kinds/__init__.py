@@ -78,6 +78,11 @@ class DrafterKind:
         whose `block_size` is `written` (a kind whose engines count the block otherwise maps it back)."""
         return written
 
+    def query_rows(self, block_size: int) -> int:
+        """The rows of a block its backbone runs (the DFlash drafter's: all `block_size`; a kind whose
+        anchor is its first prediction runs one fewer)."""
+        return block_size
+
     def check_sizes(self, settings, hidden_size: int, vocab_size: int) -> None:
         """Raise ValueError naming the setting of `settings` that a target of these sizes cannot take."""
 

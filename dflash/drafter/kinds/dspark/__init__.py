@@ -83,11 +83,11 @@ def released_settings() -> DSparkSettings:
 
 
 def row_flops(vocab: int, hidden: int, block_size: int, settings: DSparkSettings) -> float:
-    """What a DSpark drafter adds per block row in training, forward and backward, on its B - 1 scored
-    rows: the Markov bias (an r x V product) and its two gradients (the embedding's and markov_w2's),
-    2 r V each; the confidence head's projection forward and its weight's gradient. The embedding is
-    looked up, not multiplied. (The backbone runs B - 1 query rows of a block's B, which this leaves
-    uncounted: the plan stays an upper bound.)"""
+    """What a DSpark drafter's heads add per block row in training, forward and backward, on its B - 1
+    scored rows: the Markov bias (an r x V product) and its two gradients (the embedding's and
+    markov_w2's), 2 r V each; the confidence head's projection forward and its weight's gradient (it reads
+    detached inputs). The embedding is looked up, not multiplied. The backbone's one query row fewer per
+    block (`DSparkKind.query_rows`) is left to the cost model, which prices B rows: an upper bound."""
     r = settings.markov_rank
     confidence = 2 * 2 * (hidden + r) if settings.enable_confidence_head else 0
     return (block_size - 1) / block_size * (3 * 2 * r * vocab + confidence)
@@ -133,6 +133,9 @@ class DSparkKind(DrafterKind):
     def read_block_size(self, written: int) -> int:
         return written + 1
 
+    def query_rows(self, block_size: int) -> int:
+        return block_size - 1
+
     def check_settings(self, config) -> None:
         if not isinstance(config.kind_settings, DSparkSettings):
             raise ValueError(f"a DSpark drafter needs its settings (DSparkSettings), got {config.kind_settings!r}")
@@ -156,12 +159,14 @@ class DSparkKind(DrafterKind):
     def row_flops(self, hidden: int, layers: int, block_size: int, settings, loss_options, vocab: int = 0) -> float:
         return row_flops(vocab, hidden, block_size, settings)
 
-    # The low-rank pair of V x r tables and the confidence head (H + r + 1, bounded by H r); per scored row
+    # The low-rank pair of V x r tables and the confidence head's H (+ r) weights and bias; per scored row
     # the Markov embedding, its bias and gradient (3 r). The Markov term holds markov_w2's float32 copy
     # and its gradient's accumulator (2 V r x 4 bytes), and per scored row the embedding and its
     # gradient (2 r x 4) and its CE, TV and hit (12 bytes).
     def head_params(self, settings, d) -> int:
-        return (2 * d.vocab + d.hidden) * settings.markov_rank
+        r = settings.markov_rank
+        confidence = d.hidden + 1 + (r if settings.confidence_head_with_markov else 0)
+        return 2 * d.vocab * r + (confidence if settings.enable_confidence_head else 0)
 
     def loss_row_bytes(self, settings, d, setup) -> int:
         return int((setup.block_size - 1) / setup.block_size * setup.dtype_bytes * 3 * settings.markov_rank)

