@@ -471,16 +471,19 @@ def test_prompts_without_target_take_the_drafters_target_or_say_it_is_missing(tm
     and names it (never the demo target's layer-count error)."""
     import shutil
 
-    from dflash.bench_real import ASSETS, HELDOUT
+    from dflash.bench_real import ASSETS, HELDOUT, target_gguf
     from dflash.drafter.config_format import TARGET_KEY
+    from dflash.tools.speculate import recorded_target
 
     from ..conftest import launch_script
 
     cli = launch_script("speculate")
     drafter = shutil.copytree(ASSETS / "drafter", tmp_path / "drafter")
     config = json.loads((drafter / "config.json").read_text())
-    assert config[TARGET_KEY]["name"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
-    config[TARGET_KEY]["name"] = str(tmp_path / "absent.gguf")
+    assert config[TARGET_KEY]["name"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # not a path here: the installed wheel's file is found by its content
+    assert recorded_target(drafter) == str(target_gguf())
+    config[TARGET_KEY].update(name=str(tmp_path / "absent.gguf"), sha256="0" * 64)
     (drafter / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit):
         cli.main(["--drafter", str(drafter), "--prompts", str(HELDOUT)])
