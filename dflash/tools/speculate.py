@@ -138,7 +138,7 @@ def recorded_target(drafter_dir: Path) -> str:
     from dflash.demo import TARGET
     from dflash.drafter.config import DrafterConfig
     from dflash.drafter.config_format import TARGET_KEY
-    from dflash.identity import sha256_file
+    from dflash.identity import target_identity
     from dflash.target.spec import load_target_spec
 
     raw = json.loads((drafter_dir / "config.json").read_text())
@@ -148,7 +148,7 @@ def recorded_target(drafter_dir: Path) -> str:
             if name and Path(name).exists():
                 return name
         real = real_bench_target()  # the real benchmark's drafter names its .gguf, found here by content
-        if real is not None and record.get("sha256") == sha256_file(real):
+        if real is not None and record.get("sha256") == target_identity(real.parent, real.name, str(real))["sha256"]:
             return str(real)
         raise UserError(f"--target is missing: --drafter {drafter_dir} was trained on {record.get('name')} "
                         f"({record.get('model_type')}, {record.get('num_hidden_layers')} layers), which is not here; "
