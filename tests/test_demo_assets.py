@@ -107,6 +107,8 @@ def test_first_batch_of_demo_data_is_reproduced_by_regenerate(tmp_path, data):
     regenerate(cfg, progress=False)
     again = [json.loads(line) for line in Path(cfg.output).read_text(encoding="utf-8").splitlines()]
     assert {a["meta"].pop("source") for a in again} == {str(PROMPTS.resolve())}  # newer than the bundled data
+    for a in again:  # the target's content hash, which regeneration records since (its resume checks it)
+        assert len(a["meta"].pop("target_sha256")) == 64
     # Greedy decoding is exact on one machine; another CPU's float rounding may flip a rare
     # near-tie argmax, so allow one conversation in the batch to differ.
     same = sum(a == b for a, b in zip(again, data[:BUILD_BATCH], strict=True))

@@ -24,7 +24,7 @@ from dflash.distributed.ranks import on_rank0
 from dflash.distributed.run_folder import RunFolder, RunPaths
 from dflash.distributed.shared_fs import check_shared_paths
 from dflash.errors import DiskFull, UserError, allocation_failed
-from dflash.partial import write_json
+from dflash.partial import check_apart, write_json
 from dflash.sizing.fit import accelerator_memory, cuda_allocator, out_of_memory
 from dflash.target.spec import is_random_target, target_folder
 from dflash.training.accumulate import Walked, accumulate_gradients, shape
@@ -175,6 +175,7 @@ class Trainer:
         drafter than the checkpoint's, before anything loads."""
         cfg = self.cfg
         reads = {**input_paths(cfg), "--init-drafter": cfg.drafter.init_drafter, "--features": cfg.inputs.features}
+        check_apart(self.run_folder.path, reads, "--output-dir")  # before the target's files are hashed
 
         def settings_of(options: dict) -> dict:  # a checkpoint of an older dflash: its options, the target by path
             old = cfg.replace(**{k: v for k, v in options.items() if k in OPTIONS})

@@ -455,7 +455,7 @@ def test_a_prompt_past_the_targets_positions_is_refused_before_the_models_load(d
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "hello"}]}) + "\n"
                        + json.dumps({"messages": [{"role": "user", "content": "hello " * positions}]}) + "\n")
-    monkeypatch.setattr(cli, "load_models", lambda *a: pytest.fail("the models load before the check"))
+    monkeypatch.setattr("dflash.tools.speculate.load_models", lambda *a: pytest.fail("the models load before the check"))
     with pytest.raises(SystemExit) as e:
         cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts), "--target", str(TARGET),
                   "--no-progress"])
@@ -510,7 +510,7 @@ def test_a_drafter_of_another_target_is_refused_before_any_weight_loads(tmp_path
     def no_loading(*_):
         raise AssertionError("weights loaded before the configs were compared")
 
-    monkeypatch.setattr(cli, "load_models", no_loading)
+    monkeypatch.setattr("dflash.tools.speculate.load_models", no_loading)
     with pytest.raises(SystemExit):
         cli.main(["--drafter", str(ASSETS / "drafter"), "--prompts", str(HELDOUT), "--target", str(TARGET)])
     err = capsys.readouterr().err

@@ -52,8 +52,12 @@ def test_delta_rule_reference_matches_transformers_chunked_form_per_sample():
     for s, e in _spans(LENGTHS):
         if e == s:
             continue
-        want, _ = torch_chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e], g=decay[None, s:e],
-                                               beta=beta[None, s:e], use_qk_l2norm_in_kernel=True)
+        # key heads repeated for the value heads, as Qwen3.5's layer does before the call (transformers 5.19's
+        # function takes equal heads only)
+        rep = v.shape[-2] // q.shape[-2]
+        qs, ks = (x[None, s:e].repeat_interleave(rep, dim=-2) for x in (q, k))
+        want, _ = torch_chunk_gated_delta_rule(qs, ks, v[None, s:e], g=decay[None, s:e], beta=beta[None, s:e],
+                                               use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(out[s:e], want[0], rtol=1e-4, atol=1e-5)
 
 

@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash launch/install.sh serve; CI installs it)")
 
-from dflash.data.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate  # noqa: E402
-from dflash.data.regenerate.engines import VLLMBackend  # noqa: E402
 from dflash.demo import PROMPTS, TARGET  # noqa: E402
+from dflash.regenerate import HFBackend, RegenerateConfig, load_tokenizer, regenerate  # noqa: E402
+from dflash.regenerate.engines import VLLMBackend  # noqa: E402
 from dflash.target.spec import load_target_spec  # noqa: E402
 
 from ..conftest import read_jsonl  # noqa: E402
