@@ -455,7 +455,8 @@ def test_a_prompt_past_the_targets_positions_is_refused_before_the_models_load(d
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "hello"}]}) + "\n"
                        + json.dumps({"messages": [{"role": "user", "content": "hello " * positions}]}) + "\n")
-    monkeypatch.setattr("dflash.tools.speculate.load_models", lambda *a: pytest.fail("the models load before the check"))
+    monkeypatch.setattr("dflash.tools.speculate.load_models",
+                        lambda *a: pytest.fail("the models load before the check"))
     with pytest.raises(SystemExit) as e:
         cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts), "--target", str(TARGET),
                   "--no-progress"])
