@@ -135,10 +135,9 @@ def test_speculative_sampling_is_lossless_in_distribution(tiny, monkeypatch, sam
     decode_and_count(*tiny, monkeypatch, sampling, seed=2)
 
 
-def test_the_test_detects_dflash2_drafts_verified_with_the_backbones_softmax(tiny2, monkeypatch):
-    """The selector's drafts verified as if they were drawn from the unary softmax at T (the DFlash rule):
-    a different q than the one that drew them, and the output leaves the target's law."""
-    hf, drafter = tiny2
+def outputs_verified_with_the_backbones_softmax(hf, drafter, monkeypatch, seed: int) -> list:
+    """Sampled outputs (T = 1) of a drafter that chooses its drafts (`propose`), verified as if they were drawn
+    from the backbone's unary softmax at T (the DFlash rule): a q other than the one that drew them."""
     sampling = Sampling(1.0)
 
     def backbone_q(drafter, sampler, cache, features, anchor):
@@ -147,8 +146,14 @@ def test_the_test_detects_dflash2_drafts_verified_with_the_backbones_softmax(tin
         return path.tolist(), torch.softmax(drafter.logits(hidden) / sampling.temperature, dim=-1)
 
     monkeypatch.setattr(speculate_module, "draft_block", backbone_q)
-    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=4))
-    assert chi_square_p_value(got, exact_law(hf, sampling)) < 1e-8
+    return outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=seed))
+
+
+def test_the_test_detects_dflash2_drafts_verified_with_the_backbones_softmax(tiny2, monkeypatch):
+    """The selector's drafts verified with the backbone's softmax: the output leaves the target's law."""
+    hf, drafter = tiny2
+    got = outputs_verified_with_the_backbones_softmax(hf, drafter, monkeypatch, seed=4)
+    assert chi_square_p_value(got, exact_law(hf, Sampling(1.0))) < 1e-8
 
 
 def wrong_verify_block(drafts, q, p, generator=None):

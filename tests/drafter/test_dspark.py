@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from dflash.decoding.sampling import Sampling
-from dflash.decoding.speculate import speculative_decode
 from dflash.drafter.kinds import drafter_kind
 from dflash.drafter.kinds.dspark import DSparkDrafter, DSparkSettings, row_flops
 from dflash.models import Anchors, BlockLoss, DFlashDrafter, DrafterConfig, SharedWeights
@@ -300,24 +299,18 @@ def test_the_test_detects_dspark_drafts_verified_without_the_markov_bias(tiny_ds
     """The Markov path's drafts verified as if drawn from the backbone's softmax alone: the output leaves
     the target's law (the chi-square test fails), so the conformance suite's sampling test
     (`test_speculative_sampling_draws_from_the_targets_law`) can fail for a DSpark drafter."""
-    from dflash.decoding import speculate as speculate_module
-
-    from ..decoding.test_speculative_sampling import PROMPT, RUNS, chi_square_p_value, exact_law, outputs
+    from ..decoding.test_speculative_sampling import (
+        PROMPT,
+        RUNS,
+        chi_square_p_value,
+        exact_law,
+        outputs_verified_with_the_backbones_softmax,
+    )
 
     hf, drafter = tiny_dspark_sampler
-    sampling = Sampling(1.0)
-
-    def backbone_q(drafter, sampler, cache, features, anchor):
-        hidden = drafter.draft_hidden(cache, features, anchor)
-        path, _, _ = drafter.propose(hidden, anchor, sampling.temperature, sampler.generator)
-        return path.tolist(), torch.softmax(drafter.logits(hidden) / sampling.temperature, dim=-1)
-
-    monkeypatch.setattr(speculate_module, "draft_block", backbone_q)
-    from dflash.decoding.sampling import Sampler
-
-    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=6))
+    got = outputs_verified_with_the_backbones_softmax(hf, drafter, monkeypatch, seed=6)
     assert len(got) == RUNS and len(PROMPT) == 3
-    assert chi_square_p_value(got, exact_law(hf, sampling)) < 1e-8
+    assert chi_square_p_value(got, exact_law(hf, Sampling(1.0))) < 1e-8
 
 
 @pytest.mark.parametrize("tv,buffers", [(0.9, 1 + 3), (0.0, 1 + 2)])

@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.decoding.sampling import Sampler, Sampling
-from dflash.decoding.speculate import speculative_decode
+from dflash.decoding.sampling import Sampling
 from dflash.drafter.kinds import drafter_kind
 from dflash.drafter.kinds.lilicorr import (
     LatticeTerm,
@@ -348,18 +347,12 @@ def tiny_lattice(tiny):  # noqa: F811 (the fixture imported above)
 
 
 def test_the_test_detects_lattice_drafts_verified_with_the_backbones_softmax(tiny_lattice, monkeypatch):
-    from dflash.decoding import speculate as speculate_module
-
-    from ..decoding.test_speculative_sampling import chi_square_p_value, exact_law, outputs
+    from ..decoding.test_speculative_sampling import (
+        chi_square_p_value,
+        exact_law,
+        outputs_verified_with_the_backbones_softmax,
+    )
 
     hf, drafter = tiny_lattice
-    sampling = Sampling(1.0)
-
-    def backbone_q(drafter, sampler, cache, features, anchor):
-        hidden = drafter.draft_hidden(cache, features, anchor)
-        path, _, _ = drafter.propose(hidden, anchor, sampling.temperature, sampler.generator)
-        return path.tolist(), torch.softmax(drafter.logits(hidden) / sampling.temperature, dim=-1)
-
-    monkeypatch.setattr(speculate_module, "draft_block", backbone_q)
-    got = outputs(lambda *a, **k: speculative_decode(hf, drafter, *a, **k), Sampler(sampling, seed=5))
-    assert chi_square_p_value(got, exact_law(hf, sampling)) < 1e-8
+    got = outputs_verified_with_the_backbones_softmax(hf, drafter, monkeypatch, seed=5)
+    assert chi_square_p_value(got, exact_law(hf, Sampling(1.0))) < 1e-8
