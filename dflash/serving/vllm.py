@@ -389,8 +389,8 @@ def serve_check(spec, drafter_dir: Path, prompts: Sequence[Sequence[int]], repor
     positions = spec.positions
     # speculate.py's limit per turn (`decode_limit`): fewer where the target's positions end
     limits = [min(max_new_tokens, positions - len(p)) if positions else max_new_tokens for p in prompts]
-    # max_model_len: the engine's default, the target's positions. Set just above the longest turn, vLLM
-    # 0.32 accepts otherwise on most demo turns (docs/BENCHMARKS.md, Served in vLLM).
+    # max_model_len: the engine's default, the target's positions (with `repair_cpu_engine`, acceptance
+    # no longer depends on it: docs/BENCHMARKS.md, Served in vLLM)
     with VLLMEngine(engine_folder(spec), drafter_dir, dtype=dtype, seed=seed,
                     drafts="argmax" if sampling.greedy else sampling.drafts) as engine:
         before = engine.counters()
