@@ -6,7 +6,9 @@
 --data is a token store, or conversations (any format launch/train.py takes) tokenized here with the
 target's tokenizer into DIR/tokens (reused while the same). The run that reads the features gives
 the same --target and that token store as --data, and taps the same layers; anything else is
-refused in one line. Disk: (K + 1) x hidden x bytes per token (printed).
+refused in one line. Disk: (K + 1) x hidden x bytes per token (printed). --engine vllm: vLLM's
+offline engine runs the target (the `serve` extra) and writes the same store, of the states it
+serves with (equal to the transformers capture's to fp32 rounding on the CPU).
 
 One capture writes DIR at a time (a second one stops at once); DIR is marked as a capture's
 (.dflash_writer.json), a capture again replaces only the store's own files, and a folder holding

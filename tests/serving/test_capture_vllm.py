@@ -16,7 +16,8 @@ from dflash.tools import capture_features  # noqa: E402
 
 # vLLM taps the input of layer i + 1 for DFlash's layer i; without the + 1, tap 2 would hold tap 1's states
 TAPS = "1,2,4"
-# measured on these conversations: at most 1.03e-6 of the largest magnitude (10% of values bitwise equal)
+# of the largest magnitude; measured on these conversations: 5.8e-7 for the taps, 7.9e-7 for the final states
+# (about 10% of values bitwise equal)
 ROUNDING = 4e-6
 
 
