@@ -99,12 +99,6 @@ class FeatureEngine(VLLMEngine):
             raise UserError(f"--engine vllm: {type(model).__name__} of {target_folder} keeps no final norm, "
                             f"embedding or lm_head where dflash reads them ({e})") from None
 
-    def close(self) -> None:
-        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-        super().close()
-        ensure_kv_transfer_shutdown()  # the next engine in this process makes its own connector
-
     def shared_weights(self, vocab_size: int):
         """The embedding and lm_head (vLLM pads their rows to a multiple of 64: cut to `vocab_size`)."""
         from dflash.target.model import SharedWeights

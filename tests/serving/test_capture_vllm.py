@@ -60,6 +60,11 @@ def test_the_engine_writes_the_store_the_hugging_face_capture_writes(stores):
     # what train.py --features checks: the run's target, data and taps, and each file's size
     load_captured(engine, load_target_spec(TARGET), TokenStore(hf / "tokens"), "cpu", torch.float32,
                   metas[1]["target_layer_ids"])
+    # the engine closed with its connector (its worker shuts the connector down): the next engine in this
+    # process (the other serving tests) starts without one
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+    assert not has_kv_transfer_group()
 
 
 def test_its_features_are_the_hugging_face_capture_s_to_fp32_rounding(stores):
