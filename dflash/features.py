@@ -12,7 +12,10 @@ token of each sample; `shared.safetensors` the embedding and the lm_head the dra
 target's config and the fingerprints of what the features are of: the target
 (`TargetSpec.fingerprint`: by content, `dflash.identity`, whatever path names it), the data (a hash
 of the store's token ids and loss masks) and the tapped layers. A run whose target, data or taps
-differ is refused in one line.
+differ is refused in one line. The meta also names the engine that computed the features:
+transformers, or vLLM (`capture_features.py --engine vllm`, `dflash.serving.vllm_features`), whose
+store is the same but for its features' rounding (fp32 on the CPU: within about 1e-6 of the largest
+value; `tests/serving/test_capture_vllm.py`).
 
 Captured per sample on the packed path, which gives every sample the same bits alone as in any
 packed micro-batch (a row's matmul does not depend on the rows beside it on the CPU; GPU kernels
@@ -54,19 +57,34 @@ def bytes_per_token(num_layers: int, hidden: int, dtype: torch.dtype) -> int:
 
 def capture(target, spec, store, out: Path, *, token_budget: int = 16384, progress: bool = True) -> dict:
     """Write the feature store of `store` (a TokenStore) for `target` (a LoadedTarget) into `out`, in
-    packed micro-batches of consecutive samples up to `token_budget` tokens; the meta goes last (and
-    first goes the old one: an interrupted capture leaves no store that reads as whole). Returns the meta."""
-    from tqdm import tqdm
-
+    packed micro-batches of consecutive samples up to `token_budget` tokens (`write_store`). Returns the meta."""
     from dflash.data.collate import collate
+
+    model = target.model
+    device = model.shared_weights().embed.device
+
+    def features_of(samples: list[int]):
+        return model.features(collate(store, samples, "packed").to(device), with_output=True)
+
+    return write_store(out, spec, store, features_of, taps=list(model.target_layer_ids),
+                       shared=model.shared_weights(), config=target.hf.config.to_dict(), engine="transformers",
+                       token_budget=token_budget, progress=progress)
+
+
+def write_store(out: Path, spec, store, features_of, *, taps: list[int], shared, config: dict, engine: str,
+                token_budget: int = 16384, progress: bool = True) -> dict:
+    """Write the feature store of `store` into `out`: `features_of(samples)` gives the tapped features
+    (tokens, K*H) and final states (tokens, H) of consecutive samples, in packed order, asked for up to
+    `token_budget` tokens at a time; `shared` the embedding and lm_head the drafter borrows, `config`
+    the target's config, `engine` what computed the features. The meta goes last (and first goes the
+    old one: an interrupted capture leaves no store that reads as whole). Returns the meta."""
+    from tqdm import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)
-    model = target.model
-    taps = list(model.target_layer_ids)
-    hidden = int(target.hf.config.hidden_size)
-    weight = model.shared_weights().embed
+    hidden = int(config["hidden_size"])
+    weight = shared.embed
     dtype_name = str(weight.dtype).removeprefix("torch.")
     if dtype_name not in DTYPES:
         raise UserError(f"--dtype: features of a {dtype_name} target cannot be stored (float32, bfloat16, float16)")
@@ -82,8 +100,7 @@ def capture(target, spec, store, out: Path, *, token_budget: int = 16384, progre
         j = i + 1
         while j < len(store) and offsets[j + 1] - offsets[i] <= token_budget:
             j += 1
-        batch = collate(store, list(range(i, j)), "packed").to(weight.device)
-        f, s = model.features(batch, with_output=True)
+        f, s = features_of(list(range(i, j)))
         lo, hi = int(offsets[i]), int(offsets[j])
         features[lo:hi] = _to_numpy(f)
         states[lo:hi] = _to_numpy(s)
@@ -96,7 +113,6 @@ def capture(target, spec, store, out: Path, *, token_budget: int = 16384, progre
     np.save(out / "offsets.npy", offsets)
     from safetensors.torch import save_file
 
-    shared = model.shared_weights()
     tensors = {"embed": shared.embed.detach().cpu().contiguous()}
     if shared.lm_head is not shared.embed:
         tensors["lm_head"] = shared.lm_head.detach().cpu().contiguous()
@@ -105,7 +121,7 @@ def capture(target, spec, store, out: Path, *, token_budget: int = 16384, progre
             "samples": len(store), "tokens": total, "bytes_per_token": bytes_per_token(len(taps), hidden, weight.dtype),
             "target": spec.fingerprint(), "data": {"path": str(Path(store.path).resolve()),
                                                    "sha256": data_fingerprint(store)},
-            "config": target.hf.config.to_dict(), "tied": "lm_head" not in tensors}
+            "config": config, "tied": "lm_head" not in tensors, "engine": engine}
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 

@@ -6,7 +6,9 @@
 --data is a token store, or conversations (any format launch/train.py takes) tokenized here with the
 target's tokenizer into DIR/tokens (reused while the same). The run that reads the features gives
 the same --target and that token store as --data, and taps the same layers; anything else is
-refused in one line. Disk: (K + 1) x hidden x bytes per token (printed).
+refused in one line. Disk: (K + 1) x hidden x bytes per token (printed). --engine vllm: vLLM's
+offline engine runs the target (the `serve` extra) and writes the same store, of the states it
+serves with (equal to the transformers capture's to fp32 rounding on the CPU).
 
 One capture writes DIR at a time (a second one stops at once); DIR is marked as a capture's
 (.dflash_writer.json), a capture again replaces only the store's own files, and a folder holding
@@ -37,6 +39,9 @@ def parse_args(argv=None):
                         "trains in the same")
     p.add_argument("--token-budget", type=number(int, minimum=1), default=16384,
                    help="tokens per captured micro-batch (default: 16384)")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="what runs the target: transformers (default), or vLLM's offline engine (bash "
+                        "launch/install.sh serve), the states it serves with; the same store")
     return p.parse_args(argv)
 
 
@@ -79,7 +84,12 @@ def capture_into(args, taps):
     spec = load_target_spec(args.target)  # one line for a bad --target, before anything loads
     if spec.random:
         raise UserError(f"--target {args.target}: a random target's features are made in memory; nothing to capture")
-    spec.layer_ids(taps, args.num_target_features)  # the taps its config allows, before the weights load
+    layer_ids = spec.layer_ids(taps, args.num_target_features)  # the taps its config allows, before the weights load
+    if args.engine == "vllm":
+        from dflash.serving.vllm import importlib_missing
+
+        if importlib_missing("vllm"):
+            raise UserError("--engine vllm: vLLM is not installed (bash launch/install.sh serve)")
     import torch
 
     from dflash.data.prepare import ensure_store
@@ -103,9 +113,15 @@ def capture_into(args, taps):
         ensure_store(data, tokenizer, store_dir, max_length=args.max_length)
     store = TokenStore(store_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,
-                         num_features=args.num_target_features, mask_token=False)
-    meta = capture(target, spec, store, args.output, token_budget=args.token_budget)
+    if args.engine == "vllm":
+        from dflash.serving.vllm_features import capture as capture_vllm
+
+        meta = capture_vllm(spec, store, args.output, target_layer_ids=layer_ids,
+                            dtype=resolve_dtype(args.dtype, device), token_budget=args.token_budget)
+    else:
+        target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,
+                             num_features=args.num_target_features, mask_token=False)
+        meta = capture(target, spec, store, args.output, token_budget=args.token_budget)
     size = meta["tokens"] * meta["bytes_per_token"]
     print(f"captured {meta['tokens']:,} tokens of {meta['samples']:,} samples at layers {meta['target_layer_ids']} "
           f"({meta['dtype']}): {meta['bytes_per_token']:,} bytes per token, {size / 2**30:.2f} GiB in {args.output}")

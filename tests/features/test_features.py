@@ -135,6 +135,17 @@ def test_capture_refuses_taps_the_target_cannot_give_before_its_weights_load(tmp
     assert capsys.readouterr().err.endswith(f"\nerror: {bad}:2: the conversation has no turns\n")
 
 
+def test_capture_by_vllm_without_vllm_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys):
+    from dflash.serving import vllm
+
+    monkeypatch.setattr(vllm, "importlib_missing", lambda module: True)
+    with pytest.raises(SystemExit):
+        capture_features.main(["--target", str(TARGET), "--data", str(DATA), "--output", str(tmp_path / "features"),
+                               "--engine", "vllm"])
+    assert capsys.readouterr().err == "error: --engine vllm: vLLM is not installed (bash launch/install.sh serve)\n"
+    assert not (tmp_path / "features").exists()
+
+
 def test_features_with_a_conversation_file_as_data_is_refused_before_loading(captured, tmp_path):
     with pytest.raises(UserError, match="--features: reads features captured of a model's token store"):
         train_in_process(tiny_train_args(TARGET, DATA, tmp_path / "run", "--features", captured))
