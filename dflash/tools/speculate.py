@@ -29,6 +29,7 @@ arguments at all: the demo target, runs/demo/drafter and the demo's held-out tur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -308,6 +309,14 @@ def describe(result: dict, *, limit: int, where: str) -> None:
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
+    out = sys.stdout
+    # --json: stdout carries the report alone; what the libraries print (DeepSpeed's accelerator line,
+    # vLLM's engine) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        return _main(args, out)
+
+
+def _main(args, out):
     sampling, seed = sampling_options(args)
 
     from dflash.data.generation import regeneration_limit, regeneration_temperature, stop_ids
@@ -371,7 +380,7 @@ def main(argv=None):
         result["served"] = serve_check(spec, drafter_dir, prompts, report, max_new_tokens=limit, stop_ids=stops,
                                        dtype=str(dtype).removeprefix("torch."), seed=seed)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2), file=out)
     else:
         describe(result, limit=limit,
                  where=f"{drafter_dir} on {target_path} ({device.type}, {str(dtype).removeprefix('torch.')})")
