@@ -148,7 +148,12 @@ def speculative_config(drafter_dir: Path, drafts: str = "argmax") -> dict:
     block = config.get("block_size", (config.get("dflash_config") or {}).get("block_size"))
     if block is None:
         raise UserError(f"{drafter_dir}/config.json: no block_size (top level or dflash_config)")
-    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": int(block) - 1,
+    if "Qwen3DSparkModel" in (config.get("architectures") or []):
+        # vLLM's own DSpark speculator; its block_size counts the drafts (the anchor is the first prediction)
+        method, count = "dspark", int(block)
+    else:  # DFlash and the kinds vLLM serves through its DFlash speculator (DFlash2, LiLiCorr)
+        method, count = "dflash", int(block) - 1
+    return {"method": method, "model": str(drafter_dir), "num_speculative_tokens": count,
             "draft_sample_method": "probabilistic" if drafts == "sampled" else "greedy"}
 
 

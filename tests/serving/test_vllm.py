@@ -25,7 +25,7 @@ from dflash.decoding.speculate import prompts_from_conversations, speculate, spe
 from dflash.demo import DATA, TARGET  # noqa: E402
 from dflash.drafter.config_format import SLIDING  # noqa: E402
 from dflash.models import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash.serving.vllm import VLLMEngine, engine_counts, ratio_stderr  # noqa: E402
+from dflash.serving.vllm import VLLMEngine, engine_counts, ratio_stderr, speculative_config  # noqa: E402
 
 from ..conftest import launch_script  # noqa: E402
 from ..demo_turns import LIMIT, fit  # noqa: E402
@@ -221,24 +221,29 @@ def test_cpu_engine_faults_found_and_repaired():
     assert expanded.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.3, 1.3])
 
 
-@pytest.mark.parametrize("kind", ["dflash2", "mixed sliding/full"])
-def test_refused_on_cpu(demo, tmp_path, kind):
+@pytest.mark.parametrize("kind, reason", [("dflash2", "DFlash candidate-head drafts"),
+                                          ("lilicorr", "DFlash candidate-head drafts"),
+                                          ("dspark", "dspark speculative decoding"),
+                                          ("mixed sliding/full", "mixed sliding/full dflash drafts")])
+def test_refused_on_cpu(demo, tmp_path, kind, reason):
     """vLLM's V1 model runner (the CPU's) refuses what only its V2 runner serves, saying why in one line
-    (before any weight loads)."""
-    from dflash.drafter.kinds.dflash2 import DFlash2Drafter, DFlash2Settings
+    (before any weight loads): every kind but DFlash, and DFlash drafters mixing sliding and full layers.
+    A DSpark export is served with vLLM's `dspark` method (its own speculator), the others with `dflash`."""
+    from dflash.drafter.kinds import drafter_kind
     from dflash.errors import UserError
 
     shared = demo["target"].shared_weights()
-    if kind == "dflash2":
-        config = DrafterConfig.from_target(
-            demo["hf"].config, mask_token_id=demo["mask_id"], block_size=BLOCK, draft_layers=1,
-            target_layer_ids=demo["target"].target_layer_ids, vocab_size=demo["target"].num_embedding_rows,
-            layer_types=[SLIDING], sliding_window=64, is_causal=False, kind="dflash2",
-            kind_settings=DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4))
-        drafter, reason = DFlash2Drafter(config, shared, attention_backend="torch"), "DFlash candidate-head drafts"
-    else:
+    if kind == "mixed sliding/full":
         drafter = make(demo, seed=3, layer_types=[SLIDING, "full_attention"], sliding_window=12)
-        reason = "mixed sliding/full dflash drafts"
+    else:
+        hf = demo["hf"].config
+        spec = drafter_kind(kind)
+        config = DrafterConfig.from_target(
+            hf, mask_token_id=demo["mask_id"], block_size=BLOCK, draft_layers=1,
+            target_layer_ids=demo["target"].target_layer_ids, vocab_size=demo["target"].num_embedding_rows,
+            kind=kind, kind_settings=spec.small_settings(hf.hidden_size, demo["target"].num_embedding_rows))
+        drafter = spec.network(config, shared, attention_backend="torch")
     drafter.save_pretrained(tmp_path / "drafter")
+    assert speculative_config(tmp_path / "drafter")["method"] == ("dspark" if kind == "dspark" else "dflash")
     with pytest.raises(UserError, match=f"(?s)does not serve .*Model Runner V1 does not support: .*{reason}"):
         VLLMEngine(TARGET, tmp_path / "drafter")
