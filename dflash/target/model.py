@@ -21,6 +21,7 @@ import functools
 import inspect
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from torch import nn
 
 from dflash.data.batch import PackedBatch, PaddedBatch
 from dflash.errors import UserError
-from dflash.target.spec import SUPPORTED_MODEL_TYPES
+from dflash.target.spec import SUPPORTED_MODEL_TYPES, gguf_config
 from dflash.target.taps import DEFAULT_NUM_TARGET_FEATURES, check_target_layer_ids, default_target_layer_ids
 
 
@@ -353,7 +354,11 @@ def load_language_model(path, dtype: torch.dtype, device=None, gguf_file: str | 
 
     path = str(path)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(path, **extra)
+    if gguf_file:  # its config as the spec read it, given to transformers: each reading parses all its metadata
+        config = gguf_config(Path(path), gguf_file, "--target", str(Path(path) / gguf_file))
+        extra["config"] = config
+    else:
+        config = AutoConfig.from_pretrained(path)
     text = config.get_text_config(decoder=True)
     if text is config:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)

@@ -211,28 +211,27 @@ def check_family(model_type: str, where: str) -> None:
                         f"{', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
-def _gguf_config(folder: Path, gguf_file: str, flag: str, name: str):
+def gguf_config(folder: Path, gguf_file: str, flag: str, name: str):
     """The config of a .gguf file (read once per process and file version: transformers parses all
-    of its metadata, the tokenizer's too, seconds for a 49K vocabulary)."""
-    stat = (folder / gguf_file).stat()
-    config = _read_gguf_config(str((folder / gguf_file).resolve()), stat.st_size, stat.st_mtime_ns, flag, name)
-    return copy.deepcopy(config)
-
-
-@functools.lru_cache(maxsize=4)
-def _read_gguf_config(path: str, size: int, mtime_ns: int, flag: str, name: str):
-    from transformers import AutoConfig
-
-    folder, gguf_file = Path(path).parent, Path(path).name
+    of its metadata, the tokenizer's too, seconds for a 49K vocabulary; the target's load reuses it)."""
+    path = folder / gguf_file
+    stat = path.stat()
     try:
-        config = AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
+        config = _read_gguf_config(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     except ImportError as e:  # the `gguf` package reads the file
         raise UserError(f"{flag} {name}: reading a .gguf file needs the gguf package (pip install gguf): {e}") \
             from None
     except Exception as e:  # noqa: BLE001  a foreign file's reader raises what it meets (struct.error, ...)
-        raise UserError(f"{flag} {name}: cannot read {folder / gguf_file} as a GGUF model ({e})") from None
+        raise UserError(f"{flag} {name}: cannot read {path} as a GGUF model ({e})") from None
     check_family(config.model_type, f"{flag} {name}")
-    return config
+    return copy.deepcopy(config)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_config(path: str, size: int, mtime_ns: int):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
 
 
 def hub_snapshot(repo_id: str, flag: str = "--target") -> Path:
@@ -315,5 +314,5 @@ def load_target_spec(target: str | Path, flag: str = "--target", *, bare_presets
                             "Face model folder, a .gguf file or a Hub id") from None
         raise
     if gguf_file:
-        return TargetSpec(name, _gguf_config(folder, gguf_file, flag, name), folder, False, gguf_file)
+        return TargetSpec(name, gguf_config(folder, gguf_file, flag, name), folder, False, gguf_file)
     return TargetSpec(name, _folder_config(folder, flag, name), folder, False)

@@ -127,6 +127,11 @@ def engine_for(module: torch.nn.Module, ds_config: dict, optim: Optim, total_ste
             # start (16 s of a 36-s 2-rank launch on 2 cores) for the same arithmetic, unfused; a CPU
             # run compiles nothing else unless --attention-backend flex, so dynamo is off for the process
             torch._dynamo.config.disable = True
+            # its AdamW half torch's, the same update: DeepSpeed's default there, FusedAdam, is a C++ op a CPU
+            # rank builds at its first use (minutes of compiling on 2 cores, ninja in ~/.cache/torch_extensions)
+            section = ds_config["optimizer"]
+            ds_config = {**ds_config, "optimizer": {**section, "params": {**section.get("params", {}),
+                                                                          "torch_adam": True}}}
     elif offloads_optimizer(ds_config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

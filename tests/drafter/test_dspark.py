@@ -308,8 +308,9 @@ def test_the_test_detects_dspark_drafts_verified_without_the_markov_bias(tiny_ds
     )
 
     hf, drafter = tiny_dspark_sampler
-    got = outputs_verified_with_the_backbones_softmax(hf, drafter, monkeypatch, seed=6)
-    assert len(got) == RUNS and len(PROMPT) == 3
+    # a quarter of the sampling test's outputs: p ~ 1e-90 with these (0 in float64 with all RUNS)
+    got = outputs_verified_with_the_backbones_softmax(hf, drafter, monkeypatch, seed=6, runs=RUNS // 4)
+    assert len(got) == RUNS // 4 and len(PROMPT) == 3
     assert chi_square_p_value(got, exact_law(hf, Sampling(1.0))) < 1e-8
 
 

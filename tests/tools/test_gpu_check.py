@@ -71,6 +71,13 @@ def test_gpu_check_dry_run(tmp_path):
     check_e2e(e2e, out / "e2e_runs")
     check_memory(json.loads((out / "memory.json").read_text()))
     check_dflash2(json.loads((out / "dflash2.json").read_text()), e2e, out / "dflash2_runs")
+    from dflash.drafter.kinds import BUILT_IN, DEFAULT, drafter_kind
+
+    for kind in (drafter_kind(name) for name in BUILT_IN if name != DEFAULT):  # at their small sizes
+        small = out / f"{kind.name}_runs" / "small_drafter"
+        config = json.loads((small / "config.json").read_text())
+        assert json.loads((out / f"{kind.name}.json").read_text())["options"][-4:-2] == ["--init-drafter", str(small)]
+        assert kind.read_settings(config) == kind.small_settings(config["hidden_size"], config["vocab_size"])
 
 
 # the default recipe, as the README gives it: the slot-weighted cross-entropy with AdamW

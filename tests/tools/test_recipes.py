@@ -115,9 +115,15 @@ def test_muon_defaults_and_the_deepspeed_configs_it_refuses():
 
 
 @pytest.mark.slow
-def test_muon_steps_are_deepspeeds_muon_under_every_zero_stage_on_two_ranks():
-    proc = run_deepspeed(["1,2,3"], script=ROOT / "tests" / "training" / "muon_script.py")
+def test_muon_steps_are_deepspeeds_muon_under_every_zero_stage_on_two_ranks(tmp_path):
+    """Three steps of --optimizer muon under each ZeRO stage are a plain reference's (muon_script.py), and
+    CPU ranks build no DeepSpeed op for them (its AdamW half is torch's: FusedAdam's C++ op took minutes of
+    compiling at a CPU rank's first Muon step)."""
+    extensions = tmp_path / "torch_extensions"
+    proc = run_deepspeed(["1,2,3"], script=ROOT / "tests" / "training" / "muon_script.py",
+                         env={"TORCH_EXTENSIONS_DIR": str(extensions)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not extensions.exists() or list(extensions.rglob("*")) == [], list(extensions.rglob("*"))
     for stage in (1, 2, 3):
         matrix, norm = map(float, proc.stdout.split(f"MUON_MAX_ERR[{stage}]=")[1].split()[:2])
         assert matrix < 2e-3 and norm < 1e-4, (stage, matrix, norm)

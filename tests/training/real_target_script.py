@@ -11,6 +11,8 @@ import torch
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
 out, data = Path(args[0]), args[1]
 
+import gguf as gguf_package  # noqa: E402
+
 from dflash.bench_real import target_gguf  # noqa: E402
 from dflash.data.tokenizing import tokenize_conversation  # noqa: E402
 from dflash.decoding.speculate import speculate  # noqa: E402
@@ -21,6 +23,10 @@ from dflash.training.config import load_config  # noqa: E402
 from dflash.training.data import chat_data  # noqa: E402
 from dflash.training.models import load_train_target  # noqa: E402
 from dflash.training.trainer import Trainer  # noqa: E402
+
+# every parse of the .gguf's metadata (its 49K-token vocabulary: seconds each), counted
+parses, parse = [], gguf_package.GGUFReader.__init__
+gguf_package.GGUFReader.__init__ = lambda self, *a, **k: (parses.append(a[:1]), parse(self, *a, **k))[1]
 
 init_distributed()
 torch.set_num_threads(1)
@@ -35,7 +41,7 @@ target = load_train_target(spec, torch.device("cpu"), torch.float32, cfg.drafter
 report = {"layers": spec.num_layers, "vocab": spec.embedding_rows, "rows": target.model.num_embedding_rows,
           "tied": target.model.shared_weights().embed is target.model.shared_weights().lm_head,
           "mask_id": target.mask_id, "mask_token_id": target.tokenizer.convert_tokens_to_ids("<empty_output>"),
-          "taps": list(target.model.target_layer_ids)}
+          "taps": list(target.model.target_layer_ids), "gguf_parses": len(parses)}
 
 # the default system prompt is rendered, and never supervised
 messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."}]

@@ -49,6 +49,8 @@ def test_the_real_target_trains_exports_and_decodes_losslessly(tmp_path):
     # no spare row: the mask is a token the vocabulary has, never one appended past the embedding
     assert r["mask_id"] == r["mask_token_id"] < 49152
     assert r["taps"] == default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    # the spec's config (the load reuses it), the tokenizer, the weights: each parse reads the whole vocabulary
+    assert r["gguf_parses"] == 3, r["gguf_parses"]
     assert r["system_rendered"] and "SmolLM" not in r["supervised"] and r["supervised"].startswith("2 + 3 = 5.")
     assert r["taps_rel_err"] < 1e-5, r
     assert r["taps_bitwise_beside_another"]  # what a feature store captured is what a packed run computes
