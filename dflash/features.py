@@ -13,7 +13,7 @@ target's config and the fingerprints of what the features are of: the target
 (`TargetSpec.fingerprint`: by content, `dflash.identity`, whatever path names it), the data (a hash
 of the store's token ids and loss masks) and the tapped layers. A run whose target, data or taps
 differ is refused in one line. The meta also names the engine that computed the features:
-transformers, or vLLM (`capture_features.py --engine vllm`, `dflash.serving.vllm_features`), whose
+transformers, or vLLM (`capture_features.py --engine vllm`: `dflash.serving.vllm_features`), whose
 store is the same but for its features' rounding (fp32 on the CPU: within about 1e-6 of the largest
 value; `tests/serving/test_capture_vllm.py`).
 

@@ -125,29 +125,3 @@ class FeatureEngine(VLLMEngine):
         last = rows[:, -1].to(self.embed.weight.device)  # layer N, the last of self.layers
         return features, self.norm(last).cpu()
 
-
-def capture(spec, store, out, *, target_layer_ids, dtype: torch.dtype, token_budget: int = 16384,
-            progress: bool = True) -> dict:
-    """`dflash.features.capture` with the features computed by vLLM: the same store of `store` (a
-    TokenStore) for the target of `spec`, tapped at `target_layer_ids`, in `dtype`. Returns the meta."""
-    import vllm
-
-    from dflash.features import write_store
-    from dflash.serving.vllm import engine_folder
-
-    if not spec.gguf_file:
-        from dflash.folders import check_target_folder
-
-        check_target_folder(spec.folder)  # config.json there, each weight file whole: one line, not vLLM's trace
-    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    engine = FeatureEngine(engine_folder(spec), target_layer_ids, spec.num_layers,
-                           max_model_len=int(max(store.lengths, default=1)) + 1, dtype=names[dtype])
-    with engine:
-        def features_of(samples: list[int]):
-            return engine.features([store[i][0] for i in samples])
-
-        # the config as transformers loads it in this dtype (the Hugging Face capture's meta)
-        config = spec.config.to_dict() | {"dtype": names[dtype]}
-        return write_store(out, spec, store, features_of, taps=list(target_layer_ids),
-                           shared=engine.shared_weights(spec.embedding_rows), config=config,
-                           engine=f"vllm {vllm.__version__}", token_budget=token_budget, progress=progress)

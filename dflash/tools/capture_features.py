@@ -55,6 +55,36 @@ def store_entry(name: str) -> bool:
     return name in (META, "features.bin", "states.bin", "offsets.npy", "shared.safetensors", "tokens")
 
 
+def capture_with_vllm(spec, store, out, *, target_layer_ids, dtype, token_budget: int = 16384,
+                      progress: bool = True) -> dict:
+    """`dflash.features.capture` with the features computed by vLLM: the same store of `store` (a
+    TokenStore) for the target of `spec`, tapped at `target_layer_ids`, in `dtype` (a torch dtype). Returns
+    the meta. Here, not in `dflash.serving`: the store's writer is of a room above it."""
+    import torch
+    import vllm
+
+    from dflash.features import write_store
+    from dflash.serving.vllm import engine_folder
+    from dflash.serving.vllm_features import FeatureEngine
+
+    if not spec.gguf_file:
+        from dflash.folders import check_target_folder
+
+        check_target_folder(spec.folder)  # config.json there, each weight file whole: one line, not vLLM's trace
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    engine = FeatureEngine(engine_folder(spec), target_layer_ids, spec.num_layers,
+                           max_model_len=int(max(store.lengths, default=1)) + 1, dtype=names[dtype])
+    with engine:
+        def features_of(samples: list[int]):
+            return engine.features([store[i][0] for i in samples])
+
+        # the config as transformers loads it in this dtype (the Hugging Face capture's meta)
+        config = spec.config.to_dict() | {"dtype": names[dtype]}
+        return write_store(out, spec, store, features_of, taps=list(target_layer_ids),
+                           shared=engine.shared_weights(spec.embedding_rows), config=config,
+                           engine=f"vllm {vllm.__version__}", token_budget=token_budget, progress=progress)
+
+
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(argv)
@@ -114,9 +144,7 @@ def capture_into(args, taps):
     store = TokenStore(store_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.engine == "vllm":
-        from dflash.serving.vllm_features import capture as capture_vllm
-
-        meta = capture_vllm(spec, store, args.output, target_layer_ids=layer_ids,
+        meta = capture_with_vllm(spec, store, args.output, target_layer_ids=layer_ids,
                             dtype=resolve_dtype(args.dtype, device), token_budget=args.token_budget)
     else:
         target = load_target(spec, device, resolve_dtype(args.dtype, device), target_layer_ids=taps,
