@@ -29,6 +29,7 @@ from dflash.serving.vllm import VLLMEngine, engine_counts, ratio_stderr, specula
 
 from ..conftest import launch_script  # noqa: E402
 from ..demo_turns import LIMIT, fit  # noqa: E402
+from ..runs import train_one_rank  # noqa: E402
 
 BLOCK = 8
 TAPS = [0, 2, 4]  # not the demo's default taps: vLLM adds 1 to each, which must land on the same layers
@@ -100,11 +101,15 @@ def decode(demo, drafter, sampling=None, prompts=None, seed=0):
 
 @pytest.fixture(scope="module")
 def full(demo, tmp_path_factory):
-    """Non-causal, full-attention layers, the demo's mask token and default taps: fitted and exported."""
-    drafter = fit(demo, make(demo, seed=1))
-    folder = tmp_path_factory.mktemp("full") / "drafter"
-    drafter.save_pretrained(folder)
-    return drafter, folder
+    """Non-causal, full-attention layers, the demo's mask token and default taps: trained by
+    `launch/train.py` (the demo's settings, block BLOCK, 10 steps), exported, and loaded back."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    done = train_one_rank("--output-dir", str(out), "--max-steps", "10", "--block-size", str(BLOCK),
+                          "--speculate-turns", "0", "--eval-every", "0", "--eval-temperatures", "0", "--no-progress")
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder = out / "drafter"
+    drafter = DFlashDrafter.from_pretrained(folder, demo["target"].shared_weights(), attention_backend="torch")
+    return drafter.eval(), folder
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +125,9 @@ def sliding(demo, tmp_path_factory):
 
 
 def test_serving_check_of_a_trained_drafter(demo, full):
-    """The README's serving check, `launch/speculate.py --engine vllm`, on the demo conversations the drafter
-    was fitted to: vLLM's outputs are the target alone's, each turn's verify steps accept what dflash's
-    accept, and the engine's own counters (its Prometheus metrics) say so per draft position."""
+    """The README's serving check, `launch/speculate.py --engine vllm`, on a drafter `launch/train.py` trained,
+    on demo conversations it was trained on: vLLM's outputs are the target alone's, each turn's verify steps
+    accept what dflash's accept, and the engine's own counters (its Prometheus metrics) say so per draft position."""
     drafter, folder = full
     result = launch_script("speculate").main(["--drafter", str(folder), "--prompts", str(DATA), "--target",
                                               str(TARGET), "--max-turns", "8", "--max-new-tokens", str(LIMIT),
