@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.drafter.kinds import kind_of_architectures
 from dflash.errors import UserError
 
 # What the engine is told unless the environment says otherwise (`cpu_environment`).
@@ -148,11 +149,13 @@ def speculative_config(drafter_dir: Path, drafts: str = "argmax") -> dict:
     block = config.get("block_size", (config.get("dflash_config") or {}).get("block_size"))
     if block is None:
         raise UserError(f"{drafter_dir}/config.json: no block_size (top level or dflash_config)")
-    if "Qwen3DSparkModel" in (config.get("architectures") or []):
-        # vLLM's own DSpark speculator; its block_size counts the drafts (the anchor is the first prediction)
-        method, count = "dspark", int(block)
-    else:  # DFlash and the kinds vLLM serves through its DFlash speculator (DFlash2, LiLiCorr)
-        method, count = "dflash", int(block) - 1
+    try:
+        kind = kind_of_architectures(config.get("architectures"))
+    except ValueError as e:
+        raise UserError(f"{drafter_dir}/config.json: {e}") from None
+    # the engine drafts every slot after the anchor (a kind whose anchor is its first prediction
+    # writes the drafts alone as its block_size: `read_block_size` maps it back)
+    method, count = kind.vllm_method, kind.read_block_size(int(block)) - 1
     return {"method": method, "model": str(drafter_dir), "num_speculative_tokens": count,
             "draft_sample_method": "probabilistic" if drafts == "sampled" else "greedy"}
 

@@ -268,8 +268,8 @@ def stage_kinds(out: Path, cfg: dict, deadline: float) -> bool:
 def small_drafter(train_cfg, folder: Path) -> Path:
     """A new drafter of `train_cfg`'s kind and layers on its target, with the kind's small settings
     (`DrafterKind.small_settings`), saved in `folder` for --init-drafter: the dry run's tiny target
-    trains it in a second where the released sizes are Qwen3-8B's (LiLiCorr's 1024-wide correlator over
-    the demo target's 128 takes 25 s a step on a CPU, 0.4 s at its small sizes)."""
+    trains it in a second where a kind's released sizes are Qwen3-8B's (a 1024-wide head over the demo
+    target's 128 took 25 s a step on a CPU, 0.4 s at its small sizes)."""
     import torch
 
     from dflash.drafter.config import DrafterConfig

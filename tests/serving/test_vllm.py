@@ -234,7 +234,8 @@ def test_cpu_engine_faults_found_and_repaired():
 def test_refused_on_cpu(demo, tmp_path, kind, reason):
     """vLLM's V1 model runner (the CPU's) refuses what only its V2 runner serves, saying why in one line
     (before any weight loads): every kind but DFlash, and DFlash drafters mixing sliding and full layers.
-    A DSpark export is served with vLLM's `dspark` method (its own speculator), the others with `dflash`."""
+    A DSpark export is served with vLLM's `dspark` method (its own speculator), the others with `dflash`,
+    each drafting the block's slots after the anchor."""
     from dflash.drafter.kinds import drafter_kind
     from dflash.errors import UserError
 
@@ -250,6 +251,8 @@ def test_refused_on_cpu(demo, tmp_path, kind, reason):
             kind=kind, kind_settings=spec.small_settings(hf.hidden_size, demo["target"].num_embedding_rows))
         drafter = spec.network(config, shared, attention_backend="torch")
     drafter.save_pretrained(tmp_path / "drafter")
-    assert speculative_config(tmp_path / "drafter")["method"] == ("dspark" if kind == "dspark" else "dflash")
+    served = speculative_config(tmp_path / "drafter")
+    assert served["method"] == ("dspark" if kind == "dspark" else "dflash")
+    assert served["num_speculative_tokens"] == BLOCK - 1  # every slot after the anchor, whatever config.json writes
     with pytest.raises(UserError, match=f"(?s)does not serve .*Model Runner V1 does not support: .*{reason}"):
         VLLMEngine(TARGET, tmp_path / "drafter")

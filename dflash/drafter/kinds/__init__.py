@@ -48,6 +48,8 @@ class DrafterKind:
     # its own terms read only a chunk's top-K and gold logits: alone, they run the fused head on a GPU
     # (`dflash.objective.loss.fused_head`), which keeps the chunk's logits in the compute dtype alone
     fused_head = False
+    # vLLM's `speculative_config` method that serves it (vLLM 0.32: DFlash2 and LiLiCorr through "dflash")
+    vllm_method = "dflash"
 
     network: type  # the module a config of this kind builds (`DFlashDrafter` or a subclass)
 

@@ -110,6 +110,7 @@ class DSparkKind(DrafterKind):
                                            "cross-entropy against 1 - TV", (lambda v: v >= 0, "must be >= 0")),
     }
     config_keys = ()  # its keys are top-level ones no DFlash check refuses
+    vllm_method = "dspark"  # vLLM's own DSpark speculator (qwen3_dspark.py)
 
     network = DSparkDrafter
 
