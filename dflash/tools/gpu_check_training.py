@@ -272,21 +272,15 @@ def small_drafter(train_cfg, folder: Path) -> Path:
     target's 128 took 25 s a step on a CPU, 0.4 s at its small sizes)."""
     import torch
 
-    from dflash.drafter.config import DrafterConfig
     from dflash.drafter.kinds import drafter_kind
-    from dflash.drafter.network import drafter_class
-    from dflash.training.models import drafter_kind_settings
+    from dflash.training.models import new_drafter
 
     target, d = shared_target(train_cfg), train_cfg.drafter
-    kind, rows = drafter_kind(d.drafter_kind), target.model.num_embedding_rows
-    settings = kind.small_settings(target.hf.config.get_text_config().hidden_size, rows)
-    config = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id, block_size=d.block_size,
-                                       draft_layers=d.draft_layers, target_layer_ids=target.model.target_layer_ids,
-                                       vocab_size=rows, layer_types=d.drafter_layer_types,
-                                       sliding_window=d.sliding_window or None,
-                                       **drafter_kind_settings(kind, settings))
+    kind = drafter_kind(d.drafter_kind)
+    settings = kind.small_settings(target.hf.config.get_text_config().hidden_size, target.model.num_embedding_rows)
     torch.manual_seed(train_cfg.run.seed)
-    drafter_class(config)(config, target.model.shared_weights()).save_pretrained(folder)
+    new_drafter(target, kind, settings, block_size=d.block_size, draft_layers=d.draft_layers,
+                layer_types=d.drafter_layer_types, sliding_window=d.sliding_window).save_pretrained(folder)
     return folder
 
 

@@ -75,6 +75,21 @@ def init_drafter(folder: str, target: LoadedTarget, options: dict):
     return drafter
 
 
+def new_drafter(target: LoadedTarget, kind, kind_settings, *, block_size: int, draft_layers: int, layer_types,
+                sliding_window: int, **options):
+    """A new drafter of `kind` (by name or resolved) with `kind_settings` (None: as released) on `target`,
+    lent its embedding; `options` go to the network (attention_backend, activation_checkpointing)."""
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.network import drafter_class
+
+    config = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id, block_size=block_size,
+                                       draft_layers=draft_layers, target_layer_ids=target.model.target_layer_ids,
+                                       vocab_size=target.model.num_embedding_rows, layer_types=layer_types,
+                                       sliding_window=sliding_window or None,
+                                       **drafter_kind_settings(kind, kind_settings))
+    return drafter_class(config)(config, target.model.shared_weights(), **options)
+
+
 def drafter_kind_settings(kind: str | DrafterKind, settings=None) -> dict:
     """`DrafterConfig.from_target` arguments of a new drafter of `kind` (by name, or the run's
     resolved kind) with its `settings` (`RunPlan.kind_settings`; None: the kind's released ones), its
@@ -158,8 +173,6 @@ class Models:
     def __init__(self, settings, loss: Loss, optim: Optim, target: LoadedTarget, ds_config: dict, *,
                  total_steps: int, device):
         """`settings`: the run plan's `ModelSettings` (the drafter to build)."""
-        from dflash.drafter.config import DrafterConfig
-        from dflash.drafter.network import drafter_class
         from dflash.training.ds_config import zero_stage
 
         self.target = target
@@ -169,14 +182,9 @@ class Models:
         if s.init_drafter:
             self.drafter = init_drafter(s.init_drafter, target, options)
         else:
-            dcfg = DrafterConfig.from_target(target.hf.config, mask_token_id=target.mask_id,
-                                             block_size=s.block_size, draft_layers=s.draft_layers,
-                                             target_layer_ids=target.model.target_layer_ids,
-                                             vocab_size=target.model.num_embedding_rows,
-                                             layer_types=s.drafter_layer_types,
-                                             sliding_window=s.sliding_window or None,
-                                             **drafter_kind_settings(s.kind, s.kind_settings))
-            self.drafter = drafter_class(dcfg)(dcfg, target.model.shared_weights(), **options)
+            self.drafter = new_drafter(target, s.kind, s.kind_settings, block_size=s.block_size,
+                                       draft_layers=s.draft_layers, layer_types=s.drafter_layer_types,
+                                       sliding_window=s.sliding_window, **options)
         # the objective: hidden states + blocks -> loss sum and metrics; held out: what recipes are compared by
         self.loss = training_loss(loss, s.block_size, self.drafter, terms=s.terms, kind=s.kind)
         self.eval_loss = training_loss(loss, s.block_size, self.drafter, recipe=False, kind=s.kind)
